@@ -1,0 +1,76 @@
+"""Contracts shared by every drafter: the batch it trains on and the frozen target parts it borrows."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TypedDict
+
+import torch
+from torch import nn
+
+
+class DraftBatch(TypedDict, total=False):
+    """One micro-batch as the training loop hands it to `drafter(batch)`.
+
+    Offline batches come from feature shards; online batches get `hidden` from the target inside
+    the step (or, for drafters with `consumes == "tokens"`, carry tokens only).
+    """
+
+    input_ids: torch.Tensor  # (B, T) int64
+    loss_mask: torch.Tensor  # (B, T) float32, 1 on assistant tokens (the tokens to be predicted)
+    attention_mask: torch.Tensor  # (B, T) int64, 1 on real tokens, 0 on padding
+    position_ids: torch.Tensor  # (B, T) int64, restarts at 0 at every packed sample
+    hidden: torch.Tensor  # (B, T, n_stored, d) target hidden states at the stored layers
+
+
+@dataclass
+class TargetParts:
+    """The frozen pieces of the target a drafter reuses (never trained, never exported by default).
+
+    `config` is the target's transformers config (hidden_size, vocab_size, rope, heads...);
+    `stored_layers` lists the hidden-state indices present in `DraftBatch.hidden`, in order.
+    """
+
+    config: object
+    embed_tokens: nn.Embedding
+    lm_head: nn.Linear
+    stored_layers: list[int]
+
+    def layer_slot(self, layer: int) -> int:
+        """Position of hidden-state index `layer` in `DraftBatch.hidden`'s third axis."""
+        if layer not in self.stored_layers:
+            raise ValueError(f"hidden-state layer {layer} not among stored layers {self.stored_layers}")
+        return self.stored_layers.index(layer)
+
+
+def segment_ids(position_ids: torch.Tensor) -> torch.Tensor:
+    """(B, T) id of the packed sample each token belongs to (a new sample starts at position 0)."""
+    return torch.cumsum((position_ids == 0).long(), dim=-1)
+
+
+def shifted_valid(batch: DraftBatch, shift: int) -> torch.Tensor:
+    """(B, T) bool: position t has a target token at t+shift in the same sample, and it is a loss token.
+
+    This is the mask every drafter loss uses: predicting token t+shift from position t.
+    """
+    mask = batch["loss_mask"]
+    B, T = mask.shape
+    out = torch.zeros(B, T, dtype=torch.bool, device=mask.device)
+    if shift >= T:
+        return out
+    seg = segment_ids(batch["position_ids"])
+    real = batch["attention_mask"].bool()
+    same = (seg[:, shift:] == seg[:, :-shift]) & real[:, shift:] & real[:, :-shift]
+    out[:, :-shift] = same & (mask[:, shift:] > 0)
+    return out
+
+
+DrafterOutput = dict[str, torch.Tensor]
+"""What `drafter(batch)` returns: `"loss"` (scalar; per-token losses summed over the batch and divided
+by the batch's number of loss tokens, `loss_mask.sum()`, so the loop can renormalise exactly across
+micro-batches and processes) plus scalar metrics (means over the batch), e.g. `"acc@1/head1"`."""
+
+
+def num_loss_tokens(batch: DraftBatch) -> torch.Tensor:
+    """The normaliser every drafter loss uses: number of loss (assistant) tokens in the batch, at least 1."""
+    return batch["loss_mask"].sum().clamp_min(1.0)

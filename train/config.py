@@ -1,0 +1,401 @@
+"""Recipe schema: YAML -> typed, validated dataclasses.
+
+    recipe = load_recipe("recipes/tiny/eagle2.yaml", overrides=["train.lr=1e-3"])
+
+A recipe has seven sections: `target`, `data`, `drafter`, `train`, `eval`, `export`, `logging`.
+Every section is a dataclass below (the drafter section is the config class of the chosen method,
+from `models.DRAFTERS`). Unknown keys, wrong types and impossible values fail at load time with
+one line naming the key and the file (`RecipeError`). This is the one module every stage imports.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from models import DRAFTERS
+
+
+class RecipeError(ValueError):
+    """A recipe that cannot be used; the message names the file and the key."""
+
+
+# --------------------------------------------------------------------------------------------
+# Sections
+
+
+@dataclass
+class TargetConfig:
+    """The frozen target model."""
+
+    path: str | None = None
+    """HF model directory (or hub id where a hub is reachable). Exactly one of path / random_init."""
+    random_init: dict[str, Any] | None = None
+    """A transformers config as a dict (must contain `model_type`) for a randomly initialised target."""
+    tokenizer: str | None = None
+    """Tokenizer directory; defaults to `path`. Required with `random_init`."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    seed: int = 0
+    """Seed for `random_init` weights."""
+    trust_remote_code: bool = False
+    attn_implementation: str = "sdpa"
+
+    def validate(self, err) -> None:
+        if (self.path is None) == (self.random_init is None):
+            err("target", "set exactly one of target.path and target.random_init")
+        if self.random_init is not None:
+            if "model_type" not in self.random_init:
+                err("target.random_init", "needs a model_type (e.g. llama, qwen2, mistral)")
+            if self.tokenizer is None:
+                err("target.tokenizer", "is required when target.random_init is used")
+
+    @property
+    def num_layers(self) -> int | None:
+        """Number of decoder layers when known without loading (random_init); else None."""
+        return None if self.random_init is None else self.random_init.get("num_hidden_layers")
+
+
+@dataclass
+class DataConfig:
+    """Conversations in, token data and feature shards out."""
+
+    train_files: list[str] = field(default_factory=list)
+    """JSONL files: ShareGPT (`conversations`), OpenAI (`messages`) or plain (`prompt` + `completion`)."""
+    hf_dataset: str | None = None
+    """Alternatively a `datasets` source (name or local path), with hf_split."""
+    hf_split: str = "train"
+    format: Literal["auto", "sharegpt", "openai", "plain"] = "auto"
+    max_len: int = 2048
+    skip_malformed: bool = False
+    """Skip (and count) malformed records instead of failing on the first one."""
+    max_samples: int | None = None
+    layers: list[int] = field(default_factory=lambda: [-1])
+    """Hidden-state indices to store (HF convention: 0 = embeddings, i = layer i output, -1 = final norm)."""
+    features_dir: str | None = None
+    """Feature shard directory (written by `data.extract`, read by offline training)."""
+    storage_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    shard_tokens: int = 1 << 20
+    """Tokens per shard (a shard closes at the first sample boundary past this)."""
+    extract_batch_tokens: int = 8192
+    heldout_fraction: float = 0.02
+    verify_checksums: bool = False
+
+    def validate(self, err) -> None:
+        if not self.train_files and self.hf_dataset is None:
+            err("data.train_files", "no dataset: set data.train_files or data.hf_dataset")
+        if self.max_len < 2:
+            err("data.max_len", f"must be >= 2, got {self.max_len}")
+        if not self.layers:
+            err("data.layers", "must list at least one hidden-state index")
+        if len(set(self.layers)) != len(self.layers):
+            err("data.layers", f"has duplicates: {self.layers}")
+        if not 0.0 <= self.heldout_fraction < 1.0:
+            err("data.heldout_fraction", f"must be in [0, 1), got {self.heldout_fraction}")
+        if self.shard_tokens < 1 or self.extract_batch_tokens < 1:
+            err("data.shard_tokens", "shard_tokens and extract_batch_tokens must be positive")
+
+
+@dataclass
+class TrainConfig:
+    """The one training loop (train/loop.py)."""
+
+    output_dir: str = "runs/default"
+    online: bool = False
+    """Run the target inside the step on token data instead of reading feature shards."""
+    seed: int = 0
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    warmup_steps: int = 0
+    max_steps: int = 100
+    batch_size: int = 8
+    """Samples per micro-batch per process."""
+    grad_accum: int = 1
+    clip_grad_norm: float | None = 1.0
+    mixed_precision: Literal["no", "bf16", "fp16"] = "no"
+    packing: bool = False
+    eval_every: int = 0
+    """Held-out evaluation every N optimizer steps (0 = only at the end)."""
+    eval_batches: int = 8
+    save_every: int = 0
+    """Checkpoint every N optimizer steps (0 = only at the end)."""
+    keep_checkpoints: int = 2
+    log_every: int = 10
+    head_lr_mult: float = 1.0
+    """Learning-rate multiplier for parameters the drafter marks as heads (Medusa-2 default 4)."""
+
+    def validate(self, err) -> None:
+        for key in ("max_steps", "batch_size", "grad_accum", "log_every", "keep_checkpoints"):
+            if getattr(self, key) < 1:
+                err(f"train.{key}", f"must be >= 1, got {getattr(self, key)}")
+        if self.lr <= 0:
+            err("train.lr", f"must be > 0, got {self.lr}")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            err("train.betas", f"must be two numbers in [0, 1), got {self.betas}")
+        if self.warmup_steps < 0 or self.warmup_steps > self.max_steps:
+            err("train.warmup_steps", f"must be in [0, max_steps={self.max_steps}], got {self.warmup_steps}")
+        if self.clip_grad_norm is not None and self.clip_grad_norm <= 0:
+            err("train.clip_grad_norm", f"must be > 0 or null, got {self.clip_grad_norm}")
+        if self.head_lr_mult <= 0:
+            err("train.head_lr_mult", f"must be > 0, got {self.head_lr_mult}")
+
+
+@dataclass
+class EvalConfig:
+    """Acceptance-length evaluation (eval/__main__.py)."""
+
+    drafter: str | None = None
+    """Exported drafter directory (train.export output); defaults to <train.output_dir>/export."""
+    prompts: str | None = None
+    """JSONL prompts (chat or plain)."""
+    output_dir: str | None = None
+    max_prompts: int | None = None
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    acceptance: Literal["exact", "typical"] = "exact"
+    """`exact`: greedy / lossless rejection sampling; `typical`: Medusa typical acceptance (lossy)."""
+    typical_epsilon: float = 0.09
+    typical_delta: float = 0.3
+    tree: str = "auto"
+    """Tree shape: `auto`, `chain`, `medusa63`, `calibrated`, `dynamic`."""
+    tree_depth: int = 5
+    tree_top_k: int = 10
+    tree_total_tokens: int = 60
+    kernels: Literal["triton", "reference"] = "triton"
+    baselines: list[str] = field(default_factory=lambda: ["plain", "prompt_lookup"])
+    seed: int = 0
+
+    def validate(self, err) -> None:
+        if self.max_new_tokens < 1:
+            err("eval.max_new_tokens", f"must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            err("eval.temperature", f"must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            err("eval.top_p", f"must be in (0, 1], got {self.top_p}")
+        if self.tree_depth < 1 or self.tree_top_k < 1 or self.tree_total_tokens < 2:
+            err("eval.tree_depth", "tree_depth and tree_top_k must be >= 1, tree_total_tokens >= 2")
+        if self.acceptance == "typical" and self.temperature == 0:
+            err("eval.acceptance", "typical acceptance needs temperature > 0 (greedy is already exact)")
+
+
+@dataclass
+class ExportConfig:
+    format: Literal["native", "eagle", "speculators", "sglang", "medusa"] = "native"
+    out: str | None = None
+    """Defaults to <train.output_dir>/export."""
+    include_target_weights: bool = False
+    """Copy frozen target tensors (embeddings, lm_head) into the drafter file."""
+
+
+@dataclass
+class LoggingConfig:
+    tracker: Literal["none", "wandb", "tensorboard"] = "none"
+    project: str = "specdraft"
+    run_name: str | None = None
+
+
+@dataclass
+class Recipe:
+    target: TargetConfig
+    data: DataConfig
+    drafter: Any
+    """The method's config dataclass (models.DRAFTERS[method][0]); has a `method` field."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    source: str = "<memory>"
+    """File the recipe was loaded from (not a YAML key)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out.pop("source")
+        return out
+
+    def save(self, path: str | Path) -> None:
+        """Write the resolved recipe (YAML) next to an output."""
+        Path(path).write_text(f"# resolved from {self.source}\n" + yaml.safe_dump(self.to_dict(), sort_keys=False))
+
+    def section_hash(self, *sections: str) -> str:
+        """Stable hash of some sections, used to refuse reusing outputs built from other settings."""
+        blob = json.dumps({s: self.to_dict()[s] for s in sections}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+SECTIONS: dict[str, type] = {
+    "target": TargetConfig,
+    "data": DataConfig,
+    "train": TrainConfig,
+    "eval": EvalConfig,
+    "export": ExportConfig,
+    "logging": LoggingConfig,
+}
+
+
+# --------------------------------------------------------------------------------------------
+# Generic typed construction
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(value: Any, tp: Any, key: str, err) -> Any:
+    """Check `value` against annotation `tp`; return it (ints are accepted for floats)."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, key, _raise_plain)
+            except _Mismatch:
+                continue
+        err(key, f"expected {' | '.join(_type_name(a) for a in args)}, got {type(value).__name__} {value!r}")
+    if origin is Literal:
+        if value not in args:
+            err(key, f"must be one of {list(args)}, got {value!r}")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            err(key, f"expected a list, got {type(value).__name__} {value!r}")
+        return [_coerce(v, args[0], f"{key}[{i}]", err) for i, v in enumerate(value)] if args else value
+    if origin is dict:
+        if not isinstance(value, dict):
+            err(key, f"expected a mapping, got {type(value).__name__} {value!r}")
+        return value
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp in (int, float, str, bool):
+        if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
+            err(key, f"expected {tp.__name__}, got {type(value).__name__} {value!r}")
+        return value
+    if dataclasses.is_dataclass(tp):
+        return build_dataclass(tp, value, key, err)
+    raise TypeError(f"unsupported annotation {tp!r} for {key}")
+
+
+class _Mismatch(Exception):
+    pass
+
+
+def _raise_plain(key: str, msg: str) -> typing.NoReturn:
+    raise _Mismatch(msg)
+
+
+def build_dataclass(cls: type, raw: Any, prefix: str, err) -> Any:
+    """Build dataclass `cls` from a mapping, checking keys and types; then run its `validate`."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        err(prefix, f"expected a mapping, got {type(raw).__name__}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(raw) - set(fields))
+    if unknown:
+        err(f"{prefix}.{unknown[0]}", f"unknown key (known: {', '.join(sorted(fields))})")
+    kwargs = {}
+    for name, value in raw.items():
+        kwargs[name] = _coerce(value, hints[name], f"{prefix}.{name}", err)
+    missing = [
+        n for n, f in fields.items()
+        if n not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
+    if missing:
+        err(f"{prefix}.{missing[0]}", "is required")
+    obj = cls(**kwargs)
+    if hasattr(obj, "validate"):
+        obj.validate(err)
+    return obj
+
+
+# --------------------------------------------------------------------------------------------
+# Loading
+
+
+def _parse_override(item: str, source: str) -> tuple[list[str], Any]:
+    if "=" not in item:
+        raise RecipeError(f"{source}: override {item!r} must look like section.key=value")
+    key, text = item.split("=", 1)
+    return key.strip().split("."), yaml.safe_load(text) if text != "" else None
+
+
+def apply_overrides(raw: dict, overrides: list[str], source: str) -> dict:
+    for item in overrides:
+        path, value = _parse_override(item, source)
+        node = raw
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise RecipeError(f"{source}: override {item!r}: {part} is not a section")
+        node[path[-1]] = value
+    return raw
+
+
+def recipe_from_dict(raw: dict, source: str = "<memory>") -> Recipe:
+    """Validate a raw mapping into a Recipe; errors name `source` and the key."""
+
+    def err(key: str, msg: str) -> typing.NoReturn:
+        raise RecipeError(f"{source}: {key}: {msg}")
+
+    if not isinstance(raw, dict):
+        err("<top>", "a recipe must be a mapping of sections")
+    unknown = sorted(set(raw) - set(SECTIONS) - {"drafter"})
+    if unknown:
+        err(unknown[0], f"unknown section (known: drafter, {', '.join(SECTIONS)})")
+    for required in ("target", "data", "drafter"):
+        if required not in raw:
+            err(required, "section is required")
+    sections = {name: build_dataclass(cls, raw.get(name), name, err) for name, cls in SECTIONS.items()}
+    drafter_raw = raw["drafter"]
+    if not isinstance(drafter_raw, dict) or "method" not in drafter_raw:
+        err("drafter.method", f"is required (one of {sorted(DRAFTERS)})")
+    method = drafter_raw["method"]
+    if method not in DRAFTERS:
+        err("drafter.method", f"unknown method {method!r} (known: {sorted(DRAFTERS)})")
+    drafter = build_dataclass(DRAFTERS[method][0], drafter_raw, "drafter", err)
+    recipe = Recipe(drafter=drafter, source=source, **sections)
+    _check_cross_section(recipe, err)
+    return recipe
+
+
+def _check_cross_section(recipe: Recipe, err) -> None:
+    """Constraints that span sections: layers in range, drafter needs vs stored features."""
+    n_layers = recipe.target.num_layers
+    if n_layers is not None:
+        for i, layer in enumerate(recipe.data.layers):
+            if not -1 <= layer <= n_layers:
+                err(f"data.layers[{i}]", f"layer {layer} out of range for a {n_layers}-layer target (-1..{n_layers})")
+    needed = getattr(recipe.drafter, "feature_layers", [-1])
+    for layer in needed:
+        if layer not in recipe.data.layers and not recipe.train.online:
+            err("drafter.feature_layers", f"layer {layer} is not stored in data.layers={recipe.data.layers}")
+    if hasattr(recipe.drafter, "check_recipe"):
+        recipe.drafter.check_recipe(recipe, err)
+
+
+def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
+    """Load, override and validate a YAML recipe."""
+    path = Path(path)
+    source = str(path)
+    if not path.is_file():
+        raise RecipeError(f"{source}: no such recipe file")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise RecipeError(f"{source}: not valid YAML: {exc}".splitlines()[0]) from None
+    return recipe_from_dict(apply_overrides(raw, overrides or [], source), source)
