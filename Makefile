@@ -28,7 +28,7 @@ test: install lint
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest
 
 demo: install
-	$(BIN)/python -m eval.demo
+	$(BIN)/python recipes/pocket/demo.py
 
 clean:
 	rm -rf runs artifacts/demo
