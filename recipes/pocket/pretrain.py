@@ -10,7 +10,7 @@
 Every document is `<|bos|> text <|eos|>`; a split's documents are concatenated into one token
 stream and training samples are random windows of `seq_len + 1` tokens (drawn from a generator
 seeded by `seed + step`, so a resumed run sees the same batches). AdamW, linear warm-up then
-cosine decay. A checkpoint (`save_pretrained` + optimizer/scheduler state) is written every
+cosine decay, bf16 autocast. A checkpoint (`save_pretrained` + optimizer/scheduler state) is written every
 `save_every` steps; `--resume` continues from it. At the end the model is exported in bf16 to
 `export_dir` (next to the tokenizer) with `training_stats.json`.
 """
@@ -51,6 +51,7 @@ class PretrainConfig:
     save_every: int = 50
     seed: int = 0
     threads: int = 2
+    mixed_precision: str = "bf16"  # autocast; ~1.9x faster than fp32 on avx512_bf16 CPUs
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> "PretrainConfig":
@@ -167,7 +168,7 @@ def main() -> None:
     if args.export_only:
         return export(cfg, checkpoint)
 
-    accelerator = Accelerator()
+    accelerator = Accelerator(mixed_precision=cfg.mixed_precision)
     train_stream, valid_stream = token_stream(cfg, "train"), token_stream(cfg, "valid")
     model = build_model(cfg) if not args.resume else LlamaForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
     decay = [p for p in model.parameters() if p.dim() >= 2]
