@@ -1,0 +1,233 @@
+"""The frozen target model: loading, identity, and hidden-state capture at chosen layers.
+
+    target = load_target(random_init={"model_type": "llama", ...}, tokenizer="recipes/pocket/target")
+    hidden = target.hidden_states(input_ids, attention_mask, layers=[-1])  # (B, T, 1, d)
+
+Hidden-state indices follow HF's `output_hidden_states` convention: 0 = embeddings (the input of
+decoder layer 0), i = output of decoder layer i (the input of layer i, 0-based), -1 (or L) = the
+output of the final norm, i.e. what lm_head reads. They are captured with hooks on the requested
+layers only; the forward stops right after the last needed one and never computes the vocab
+projection. Works for any HF causal LM whose base model exposes `embed_tokens`, `layers` and
+`norm` (Llama, Qwen2, Mistral and most decoder-only families).
+
+This module imports nothing of ours so it stays a pure model module.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
+
+from models.common import TargetParts
+
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# Config keys that change with the transformers version or the loading call, not with the model.
+_VOLATILE_CONFIG_KEYS = {
+    "transformers_version",
+    "_name_or_path",
+    "name_or_path",
+    "dtype",
+    "torch_dtype",
+    "_attn_implementation",
+    "_attn_implementation_autoset",
+    "_attn_implementation_internal",
+    "attn_implementation",
+    "_commit_hash",
+    "use_cache",
+    "architectures",
+}
+# Elements of each parameter hashed into the weights fingerprint: cheap, yet tells fine-tunes apart.
+_FINGERPRINT_ELEMENTS = 256
+
+
+class _StopForward(Exception):
+    """Raised by the last needed hook to skip the rest of the forward."""
+
+
+@dataclass
+class Target:
+    """A frozen HF causal LM with what drafters and extraction need from it."""
+
+    model: PreTrainedModel
+    tokenizer: object | None
+    name: str
+
+    @property
+    def config(self) -> PretrainedConfig:
+        return self.model.config
+
+    @property
+    def base(self) -> nn.Module:
+        """The decoder stack without the vocab projection (`model.model` for Llama-like models)."""
+        return self.model.base_model
+
+    @property
+    def embed_tokens(self) -> nn.Embedding:
+        return self.model.get_input_embeddings()
+
+    @property
+    def lm_head(self) -> nn.Linear:
+        return self.model.get_output_embeddings()
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.base.layers)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    def identity(self) -> dict:
+        """What makes two targets produce the same features; recorded in feature manifests.
+
+        `name` is informational (a moved directory is the same target); the other fields are compared.
+        """
+        config = {k: v for k, v in self.config.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}
+        config_blob = json.dumps(config, sort_keys=True, default=str).encode()
+        return {
+            "name": self.name,
+            "model_type": self.config.model_type,
+            "num_layers": self.num_layers,
+            "hidden_size": self.hidden_size,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "config_sha256": hashlib.sha256(config_blob).hexdigest(),
+            "weights_sha256": self._weights_fingerprint(),
+        }
+
+    def _weights_fingerprint(self) -> str:
+        """sha256 over the first elements of every parameter (full hashing of 16 GB would take minutes)."""
+        digest = hashlib.sha256()
+        for name, tensor in sorted(self.model.state_dict().items()):
+            head = tensor.detach().reshape(-1)[:_FINGERPRINT_ELEMENTS].float().cpu()
+            digest.update(name.encode())
+            digest.update(head.numpy().tobytes())
+        return digest.hexdigest()
+
+    def parts(self, stored_layers: list[int]) -> TargetParts:
+        """The frozen pieces a drafter borrows, with the hidden-state indices its batches carry."""
+        for layer in stored_layers:
+            self._check_layer(layer)
+        return TargetParts(self.config, self.embed_tokens, self.lm_head, list(stored_layers))
+
+    def _check_layer(self, layer: int) -> int:
+        """Validate an HF hidden-state index; return it in 0..L (L = after the final norm)."""
+        L = self.num_layers
+        if not -1 <= layer <= L:
+            raise ValueError(f"hidden-state index {layer} out of range for a {L}-layer target (-1..{L})")
+        return L if layer == -1 else layer
+
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        *,
+        layers: list[int],
+    ) -> torch.Tensor:
+        """(B, T, len(layers), d) hidden states at HF indices `layers`, in that order.
+
+        Index i < L is the input of decoder layer i (for i = 0 the embeddings, for i > 0 the output
+        of layer i - 1, exactly what `output_hidden_states[i]` holds); index L or -1 is the output of
+        the final norm. The forward raises out of the hook of the deepest requested index, so
+        layers past it and lm_head never run.
+        """
+        wanted = [self._check_layer(layer) for layer in layers]
+        deepest = max(wanted)
+        L = self.num_layers
+        captured: dict[int, torch.Tensor] = {}
+
+        def grab(index: int, hidden: torch.Tensor) -> None:
+            captured[index] = hidden
+            if index == deepest:
+                raise _StopForward
+
+        handles = []
+        for index in sorted(set(wanted)):
+            if index < L:
+                hook = lambda module, args, kwargs, i=index: grab(i, args[0] if args else kwargs["hidden_states"])
+                handles.append(self.base.layers[index].register_forward_pre_hook(hook, with_kwargs=True))
+            else:
+                hook = lambda module, args, output: grab(L, output[0] if isinstance(output, tuple) else output)
+                handles.append(self.base.norm.register_forward_hook(hook))
+        try:
+            self.base(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+        except _StopForward:
+            pass
+        finally:
+            for handle in handles:
+                handle.remove()
+        return torch.stack([captured[i] for i in wanted], dim=2)  # (B, T, n, d)
+
+
+def _check_architecture(model: PreTrainedModel) -> None:
+    base = model.base_model
+    missing = [name for name in ("embed_tokens", "layers", "norm") if not hasattr(base, name)]
+    if missing or model.get_output_embeddings() is None:
+        raise ValueError(
+            f"unsupported target architecture {type(model).__name__}: its base model "
+            f"{type(base).__name__} lacks {missing or ['lm_head']} (need embed_tokens, layers, norm and an lm_head)"
+        )
+
+
+def load_target(
+    path: str | None = None,
+    random_init: dict | None = None,
+    tokenizer: str | None = None,
+    dtype: str = "bfloat16",
+    seed: int = 0,
+    trust_remote_code: bool = False,
+    attn_implementation: str = "sdpa",
+) -> Target:
+    """Load an HF causal LM (from `path`, or randomly initialised from a config dict), frozen, in eval mode.
+
+    Random weights are drawn in float32 under `seed` and then cast, so a bf16 target is the rounded
+    float32 one. The tokenizer comes from `tokenizer` (default `path`); it is None when `path` has none.
+    """
+    if (path is None) == (random_init is None):
+        raise ValueError("load_target: pass exactly one of path and random_init")
+    if dtype not in DTYPES:
+        raise ValueError(f"load_target: dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    if path is not None:
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code, attn_implementation=attn_implementation
+        )
+        name = path
+    else:
+        fields = dict(random_init)
+        config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(
+                config,
+                dtype=torch.float32,
+                trust_remote_code=trust_remote_code,
+                attn_implementation=attn_implementation,
+            )
+        model = model.to(DTYPES[dtype])
+        name = f"random_init:{config.model_type}"
+    _check_architecture(model)
+    model.eval().requires_grad_(False)
+
+    tok = None
+    tokenizer_dir = tokenizer or path
+    if tokenizer_dir is not None:
+        try:
+            tok = AutoTokenizer.from_pretrained(tokenizer_dir, trust_remote_code=trust_remote_code)
+        except (OSError, ValueError):
+            if tokenizer is not None:  # asked for explicitly: its absence is an error
+                raise
+    return Target(model=model, tokenizer=tok, name=name)
