@@ -1,0 +1,130 @@
+"""Chat templates and assistant-only loss masks, derived from the template itself.
+
+    ids, mask = render_with_assistant_mask(normalize_messages(record), tokenizer)
+
+The mask is never built from hand-tuned offsets. For every assistant turn i the conversation is
+rendered twice: `messages[:i]` with the generation prompt and `messages[:i+1]` without it. The
+second string extends the first by exactly the assistant turn as the template writes it: its
+content and its end-of-turn marker (so the drafter learns to predict the end of a turn). Trailing
+whitespace after the marker is template layout, not model output, and stays unmasked. The
+character spans are mapped to tokens through the offsets of the full rendering, tokenized once.
+Templates for which these renderings are not prefixes of each other cannot be masked this way and
+raise `ChatTemplateError` naming the turn.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jinja2
+
+ROLES = ("system", "user", "assistant")
+SHAREGPT_ROLES = {
+    "system": "system",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "chatgpt": "assistant",
+    "assistant": "assistant",
+}
+
+
+class DataError(ValueError):
+    """A record that cannot be used; the message names where it is (file:line or record index) and why."""
+
+
+class ChatTemplateError(ValueError):
+    """The tokenizer's chat template cannot yield an assistant mask (a template problem, not a data one)."""
+
+
+def normalize_messages(record: dict[str, Any]) -> list[dict[str, str]]:
+    """ShareGPT (`conversations`) or OpenAI (`messages`) record -> [{"role", "content"}, ...].
+
+    Raises DataError for missing fields, unknown roles, non-text content, an empty conversation or
+    one without an assistant turn. Trailing non-assistant turns are dropped (they carry no loss).
+    """
+    if record.get("conversations") is not None:
+        turns, role_key, text_key, roles = record["conversations"], "from", "value", SHAREGPT_ROLES
+    elif record.get("messages") is not None:
+        turns, role_key, text_key, roles = record["messages"], "role", "content", {r: r for r in ROLES}
+    else:
+        raise DataError("no `conversations` or `messages` field")
+    if not isinstance(turns, list):
+        raise DataError(f"conversation must be a list of turns, got {type(turns).__name__}")
+    if not turns:
+        raise DataError("empty conversation")
+    messages = []
+    for j, turn in enumerate(turns):
+        if not isinstance(turn, dict) or role_key not in turn or text_key not in turn:
+            raise DataError(f"turn {j}: needs `{role_key}` and `{text_key}`, got {str(turn)[:80]}")
+        if turn[role_key] not in roles:
+            raise DataError(f"turn {j}: unknown role {turn[role_key]!r} (known: {', '.join(roles)})")
+        messages.append({"role": roles[turn[role_key]], "content": _text(turn[text_key], j)})
+    while messages and messages[-1]["role"] != "assistant":
+        messages.pop()
+    if not messages:
+        raise DataError("no assistant turn")
+    if messages[0]["role"] == "assistant":
+        raise DataError("turn 0: conversation starts with an assistant turn (needs a user or system turn first)")
+    return messages
+
+
+def _text(content: Any, j: int) -> str:
+    """Message content as a string; OpenAI content-part lists are joined when they are all text."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+        return "".join(str(p.get("text", "")) for p in content)
+    raise DataError(f"turn {j}: content must be text, got {type(content).__name__}")
+
+
+def _render(tokenizer: Any, messages: list[dict[str, str]], generation_prompt: bool) -> str:
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    except jinja2.TemplateError as exc:
+        # raise_exception() in templates (e.g. "roles must alternate") rejects this conversation.
+        raise DataError(f"chat template rejected the conversation: {exc}") from None
+
+
+def assistant_char_spans(messages: list[dict[str, str]], tokenizer: Any) -> tuple[str, list[tuple[int, int]]]:
+    """Render `messages`; return the text and the [start, end) character span of every assistant turn."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ChatTemplateError("tokenizer has no chat_template (use data.format: plain for base models)")
+    text = _render(tokenizer, messages, generation_prompt=False)
+    spans = []
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before = _render(tokenizer, messages[:i], generation_prompt=True)
+        upto = _render(tokenizer, messages[: i + 1], generation_prompt=False)
+        if not upto.startswith(before) or not text.startswith(upto):
+            raise ChatTemplateError(
+                f"assistant turn {i}: rendering the conversation up to this turn is not a prefix of the full "
+                "rendering (the template rewrites earlier turns, e.g. strips reasoning or moves the system "
+                f"prompt), so the assistant mask cannot be derived from it. Prefix ends with {upto[-60:]!r}"
+            )
+        turn = upto[len(before) :].rstrip()
+        if not turn:
+            raise ChatTemplateError(f"assistant turn {i}: the chat template renders nothing for assistant turns")
+        spans.append((len(before), len(before) + len(turn)))
+    return text, spans
+
+
+def render_with_assistant_mask(messages: list[dict[str, str]], tokenizer: Any) -> tuple[list[int], list[int]]:
+    """Token ids of the rendered conversation and a 0/1 mask that is 1 on assistant tokens (incl. end marker)."""
+    text, spans = assistant_char_spans(messages, tokenizer)
+    # The rendered text already holds BOS and every marker the template wants; add nothing.
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids, offsets = list(enc["input_ids"]), enc["offset_mapping"]
+    mask = [0] * len(ids)
+    k = 0
+    for t, (start, end) in enumerate(offsets):
+        while k < len(spans) and spans[k][1] <= start:
+            k += 1
+        if k == len(spans):
+            break
+        lo, hi = spans[k]
+        # A token that straddles a span edge is partly assistant text, hence predicted: mask it.
+        if (start < hi and end > lo) or (start == end and lo <= start < hi):
+            mask[t] = 1
+    return ids, mask

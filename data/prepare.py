@@ -1,0 +1,239 @@
+"""Conversations (JSONL or a `datasets` source) -> token samples with assistant-only loss masks.
+
+    python -m data.prepare RECIPE [key=value ...] [--show N]
+
+Reads `data.train_files` in the given order (or `data.hf_dataset`), renders every record with the
+target tokenizer (chat template for ShareGPT / OpenAI records, `bos + prompt + completion + eos`
+for plain ones), truncates to `data.max_len` keeping the beginning, and reports what it counted.
+A sample's id is its record's global index in reading order, so ids do not move when other
+records are skipped. `--show N` prints N samples with the loss-masked text in [[...]].
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NamedTuple, TypedDict
+
+from data.chat import ChatTemplateError, DataError, normalize_messages, render_with_assistant_mask
+
+if TYPE_CHECKING:  # train.config pulls in every drafter; data preparation needs none of them
+    from train.config import DataConfig
+
+__all__ = [
+    "ChatTemplateError",
+    "DataError",
+    "PreparedData",
+    "TokenSample",
+    "TokenizedRecord",
+    "detect_format",
+    "prepare_dataset",
+    "template_fingerprint",
+    "tokenize_record",
+]
+
+
+class TokenSample(TypedDict):
+    id: int
+    input_ids: list[int]
+    loss_mask: list[int]
+
+
+class TokenizedRecord(NamedTuple):
+    input_ids: list[int]
+    loss_mask: list[int]
+
+
+@dataclass
+class PreparedData:
+    samples: list[TokenSample]
+    num_records: int
+    """Records read (malformed ones included)."""
+    num_skipped: int
+    """Malformed records skipped under `skip_malformed`."""
+    num_truncated: int
+    """Samples cut to `max_len` that kept some loss tokens."""
+    num_dropped: int
+    """Samples whose loss mask was empty after truncation."""
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "records": self.num_records,
+            "samples": len(self.samples),
+            "tokens": sum(len(s["input_ids"]) for s in self.samples),
+            "loss_tokens": sum(sum(s["loss_mask"]) for s in self.samples),
+            "skipped_malformed": self.num_skipped,
+            "truncated": self.num_truncated,
+            "dropped_after_truncation": self.num_dropped,
+        }
+
+
+def detect_format(record: dict[str, Any]) -> str:
+    """`sharegpt`, `openai` or `plain` from the keys present (None values count as absent)."""
+    if record.get("conversations") is not None:
+        return "sharegpt"
+    if record.get("messages") is not None:
+        return "openai"
+    if record.get("prompt") is not None and record.get("completion") is not None:
+        return "plain"
+    raise DataError(
+        f"cannot detect format: expected `conversations`, `messages` or `prompt` + `completion`, "
+        f"got keys {sorted(record)}"
+    )
+
+
+def _tokenize_plain(record: dict[str, Any], tokenizer: Any) -> TokenizedRecord:
+    for key in ("prompt", "completion"):
+        if not isinstance(record.get(key), str):
+            raise DataError(f"plain record needs a string `{key}`")
+    # Prompt and completion are tokenized apart, as at inference (prompt encoded, completion generated).
+    prompt = tokenizer(record["prompt"], add_special_tokens=False)["input_ids"]
+    completion = tokenizer(record["completion"], add_special_tokens=False)["input_ids"]
+    bos = [] if tokenizer.bos_token_id is None else [tokenizer.bos_token_id]
+    eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+    ids = bos + prompt + completion + eos
+    mask = [0] * (len(bos) + len(prompt)) + [1] * (len(completion) + len(eos))
+    if not any(mask):
+        raise DataError("plain record has an empty completion and the tokenizer has no eos token")
+    return TokenizedRecord(ids, mask)
+
+
+def _tokenize_full(record: Any, tokenizer: Any, fmt: str) -> TokenizedRecord:
+    if not isinstance(record, dict):
+        raise DataError(f"a record must be a JSON object, got {type(record).__name__}")
+    found = detect_format(record)
+    if fmt != "auto" and found != fmt:
+        raise DataError(f"data.format is {fmt} but the record looks like {found}")
+    if found == "plain":
+        return _tokenize_plain(record, tokenizer)
+    if found == "sharegpt" and record.get("messages") is not None:
+        raise DataError("record has both `conversations` and `messages`")
+    return TokenizedRecord(*render_with_assistant_mask(normalize_messages(record), tokenizer))
+
+
+def tokenize_record(record: dict[str, Any], tokenizer: Any, fmt: str, max_len: int) -> TokenizedRecord:
+    """One record -> (input_ids, loss_mask), cut to `max_len` (the mask may then be all zero).
+
+    `fmt` is auto | sharegpt | openai | plain. Raises DataError (no location; callers add it).
+    """
+    ids, mask = _tokenize_full(record, tokenizer, fmt)
+    return TokenizedRecord(ids[:max_len], mask[:max_len])
+
+
+def _read_jsonl(path: str) -> Iterator[tuple[str, Any]]:
+    """Yield (location, record); a line that is not JSON yields a DataError in place of the record."""
+    if not Path(path).is_file():
+        raise DataError(f"{path}: no such file")
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                yield where, json.loads(line)
+            except json.JSONDecodeError as exc:
+                yield where, DataError(f"{where}: bad JSON: {exc.msg} (column {exc.colno})")
+
+
+def _read_hf(name: str, split: str) -> Iterator[tuple[str, Any]]:
+    import datasets
+
+    path = Path(name)
+    if path.is_file():  # a single local data file: pick the builder from its extension
+        builder = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}.get(path.suffix)
+        if builder is None:
+            raise DataError(f"{name}: unsupported data file type {path.suffix!r}")
+        ds = datasets.load_dataset(builder, data_files=str(path), split=split)
+    else:
+        ds = datasets.load_dataset(name, split=split)
+    for i, record in enumerate(ds):
+        yield f"{name}[{split}] record {i}", record
+
+
+def _records(cfg: DataConfig) -> Iterator[tuple[str, Any]]:
+    if cfg.train_files:
+        for path in cfg.train_files:
+            yield from _read_jsonl(path)
+    else:
+        yield from _read_hf(cfg.hf_dataset, cfg.hf_split)
+
+
+def prepare_dataset(cfg: DataConfig, tokenizer: Any) -> PreparedData:
+    """Read, render, mask and truncate every record of `cfg`; see the module docstring."""
+    out = PreparedData(samples=[], num_records=0, num_skipped=0, num_truncated=0, num_dropped=0)
+    for index, (where, record) in enumerate(_records(cfg)):
+        if cfg.max_samples is not None and len(out.samples) >= cfg.max_samples:
+            break
+        out.num_records += 1
+        try:
+            if isinstance(record, DataError):
+                raise record
+            ids, mask = _tokenize_full(record, tokenizer, cfg.format)
+        except DataError as exc:
+            if cfg.skip_malformed:
+                out.num_skipped += 1
+                continue
+            msg = str(exc) if str(exc).startswith(where) else f"{where}: {exc}"
+            raise DataError(msg + " (set data.skip_malformed=true to skip such records)") from None
+        except ChatTemplateError as exc:
+            raise ChatTemplateError(f"{where}: {exc}") from None
+        if len(ids) > cfg.max_len:
+            ids, mask = ids[: cfg.max_len], mask[: cfg.max_len]
+            if not any(mask):
+                out.num_dropped += 1
+                continue
+            out.num_truncated += 1
+        out.samples.append(TokenSample(id=index, input_ids=ids, loss_mask=mask))
+    return out
+
+
+def template_fingerprint(tokenizer: Any) -> str:
+    """Short sha256 of what decides token ids and masks: chat template, vocab size, special tokens."""
+    special = dict(zip(tokenizer.all_special_tokens, tokenizer.all_special_ids))
+    blob = json.dumps(
+        {"chat_template": tokenizer.chat_template, "vocab_size": len(tokenizer), "special_tokens": special},
+        sort_keys=True,
+    )
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def format_masked(sample: TokenSample, tokenizer: Any) -> str:
+    """Decode a sample with every run of loss-masked tokens wrapped in [[...]]."""
+    parts, run, run_masked = [], [], None
+    for tok, m in zip([*sample["input_ids"], None], [*sample["loss_mask"], None]):
+        if m != run_masked and run:
+            text = tokenizer.decode(run, skip_special_tokens=False)
+            parts.append(f"[[{text}]]" if run_masked else text)
+            run = []
+        run.append(tok)
+        run_masked = m
+    return "".join(parts)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from transformers import AutoTokenizer
+
+    from train.config import load_recipe
+
+    parser = argparse.ArgumentParser(prog="python -m data.prepare", description=__doc__.split("\n\n")[0])
+    parser.add_argument("recipe")
+    parser.add_argument("overrides", nargs="*", help="section.key=value")
+    parser.add_argument("--show", type=int, default=0, metavar="N", help="print N samples, loss-masked text in [[...]]")
+    args = parser.parse_args(argv)
+    recipe = load_recipe(args.recipe, args.overrides)
+    tokenizer = AutoTokenizer.from_pretrained(
+        recipe.target.tokenizer or recipe.target.path, trust_remote_code=recipe.target.trust_remote_code
+    )
+    data = prepare_dataset(recipe.data, tokenizer)
+    print(json.dumps({**data.stats(), "template": template_fingerprint(tokenizer)}, indent=1))
+    for sample in data.samples[: args.show]:
+        print(f"\n--- sample {sample['id']} ({len(sample['input_ids'])} tokens, {sum(sample['loss_mask'])} masked)")
+        print(format_masked(sample, tokenizer))
+
+
+if __name__ == "__main__":
+    main()
