@@ -114,7 +114,12 @@ def render_with_assistant_mask(messages: list[dict[str, str]], tokenizer: Any) -
     """Token ids of the rendered conversation and a 0/1 mask that is 1 on assistant tokens (incl. end marker)."""
     text, spans = assistant_char_spans(messages, tokenizer)
     # The rendered text already holds BOS and every marker the template wants; add nothing.
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    try:
+        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    except NotImplementedError:
+        raise ChatTemplateError(
+            f"{type(tokenizer).__name__} cannot return offsets; load a fast (tokenizers-backed) tokenizer"
+        ) from None
     ids, offsets = list(enc["input_ids"]), enc["offset_mapping"]
     mask = [0] * len(ids)
     k = 0
