@@ -1,0 +1,290 @@
+"""Feature shards: the on-disk format written by `data.extract` and read by offline training.
+
+    ds = FeatureDataset("runs/features", verify_checksums=True, expect={"layers": [-1]})
+    sample = ds[0]  # {"id", "input_ids" (T,), "loss_mask" (T,), "hidden" (T, n_layers, d)}
+
+A feature directory holds `manifest.json` and `shard-00000.safetensors`, ... (DESIGN §4). A shard
+packs its samples end to end: `input_ids [T] int32`, `loss_mask [T] uint8`, `hidden [T, n·d]`
+(storage dtype, bf16 by default), `offsets [n+1] int64` and `sample_ids [n] int64`. Shards and the
+manifest are written to a `.tmp` name and renamed, so a file under its final name is complete.
+
+The manifest carries a *header* (format version, target identity, layer indices, hidden size,
+storage dtype, template fingerprint) that readers and resumed extractions compare against what
+they expect, plus per-shard sha256, size, sample ids and lengths, and totals.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections import OrderedDict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+HEADER_KEYS = ("format_version", "target", "layers", "hidden_size", "dtype", "template")
+STORAGE_DTYPES: dict[str, torch.dtype] = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+}
+
+
+class FeatureMismatchError(ValueError):
+    """Existing features were built with different settings; the message names the field."""
+
+
+def shard_name(index: int) -> str:
+    return f"shard-{index:05d}.safetensors"
+
+
+def file_sha256(path: str | Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 23):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_json_atomic(path: str | Path, obj: Any) -> None:
+    """Write JSON to `path.tmp` and rename it, so readers never see a half-written file."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def write_shard(
+    directory: str | Path,
+    index: int,
+    sample_ids: Sequence[int],
+    lengths: Sequence[int],
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    hidden: torch.Tensor,
+) -> dict[str, Any]:
+    """Write one shard from flat tensors (samples end to end); return its manifest entry.
+
+    input_ids, loss_mask: (T,); hidden: (T, n_layers·d) already in the storage dtype.
+    """
+    T = int(sum(lengths))
+    if input_ids.shape != (T,) or loss_mask.shape != (T,) or hidden.shape[0] != T or hidden.dim() != 2:
+        raise ValueError(f"shard {index}: tensors do not match {len(lengths)} samples of {T} tokens in total")
+    offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
+    offsets[1:] = torch.cumsum(torch.tensor(list(lengths), dtype=torch.int64), 0)
+    tensors = {
+        "input_ids": input_ids.to(torch.int32).contiguous(),
+        "loss_mask": loss_mask.to(torch.uint8).contiguous(),
+        "hidden": hidden.contiguous(),
+        "offsets": offsets,
+        "sample_ids": torch.tensor(list(sample_ids), dtype=torch.int64),
+    }
+    final = Path(directory) / shard_name(index)
+    tmp = final.with_name(final.name + ".tmp")
+    save_file(tensors, str(tmp))
+    entry = {
+        "file": final.name,
+        "index": index,
+        "sha256": file_sha256(tmp),
+        "bytes": tmp.stat().st_size,
+        "num_samples": len(lengths),
+        "num_tokens": T,
+        "sample_ids": [int(i) for i in sample_ids],
+        "lengths": [int(n) for n in lengths],
+    }
+    os.replace(tmp, final)
+    return entry
+
+
+def build_manifest(header: dict[str, Any], entries: list[dict[str, Any]], extra: dict | None = None) -> dict:
+    """The manifest: header, totals (samples, tokens, bytes, bytes per token) and shard entries by index."""
+    entries = sorted(entries, key=lambda e: e["index"])
+    num_tokens = sum(e["num_tokens"] for e in entries)
+    total_bytes = sum(e["bytes"] for e in entries)
+    n_values = len(header["layers"]) * header["hidden_size"]
+    return {
+        **{key: header[key] for key in HEADER_KEYS},
+        "num_samples": sum(e["num_samples"] for e in entries),
+        "num_tokens": num_tokens,
+        "total_bytes": total_bytes,
+        "bytes_per_token": total_bytes / max(num_tokens, 1),
+        "hidden_bytes_per_token": n_values * STORAGE_DTYPES[header["dtype"]].itemsize,
+        **(extra or {}),
+        "shards": entries,
+    }
+
+
+def check_header(found: dict[str, Any], expect: dict[str, Any], where: str) -> None:
+    """Raise FeatureMismatchError naming the first field of `expect` that `found` disagrees with.
+
+    Target identities are compared field by field, except `name` (a moved model is the same model).
+    """
+    for key, want in expect.items():
+        have = found.get(key)
+        if key == "target" and isinstance(want, dict) and isinstance(have, dict):
+            for sub, sub_want in want.items():
+                if sub != "name" and have.get(sub) != sub_want:
+                    raise FeatureMismatchError(
+                        f"{where}: built with target.{sub}={have.get(sub)!r}, expected {sub_want!r} "
+                        f"(target {have.get('name')!r} vs {want.get('name')!r})"
+                    )
+        elif have != want:
+            raise FeatureMismatchError(f"{where}: built with {key}={have!r}, expected {want!r}")
+
+
+class FeatureShardWriter:
+    """Streams samples into shards of about `shard_tokens` tokens, then writes the manifest.
+
+    A shard closes at the first sample boundary at or past `shard_tokens`. `data.extract` plans its
+    shards up front instead (for resumability) and calls `write_shard` directly.
+    """
+
+    def __init__(self, directory: str | Path, header: dict[str, Any], shard_tokens: int) -> None:
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.header = {"format_version": FORMAT_VERSION, **header}
+        self.dtype = STORAGE_DTYPES[self.header["dtype"]]
+        self.shard_tokens = shard_tokens
+        self.entries: list[dict[str, Any]] = []
+        self._pending: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+    def add(self, sample_id: int, input_ids: torch.Tensor, loss_mask: torch.Tensor, hidden: torch.Tensor) -> None:
+        """One sample: input_ids, loss_mask (T,); hidden (T, n_layers, d)."""
+        T, n, d = hidden.shape
+        if n != len(self.header["layers"]) or d != self.header["hidden_size"] or input_ids.shape != (T,):
+            raise ValueError(f"sample {sample_id}: hidden {tuple(hidden.shape)} does not match the header")
+        self._pending.append((sample_id, input_ids, loss_mask, hidden.reshape(T, n * d).to(self.dtype)))
+        if sum(len(p[1]) for p in self._pending) >= self.shard_tokens:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self._pending:
+            return
+        ids, tokens, masks, hiddens = zip(*self._pending)
+        entry = write_shard(
+            self.directory,
+            len(self.entries),
+            ids,
+            [len(t) for t in tokens],
+            torch.cat(tokens),
+            torch.cat(masks),
+            torch.cat(hiddens),
+        )
+        self.entries.append(entry)
+        self._pending = []
+
+    def close(self, extra: dict | None = None) -> dict[str, Any]:
+        """Write the last shard and the manifest; return the manifest."""
+        self.flush()
+        manifest = build_manifest(self.header, self.entries, extra)
+        write_json_atomic(self.directory / MANIFEST, manifest)
+        return manifest
+
+
+def read_manifest(directory: str | Path) -> dict[str, Any]:
+    path = Path(directory) / MANIFEST
+    if not path.is_file():
+        raise FileNotFoundError(f"{directory}: no {MANIFEST} (run `python -m data.extract RECIPE` first)")
+    manifest = json.loads(path.read_text())
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise FeatureMismatchError(
+            f"{path}: format_version {manifest.get('format_version')!r}, this code reads {FORMAT_VERSION}"
+        )
+    return manifest
+
+
+def split_by_id(sample_ids: Sequence[int], heldout_fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """Deterministic (train, heldout) positions: the round(fraction·n) samples with the smallest id hash.
+
+    Depends on ids only, so the split is the same however the samples are sharded or ordered.
+    """
+    if heldout_fraction <= 0 or not sample_ids:
+        return list(range(len(sample_ids))), []
+    rank = sorted(range(len(sample_ids)), key=lambda i: hashlib.sha256(f"{seed}:{sample_ids[i]}".encode()).digest())
+    n_heldout = min(max(1, round(heldout_fraction * len(sample_ids))), len(sample_ids) - 1)
+    heldout = set(rank[:n_heldout])
+    return [i for i in range(len(sample_ids)) if i not in heldout], sorted(heldout)
+
+
+class FeatureDataset:
+    """Random access to the samples of a feature directory, shards memory-mapped lazily (small LRU).
+
+    `expect` maps header fields (see HEADER_KEYS) to required values, e.g. `{"target": target.identity(),
+    "layers": [-1]}`; a mismatch raises FeatureMismatchError naming the field.
+    """
+
+    def __init__(
+        self,
+        directory: str | Path,
+        verify_checksums: bool = False,
+        expect: dict[str, Any] | None = None,
+        max_open_shards: int = 8,
+    ) -> None:
+        self.directory = Path(directory)
+        self.manifest = read_manifest(directory)
+        check_header(self.manifest, expect or {}, str(self.directory / MANIFEST))
+        self.layers: list[int] = self.manifest["layers"]
+        self.hidden_size: int = self.manifest["hidden_size"]
+        self.dtype = STORAGE_DTYPES[self.manifest["dtype"]]
+        self.shards: list[dict[str, Any]] = self.manifest["shards"]
+        for entry in self.shards:
+            path = self.directory / entry["file"]
+            if not path.is_file():
+                raise FileNotFoundError(f"{path}: listed in the manifest but missing")
+            if path.stat().st_size != entry["bytes"]:
+                raise ValueError(f"{path}: {path.stat().st_size} bytes, manifest says {entry['bytes']} (corrupted)")
+            if verify_checksums and file_sha256(path) != entry["sha256"]:
+                raise ValueError(f"{path}: sha256 mismatch with the manifest (corrupted shard)")
+        # position i -> (shard, first token, length); token starts are prefix sums of the lengths
+        self.sample_ids: list[int] = []
+        self.lengths: list[int] = []
+        self._where: list[tuple[int, int]] = []
+        for s, entry in enumerate(self.shards):
+            start = 0
+            for sample_id, length in zip(entry["sample_ids"], entry["lengths"]):
+                self.sample_ids.append(sample_id)
+                self.lengths.append(length)
+                self._where.append((s, start))
+                start += length
+        self._open: OrderedDict[int, Any] = OrderedDict()
+        self.max_open_shards = max_open_shards
+
+    def __len__(self) -> int:
+        return len(self.sample_ids)
+
+    def _handle(self, s: int) -> Any:
+        if s in self._open:
+            self._open.move_to_end(s)
+            return self._open[s]
+        handle = safe_open(str(self.directory / self.shards[s]["file"]), framework="pt")
+        offsets = handle.get_tensor("offsets")
+        if offsets[-1].item() != self.shards[s]["num_tokens"] or len(offsets) != self.shards[s]["num_samples"] + 1:
+            raise ValueError(f"{self.shards[s]['file']}: offsets disagree with the manifest (corrupted shard)")
+        self._open[s] = handle
+        if len(self._open) > self.max_open_shards:
+            self._open.popitem(last=False)
+        return handle
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        s, start = self._where[i]
+        end = start + self.lengths[i]
+        handle = self._handle(s)
+        hidden = handle.get_slice("hidden")[start:end]  # (T, n·d), read through the memory map
+        return {
+            "id": self.sample_ids[i],
+            "input_ids": handle.get_slice("input_ids")[start:end].to(torch.int64),  # (T,)
+            "loss_mask": handle.get_slice("loss_mask")[start:end].to(torch.float32),  # (T,)
+            "hidden": hidden.view(end - start, len(self.layers), self.hidden_size),  # (T, n, d)
+        }
+
+    def split(self, heldout_fraction: float, seed: int = 0) -> tuple[list[int], list[int]]:
+        """(train, heldout) positions, deterministic by sample id hash (see `split_by_id`)."""
+        return split_by_id(self.sample_ids, heldout_fraction, seed)
