@@ -1,0 +1,311 @@
+"""Speculative decoding with a tree of drafts and a KV-cached target.
+
+    ops = get_ops("reference")                     # or "triton": same tokens, fused kernels
+    out = speculative_generate(model, proposer, prompt_ids, DecodeSettings(max_new_tokens=64), ops)
+    out.tokens, out.stats()["accept_len"]
+
+One round, with the root r (the last token chosen by the target, not yet in its KV cache) at position P:
+  1. the proposer returns a `Tree` rooted at r (node 0);
+  2. one target forward over the N tree tokens at positions P + depth, attending to the whole cached
+     prefix and, inside the tree, to ancestors only (tree attention kernel, or an additive 4D mask);
+  3. `ops.verify_*` walks the tree with the target's processed distributions: the accepted path plus
+     one bonus token drawn from the target itself, so every round yields accepted + 1 tokens;
+  4. `ops.kv_commit` moves the accepted path's KV rows in place of the tree block and drops the rest;
+     the proposer sees the accepted path and the target hidden states along it.
+Greedy output equals plain greedy decoding token for token; sampled output follows the target
+distribution (lossless); `acceptance="typical"` is Medusa's lossy typical acceptance.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+import torch
+from transformers import DynamicCache
+
+from eval.trees import Tree
+
+
+@dataclass
+class DecodeSettings:
+    """How to decode; greedy when temperature == 0."""
+
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    acceptance: Literal["exact", "typical"] = "exact"
+    typical_epsilon: float = 0.09
+    typical_delta: float = 0.3
+    eos_token_ids: list[int] = field(default_factory=list)
+    seed: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass
+class DecodeState:
+    """What a proposer sees before drafting.
+
+    `tokens[:, -1]` is the root: chosen by the target, not yet in its KV cache, so the target cache
+    holds `prefix_len = L - 1` positions. `new_hidden` holds the target hidden states (at the
+    proposer's `feature_layers`) of the positions cached since the previous round, i.e. positions
+    `L-1-n .. L-2`, whose next tokens are `tokens[:, L-n:]`.
+    """
+
+    tokens: torch.Tensor  # (B, L) int64, prompt + generated
+    new_hidden: torch.Tensor | None  # (B, n, S, d) or None when the proposer wants no features
+
+    @property
+    def prefix_len(self) -> int:
+        return self.tokens.shape[1] - 1
+
+
+class Proposer(Protocol):
+    """A drafter as the decoding loop uses it (EAGLE-2, Medusa, prompt lookup, test stubs)."""
+
+    feature_layers: list[int]
+    """Target hidden-state indices (HF convention) the proposer reads from `DecodeState.new_hidden`."""
+
+    def reset(self) -> None:
+        """Forget the previous prompt."""
+
+    def propose(self, state: DecodeState) -> Tree:
+        """Draft a tree rooted at `state.tokens[:, -1]`."""
+
+    def commit(self, path: list[int]) -> None:
+        """The target accepted `path` (node indices of the last proposed tree, root first)."""
+
+
+@dataclass
+class GenerationResult:
+    """One prompt's decode: generated tokens and per-round bookkeeping."""
+
+    tokens: list[int]
+    """Generated tokens (prompt excluded; the EOS token is kept when hit)."""
+    accepted: list[int] = field(default_factory=list)
+    """Per verification round: accepted draft tokens (the round yields accepted + 1 tokens)."""
+    tree_depth: list[int] = field(default_factory=list)
+    """Per round: depth of the proposed tree (the most that could have been accepted)."""
+    tree_nodes: list[int] = field(default_factory=list)
+    target_forwards: int = 0
+    wall_s: float = 0.0
+    target_s: float = 0.0
+    draft_s: float = 0.0
+
+    def stats(self) -> dict[str, Any]:
+        return round_stats(self.accepted, self.tree_depth) | {
+            "new_tokens": len(self.tokens),
+            "target_forwards": self.target_forwards,
+            "forwards_per_token": self.target_forwards / max(len(self.tokens), 1),
+            "tokens_per_s": len(self.tokens) / max(self.wall_s, 1e-9),
+            "wall_s": self.wall_s,
+        }
+
+
+def round_stats(accepted: list[int], tree_depth: list[int]) -> dict[str, Any]:
+    """τ = mean over rounds of (accepted + 1), and the conditional acceptance rate per depth.
+
+    `accept_rate_by_depth[d-1]` = P(depth d accepted | depth d-1 accepted and the tree reaches depth d);
+    `reached_by_depth[d-1]` is the number of rounds in that condition (the rate's denominator).
+    """
+    max_depth = max(tree_depth, default=0)
+    reached = [sum(a >= d - 1 and t >= d for a, t in zip(accepted, tree_depth)) for d in range(1, max_depth + 1)]
+    passed = [sum(a >= d for a in accepted) for d in range(1, max_depth + 1)]
+    return {
+        "rounds": len(accepted),
+        "accept_len": sum(a + 1 for a in accepted) / len(accepted) if accepted else float("nan"),
+        "accept_rate_by_depth": [p / r if r else float("nan") for p, r in zip(passed, reached)],
+        "reached_by_depth": reached,
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# Target side: forwards with a DynamicCache, tree masks, KV commit
+
+
+def processed_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """(..., V) logits -> (..., V) float32 probabilities after temperature and top-p (nucleus).
+
+    The one processed distribution used for acceptance, residuals and bonus tokens alike.
+    """
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p >= 1.0:
+        return probs
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    drop = sorted_p.cumsum(-1) - sorted_p >= top_p  # keep the smallest prefix reaching top_p
+    sorted_p = sorted_p.masked_fill(drop, 0.0)
+    probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+    return probs / probs.sum(-1, keepdim=True)
+
+
+def tree_attention_mask(tree: Tree, prefix_len: int, dtype: torch.dtype) -> torch.Tensor:
+    """(1, 1, N, prefix_len + N) additive float mask: the cached prefix is visible, tree nodes see their ancestors.
+
+    Additive (0 / finfo.min), never bool: eager attention adds a user-supplied 4D mask as-is.
+    """
+    allowed = tree.dense_mask()  # (N, N)
+    n = allowed.shape[-1]
+    mask = torch.zeros(1, 1, n, prefix_len + n, dtype=dtype, device=allowed.device)
+    mask[..., prefix_len:] = torch.where(allowed, 0.0, torch.finfo(dtype).min).to(dtype)
+    return mask
+
+
+class TargetRunner:
+    """The frozen target with its KV cache: prefill, tree forwards, commits; times every forward."""
+
+    def __init__(self, model: torch.nn.Module, ops: Any, feature_layers: list[int]):
+        self.model = model
+        self.ops = ops
+        self.feature_layers = feature_layers
+        self.cache = DynamicCache(config=model.config)
+        self.forwards = 0
+        self.seconds = 0.0
+
+    def forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, tree: Tree | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(B, N) tokens at (B, N) positions -> logits (B, N, V), hidden (B, N, S, d) or None.
+
+        Without a tree the block is causal (prefill, plain decoding); with one, tree attention.
+        """
+        start = time.perf_counter()
+        mask = None if tree is None else tree_attention_mask(tree, self.cache.get_seq_length(), self.model.dtype)
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=mask,
+            position_ids=position_ids,
+            cache=self.cache,
+            use_cache=True,
+            output_hidden_states=bool(self.feature_layers),
+        )
+        hidden = None
+        if self.feature_layers:
+            hidden = torch.stack([out.hidden_states[i] for i in self.feature_layers], dim=2)  # (B, N, S, d)
+        self.forwards += 1
+        self.seconds += time.perf_counter() - start
+        return out.logits, hidden
+
+    def commit(self, prefix_len: int, path: list[int]) -> None:
+        """Keep the KV of tree nodes `path` at positions prefix_len.. and drop the rest of the tree block."""
+        start = time.perf_counter()
+        index = torch.tensor(path, dtype=torch.long, device=self.model.device)
+        for layer in self.cache.layers:
+            layer.keys, layer.values = self.ops.kv_commit(layer.keys, layer.values, prefix_len, index)
+        self.seconds += time.perf_counter() - start
+
+
+# --------------------------------------------------------------------------------------------
+# Decoding loops
+
+
+def _first_token(logits: torch.Tensor, settings: DecodeSettings, gen: torch.Generator) -> torch.Tensor:
+    """(B, V) last-position logits -> (B,) next token (argmax or a sample of the processed distribution)."""
+    if settings.greedy:
+        return logits.argmax(-1)
+    probs = processed_probs(logits, settings.temperature, settings.top_p)
+    return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+
+
+def _finish(generated: list[int], new: list[int], settings: DecodeSettings) -> bool:
+    """Append `new` to `generated`, cut at EOS / max_new_tokens; True when decoding is over."""
+    for tok in new:
+        generated.append(tok)
+        if tok in settings.eos_token_ids or len(generated) >= settings.max_new_tokens:
+            return True
+    return False
+
+
+@torch.inference_mode()
+def plain_generate(model: torch.nn.Module, prompt_ids: torch.Tensor, settings: DecodeSettings) -> GenerationResult:
+    """Plain autoregressive decoding with a KV cache: one target forward per token (the baseline)."""
+    _check_batch(prompt_ids)
+    gen = torch.Generator(device=prompt_ids.device).manual_seed(settings.seed)
+    start = time.perf_counter()
+    target = TargetRunner(model, None, [])
+    L = prompt_ids.shape[1]
+    logits, _ = target.forward(prompt_ids, torch.arange(L, device=prompt_ids.device)[None])
+    generated: list[int] = []
+    while True:
+        tok = _first_token(logits[:, -1], settings, gen)
+        if _finish(generated, [int(tok)], settings):
+            break
+        logits, _ = target.forward(tok[:, None], torch.tensor([[L + len(generated) - 1]], device=tok.device))
+    return GenerationResult(
+        tokens=generated,
+        target_forwards=target.forwards,
+        wall_s=time.perf_counter() - start,
+        target_s=target.seconds,
+    )
+
+
+def _verify(ops: Any, tree: Tree, logits: torch.Tensor, settings: DecodeSettings, gen: torch.Generator):
+    """Target logits over the tree (N, V) -> (accepted path node indices, root first; bonus token)."""
+    if settings.greedy:
+        return ops.verify_greedy(tree, logits)
+    probs = processed_probs(logits, settings.temperature, settings.top_p)
+    if settings.acceptance == "typical":
+        return ops.verify_typical(tree, probs, settings.typical_epsilon, settings.typical_delta, gen)
+    return ops.verify_sampled(tree, probs, gen)
+
+
+@torch.inference_mode()
+def speculative_generate(
+    model: torch.nn.Module,
+    proposer: Proposer,
+    prompt_ids: torch.Tensor,
+    settings: DecodeSettings,
+    ops: Any,
+) -> GenerationResult:
+    """Speculative decoding of one prompt ((1, L) ids) with `proposer` drafting and `model` verifying."""
+    _check_batch(prompt_ids)
+    device = prompt_ids.device
+    gen = torch.Generator(device=device).manual_seed(settings.seed)
+    start = time.perf_counter()
+    target = TargetRunner(model, ops, proposer.feature_layers)
+    result = GenerationResult(tokens=[])
+    proposer.reset()
+
+    L = prompt_ids.shape[1]
+    logits, hidden = target.forward(prompt_ids, torch.arange(L, device=device)[None])
+    root = _first_token(logits[:, -1], settings, gen)
+    tokens = torch.cat([prompt_ids, root[:, None]], dim=1)
+    done = _finish(result.tokens, [int(root)], settings)
+    while not done:
+        state = DecodeState(tokens=tokens, new_hidden=hidden)
+        t0 = time.perf_counter()
+        tree = proposer.propose(state)
+        result.draft_s += time.perf_counter() - t0
+
+        prefix_len = state.prefix_len
+        tree_tokens = tree.tokens.to(device)[None]  # (1, N)
+        positions = tree.positions(prefix_len).to(device)[None]  # (1, N)
+        logits, hidden = target.forward(tree_tokens, positions, tree)
+        path, bonus = _verify(ops, tree, logits[0], settings, gen)
+        path = [int(i) for i in path]
+        target.commit(prefix_len, path)
+
+        t0 = time.perf_counter()
+        proposer.commit(path)
+        result.draft_s += time.perf_counter() - t0
+
+        new = [int(t) for t in tree_tokens[0, path[1:]]] + [int(bonus)]
+        result.accepted.append(len(path) - 1)
+        result.tree_depth.append(tree.max_depth)
+        result.tree_nodes.append(len(tree_tokens[0]))
+        hidden = hidden[:, path] if hidden is not None else None  # (1, k+1, S, d)
+        tokens = torch.cat([tokens, torch.tensor([new], device=device)], dim=1)
+        done = _finish(result.tokens, new, settings)
+
+    result.target_forwards = target.forwards
+    result.target_s = target.seconds
+    result.wall_s = time.perf_counter() - start
+    return result
+
+
+def _check_batch(prompt_ids: torch.Tensor) -> None:
+    if prompt_ids.dim() != 2 or prompt_ids.shape[0] != 1:
+        raise ValueError(f"prompt_ids must be (1, L) (batch size 1), got shape {tuple(prompt_ids.shape)}")
