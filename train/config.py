@@ -131,6 +131,8 @@ class TrainConfig:
     log_every: int = 10
     head_lr_mult: float = 1.0
     """Learning-rate multiplier for parameters the drafter marks as heads (Medusa-2 default 4)."""
+    resume: str | None = None
+    """`auto` = continue from the newest checkpoint in output_dir (if any); or a checkpoint directory."""
 
     def validate(self, err) -> None:
         for key in ("max_steps", "batch_size", "grad_accum", "log_every", "keep_checkpoints"):

@@ -1,0 +1,41 @@
+"""Train a drafter.
+
+    accelerate launch [--config_file recipes/accelerate/X.yaml] -m train RECIPE [key=value ...] [--resume]
+    python -m train RECIPE [key=value ...] [--resume] [--stop-after N]
+
+`--resume` continues from the newest checkpoint in `train.output_dir` (same as `train.resume=auto`;
+`train.resume=DIR` picks one). `--stop-after N` saves a checkpoint after optimizer step N and exits,
+as a pre-empted job would (the schedule still runs to `train.max_steps`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from train.config import RecipeError, load_recipe
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m train", description=__doc__.split("\n\n")[0])
+    parser.add_argument("recipe", help="YAML recipe (see recipes/)")
+    parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    parser.add_argument("--resume", action="store_true", help="resume from the newest checkpoint (train.resume=auto)")
+    parser.add_argument("--stop-after", type=int, default=None, metavar="N", help="checkpoint after step N and exit")
+    args = parser.parse_args(argv)
+    overrides = list(args.overrides) + (["train.resume=auto"] if args.resume else [])
+    try:
+        recipe = load_recipe(args.recipe, overrides)
+    except RecipeError as exc:
+        sys.exit(f"error: {exc}")
+
+    from train.loop import TrainingError, train  # heavy imports only once the recipe is valid
+
+    try:
+        train(recipe, stop_after=args.stop_after)
+    except TrainingError as exc:
+        sys.exit(f"error: {exc}")
+
+
+if __name__ == "__main__":
+    main()
