@@ -1,0 +1,313 @@
+"""Draft trees for tree-based speculative decoding: one `Tree` for Medusa static trees and EAGLE-2 dynamic trees.
+
+Tested by `TRITON_INTERPRET=1 .venv/bin/pytest tests/test_trees.py -q`.
+
+A `Tree` describes the N tokens verified in one target forward for one request. Node 0 is the root (the last
+verified token, whose KV is not cached yet); nodes are in topological order (parents before children, siblings
+contiguous in drafting order). The target runs the N tree tokens at `tree.positions(prefix_len)` under the ancestor
+mask `tree.mask_bits` (packed; `tree.dense_mask()` for a bool view), on top of a KV cache of `prefix_len` tokens.
+
+    tree = medusa_tree(MEDUSA_63, num_heads=4)                      # static, shared by all requests
+    tokens = medusa_tokens(tree, root_tokens, head_topk)            # (B, N) per-round candidates
+    tree = dynamic_tree(expand_fn, root_token, depth=5, top_k=10, total_tokens=60)  # EAGLE-2, one request
+    batch = stack_trees([tree_a, tree_b])                           # same N: fields get a leading batch dim
+
+Verification, tree attention and KV commit live in `eval.reference` (semantics) and `eval.kernels` (Triton).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields
+
+import torch
+
+__all__ = [
+    "MEDUSA_63",
+    "VICUNA_7B_HEAD_ACC",
+    "Tree",
+    "calibrated_paths",
+    "calibrated_tree",
+    "chain",
+    "dynamic_tree",
+    "medusa_rank_acc",
+    "medusa_tokens",
+    "medusa_tree",
+    "pack_mask",
+    "stack_trees",
+    "unpack_mask",
+]
+
+# Top-1 accuracy of the 5 Medusa heads of Vicuna-7B (Medusa paper); deeper ranks decay geometrically.
+VICUNA_7B_HEAD_ACC = (0.56, 0.32, 0.20, 0.15, 0.12)
+
+
+@dataclass(frozen=True)
+class Tree:
+    """Tensors of one draft tree (or of B stacked trees: every field then has a leading batch dimension).
+
+    parents      (N,) int64   parent node, -1 for the root
+    depth        (N,) int64   root 0
+    mask_bits    (N, W) int32 W = ceil(N/32); bit j of row i (little-endian in word j // 32) is set iff j is i or
+                              an ancestor of i
+    first_child  (N,) int64   first child in sibling order, -1 if none
+    next_sibling (N,) int64   next sibling, -1 if none
+    leaf_paths   (L, D+1) int64 root-to-leaf node paths, -1 padded (D = max depth)
+    tokens       (N,) int64   drafted token per node (-1 where unknown, e.g. static trees before filling)
+    head_rank    (N,) int64   Medusa: top-k rank of the node's token in head depth-1; -1 for root / dynamic trees
+    """
+
+    parents: torch.Tensor
+    depth: torch.Tensor
+    mask_bits: torch.Tensor
+    first_child: torch.Tensor
+    next_sibling: torch.Tensor
+    leaf_paths: torch.Tensor
+    tokens: torch.Tensor
+    head_rank: torch.Tensor
+
+    @classmethod
+    def from_parents(
+        cls, parents: Sequence[int] | torch.Tensor, tokens: torch.Tensor | None = None, head_rank=None
+    ) -> Tree:
+        """Build every table from the parent list (topological order, node 0 the only root)."""
+        par = [int(p) for p in parents]
+        n = len(par)
+        if n == 0 or par[0] != -1:
+            raise ValueError("node 0 must be the root (parent -1)")
+        if any(not 0 <= p < i for i, p in enumerate(par) if i > 0):
+            raise ValueError(f"parents must come before children and only node 0 is a root: {par}")
+        depth = [0] * n
+        first_child, next_sibling, last_child = [-1] * n, [-1] * n, [-1] * n
+        for i in range(1, n):
+            p = par[i]
+            depth[i] = depth[p] + 1
+            if first_child[p] < 0:
+                first_child[p] = i
+            else:
+                next_sibling[last_child[p]] = i
+            last_child[p] = i
+        ancestors = [[0] for _ in range(n)]
+        for i in range(1, n):
+            ancestors[i] = ancestors[par[i]] + [i]  # root..i
+        dense = torch.zeros(n, n, dtype=torch.bool)
+        for i, path in enumerate(ancestors):
+            dense[i, path] = True
+        max_depth = max(depth)
+        leaves = [ancestors[i] for i in range(n) if first_child[i] < 0]
+        leaf_paths = torch.full((len(leaves), max_depth + 1), -1, dtype=torch.long)
+        for row, path in enumerate(leaves):
+            leaf_paths[row, : len(path)] = torch.tensor(path)
+        as_long = lambda x: torch.as_tensor(x, dtype=torch.long)
+        return cls(
+            parents=as_long(par),
+            depth=as_long(depth),
+            mask_bits=pack_mask(dense),
+            first_child=as_long(first_child),
+            next_sibling=as_long(next_sibling),
+            leaf_paths=leaf_paths,
+            tokens=as_long(tokens) if tokens is not None else torch.full((n,), -1, dtype=torch.long),
+            head_rank=as_long(head_rank) if head_rank is not None else torch.full((n,), -1, dtype=torch.long),
+        )
+
+    @property
+    def num_nodes(self) -> int:
+        return self.parents.shape[-1]
+
+    @property
+    def max_depth(self) -> int:
+        return self.leaf_paths.shape[-1] - 1
+
+    @property
+    def is_batched(self) -> bool:
+        return self.parents.dim() == 2
+
+    def positions(self, prefix_len: int | torch.Tensor) -> torch.Tensor:
+        """Position ids of the tree tokens: prefix_len + depth. A (B,) prefix_len gives (B, N)."""
+        if isinstance(prefix_len, torch.Tensor) and prefix_len.dim() == 1:
+            return prefix_len[:, None].to(self.depth.device) + self.depth
+        return prefix_len + self.depth
+
+    def dense_mask(self) -> torch.Tensor:
+        """(…, N, N) bool ancestor-or-self mask unpacked from `mask_bits`."""
+        return unpack_mask(self.mask_bits, self.num_nodes)
+
+    def batched(self, batch_size: int) -> Tree:
+        """This tree with a leading batch dimension (a view for an unbatched tree)."""
+        if self.is_batched:
+            if self.parents.shape[0] != batch_size:
+                raise ValueError(f"tree batch {self.parents.shape[0]} != {batch_size}")
+            return self
+        return Tree(
+            **{f.name: getattr(self, f.name).expand(batch_size, *getattr(self, f.name).shape) for f in fields(self)}
+        )
+
+    def to(self, device: torch.device | str) -> Tree:
+        return Tree(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+
+
+def pack_mask(dense: torch.Tensor) -> torch.Tensor:
+    """Pack a (…, N, N) bool mask into (…, N, ceil(N/32)) int32 words, little-endian bit order."""
+    n = dense.shape[-1]
+    w = (n + 31) // 32
+    padded = torch.zeros(*dense.shape[:-1], w * 32, dtype=torch.int64, device=dense.device)
+    padded[..., :n] = dense.long()
+    weights = torch.ones(32, dtype=torch.int64, device=dense.device) << torch.arange(32, device=dense.device)
+    words = (padded.view(*dense.shape[:-1], w, 32) * weights).sum(-1)  # (…, N, W) in [0, 2^32)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def unpack_mask(mask_bits: torch.Tensor, n: int) -> torch.Tensor:
+    """Inverse of `pack_mask`: (…, N, W) int32 words -> (…, N, n) bool."""
+    j = torch.arange(n, device=mask_bits.device)
+    words = mask_bits[..., j // 32]  # (…, N, n)
+    return ((words >> (j % 32)) & 1).bool()
+
+
+def stack_trees(trees: Sequence[Tree]) -> Tree:
+    """Stack B unbatched trees with the same node count; leaf paths are padded with -1."""
+    if len({t.num_nodes for t in trees}) != 1:
+        raise ValueError(f"trees to stack need the same node count, got {[t.num_nodes for t in trees]}")
+    n_leaves = max(t.leaf_paths.shape[0] for t in trees)
+    width = max(t.leaf_paths.shape[1] for t in trees)
+    leaf_paths = torch.full((len(trees), n_leaves, width), -1, dtype=torch.long, device=trees[0].parents.device)
+    for b, t in enumerate(trees):
+        leaf_paths[b, : t.leaf_paths.shape[0], : t.leaf_paths.shape[1]] = t.leaf_paths
+    stacked = {f.name: torch.stack([getattr(t, f.name) for t in trees]) for f in fields(Tree) if f.name != "leaf_paths"}
+    return Tree(leaf_paths=leaf_paths, **stacked)
+
+
+# ---------------------------------------------------------------------------------------------- Medusa static trees
+
+
+def medusa_tree(paths: Sequence[Sequence[int]], num_heads: int, max_nodes: int | None = None) -> Tree:
+    """Static tree from per-head top-k rank paths: path (r1, r2, …) = rank r1 of head 0, then rank r2 of head 1, ….
+
+    The root (empty path) is added; every prefix of a path must be in the list. Nodes are ordered by depth, then by
+    path, so siblings are sorted by rank. `max_nodes` bounds the drafted nodes (root excluded).
+    """
+    keys = sorted({tuple(int(r) for r in p) for p in paths}, key=lambda p: (len(p), p))
+    if () in keys:
+        keys.remove(())
+    if max_nodes is not None and len(keys) > max_nodes:
+        raise ValueError(f"tree has {len(keys)} drafted nodes, more than the budget of {max_nodes}")
+    deepest = max((len(p) for p in keys), default=0)
+    if deepest > num_heads:
+        raise ValueError(f"tree depth {deepest} exceeds the number of Medusa heads ({num_heads})")
+    index = {(): 0}
+    parents, ranks = [-1], [-1]
+    for p in keys:
+        if min(p) < 0:
+            raise ValueError(f"negative rank in path {p}")
+        if p[:-1] not in index:
+            raise ValueError(f"path {p} has no parent path {p[:-1]} in the tree")
+        index[p] = len(parents)
+        parents.append(index[p[:-1]])
+        ranks.append(p[-1])
+    return Tree.from_parents(parents, head_rank=ranks)
+
+
+def chain(depth: int) -> Tree:
+    """A chain of `depth` drafted tokens (top-1 of each head)."""
+    return medusa_tree([(0,) * d for d in range(1, depth + 1)], num_heads=depth)
+
+
+def medusa_tokens(tree: Tree, root_tokens: torch.Tensor, head_topk: torch.Tensor) -> torch.Tensor:
+    """Fill a static tree: root_tokens (B,), head_topk (B, K heads, top_k) token ids -> tree tokens (B, N)."""
+    head = (tree.depth - 1).clamp(min=0)  # (N,)
+    rank = tree.head_rank.clamp(min=0)  # (N,)
+    tokens = head_topk[:, head, rank]  # (B, N)
+    tokens[:, 0] = root_tokens
+    return tokens
+
+
+def medusa_rank_acc(head_top1: Sequence[float] = VICUNA_7B_HEAD_ACC, top_k: int = 10, decay: float = 0.5):
+    """Modelled accuracy of rank r of head k: head_top1[k] * decay**r, shape (K, top_k)."""
+    top1 = torch.tensor(head_top1, dtype=torch.float64)[:, None]
+    return top1 * decay ** torch.arange(top_k, dtype=torch.float64)[None, :]
+
+
+def calibrated_paths(rank_acc: torch.Tensor, num_nodes: int) -> list[tuple[int, ...]]:
+    """Greedy growth by expected acceptance: start from the root, repeatedly add the frontier child (one more head,
+    any rank) whose path value — the product of `rank_acc[head, rank]` along it — is highest. Ties go to the child
+    found first (shallower, lower rank)."""
+    k_heads, top_k = rank_acc.shape
+    acc = rank_acc.tolist()
+    value = {(): 1.0}
+    candidates = {(r,): acc[0][r] for r in range(top_k)}
+    paths: list[tuple[int, ...]] = []
+    while len(paths) < num_nodes and candidates:
+        best = max(candidates, key=lambda p: (candidates[p], -len(p), tuple(-r for r in p)))
+        value[best] = candidates.pop(best)
+        paths.append(best)
+        if len(best) < k_heads:
+            for r in range(top_k):
+                candidates[best + (r,)] = value[best] * acc[len(best)][r]
+    return paths
+
+
+def calibrated_tree(rank_acc: torch.Tensor, num_nodes: int) -> Tree:
+    """Static Medusa tree of `num_nodes` drafted nodes grown from calibrated rank accuracies (K heads, top_k)."""
+    return medusa_tree(calibrated_paths(rank_acc, num_nodes), num_heads=rank_acc.shape[0])
+
+
+# Our 63-node sparse tree (depth <= 4): calibrated_paths(medusa_rank_acc(VICUNA_7B_HEAD_ACC[:4]), 63).
+# fmt: off
+MEDUSA_63: list[tuple[int, ...]] = [
+    (0,), (1,), (0, 0), (2,), (0, 1), (1, 0), (3,), (0, 2), (1, 1), (2, 0), (0, 0, 0), (4,), (0, 3), (1, 2), (2, 1),
+    (3, 0), (0, 0, 1), (0, 1, 0), (1, 0, 0), (5,), (0, 4), (1, 3), (2, 2), (3, 1), (4, 0), (0, 0, 2), (0, 1, 1),
+    (0, 2, 0), (1, 0, 1), (1, 1, 0), (2, 0, 0), (6,), (0, 5), (1, 4), (2, 3), (3, 2), (4, 1), (5, 0), (0, 0, 0, 0),
+    (0, 0, 3), (0, 1, 2), (0, 2, 1), (0, 3, 0), (1, 0, 2), (1, 1, 1), (1, 2, 0), (2, 0, 1), (2, 1, 0), (3, 0, 0),
+    (7,), (0, 6), (1, 5), (2, 4), (3, 3), (4, 2), (5, 1), (6, 0), (0, 0, 0, 1), (0, 0, 1, 0), (0, 1, 0, 0),
+    (1, 0, 0, 0), (0, 0, 4), (0, 1, 3),
+]
+# fmt: on
+
+
+# ---------------------------------------------------------------------------------------------- EAGLE-2 dynamic tree
+
+ExpandFn = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
+
+
+def dynamic_tree(expand_fn: ExpandFn, root_token: int, depth: int, top_k: int, total_tokens: int) -> Tree:
+    """EAGLE-2 dynamic tree for one request (Li et al., 2024).
+
+    `expand_fn(tokens (F,), parent_rows (F,), step) -> log_probs (F, V)` runs the drafter on the F frontier nodes of
+    round `step` (0 … depth-1); `parent_rows[f]` is the row of the node's parent in the previous call (-1 for the
+    root in round 0), so a drafter can keep its per-row hidden states. Each round expands the top_k children of every
+    frontier node (score = cumulative draft log-probability) and the next frontier is the top_k of those children.
+    Finally the global top (total_tokens - 1) candidates are kept with the root; since scores never increase along a
+    path (and ties rank parents first) the kept set is connected. Nodes are returned in creation order.
+    """
+    if total_tokens < 1 or top_k < 1 or depth < 1:
+        raise ValueError("depth, top_k and total_tokens must be positive")
+    cand_tokens: list[torch.Tensor] = []
+    cand_parents: list[torch.Tensor] = []  # candidate index of the parent, -1 = root
+    cand_scores: list[torch.Tensor] = []
+    frontier_tokens = torch.tensor([root_token])
+    frontier_cand = torch.tensor([-1])  # candidate index of each frontier node
+    frontier_scores = torch.zeros(1, dtype=torch.float64)
+    parent_rows = torch.tensor([-1])
+    n_cand = 0
+    for step in range(depth):
+        logp = expand_fn(frontier_tokens, parent_rows, step).double().cpu()  # (F, V)
+        child_logp, child_tok = logp.topk(top_k, dim=-1)  # (F, k)
+        scores = (frontier_scores[:, None] + child_logp).reshape(-1)  # (F*k,)
+        cand_tokens.append(child_tok.reshape(-1))
+        cand_parents.append(frontier_cand.repeat_interleave(top_k))
+        cand_scores.append(scores)
+        new_idx = torch.arange(n_cand, n_cand + scores.numel())
+        n_cand += scores.numel()
+        keep = torch.sort(-scores, stable=True).indices[:top_k]  # next frontier, best first
+        frontier_tokens, frontier_cand, frontier_scores = cand_tokens[-1][keep], new_idx[keep], scores[keep]
+        parent_rows = keep // top_k
+    tokens, parents, scores = torch.cat(cand_tokens), torch.cat(cand_parents), torch.cat(cand_scores)
+    kept = torch.sort(-scores, stable=True).indices[: total_tokens - 1].sort().values  # creation order
+    node_of = torch.full((n_cand,), -1, dtype=torch.long)
+    node_of[kept] = torch.arange(1, kept.numel() + 1)
+    kept_parents = parents[kept]
+    tree_parents = torch.where(kept_parents < 0, 0, node_of[kept_parents.clamp(min=0)])
+    assert bool((tree_parents >= 0).all()), "EAGLE-2 re-ranking kept a node without its parent"
+    return Tree.from_parents(
+        torch.cat([torch.tensor([-1]), tree_parents]), tokens=torch.cat([torch.tensor([root_token]), tokens[kept]])
+    )
