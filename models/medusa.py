@@ -1,0 +1,166 @@
+"""Medusa heads: K extra decoding heads on the frozen target's last hidden state.
+
+    python -m train recipes/tiny/medusa1.yaml      # trains MedusaHeads from feature shards
+
+`MedusaHeads(cfg, target)(batch)` returns the λ-weighted multi-head loss and per-head metrics;
+`MedusaHeads.head_logits(hidden)` is the evaluation / Medusa-2 entry point (any hidden states,
+e.g. from a live LoRA backbone).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.common import DraftBatch, DrafterOutput, TargetParts, num_loss_tokens, shifted_valid
+
+
+@dataclass
+class MedusaConfig:
+    """Medusa-1 heads (recipe section `drafter`, `method: medusa1`)."""
+
+    method: Literal["medusa1"] = "medusa1"
+    num_heads: int = 5
+    """K: head k (1-based) predicts token t+k+1 from the hidden state at t."""
+    num_layers: int = 1
+    """L: residual blocks `h + SiLU(W1 h + b1)` per head, each with its own parameters."""
+    decay: float = 0.8
+    """λ_k = decay**k for head k = 1..K (head 1 weighs 0.8, head 2 0.64, ...)."""
+    share_lm_head: bool = False
+    """True: all heads project with the frozen target lm_head; False: each head trains its own copy."""
+
+    @property
+    def feature_layers(self) -> list[int]:
+        """Hidden-state indices the heads read: the target's last hidden state (after the final norm)."""
+        return [-1]
+
+    def validate(self, err) -> None:
+        if self.num_heads < 1:
+            err("drafter.num_heads", f"must be >= 1, got {self.num_heads}")
+        if self.num_layers < 1:
+            err("drafter.num_layers", f"must be >= 1, got {self.num_layers}")
+        if not 0.0 < self.decay <= 1.0:
+            err("drafter.decay", f"must be in (0, 1], got {self.decay}")
+
+    def check_recipe(self, recipe, err) -> None:
+        if recipe.eval.tree == "dynamic":
+            err("eval.tree", "dynamic trees need an EAGLE drafter; Medusa uses static trees (chain, medusa63, ...)")
+        if recipe.eval.tree in ("chain", "calibrated") and recipe.eval.tree_depth > self.num_heads:
+            err("eval.tree_depth", f"{recipe.eval.tree_depth} exceeds the number of Medusa heads ({self.num_heads})")
+
+
+class ResidualStack(nn.Module):
+    """L residual blocks `h <- h + SiLU(W1 h + b1)`; W1 starts at zero so a fresh head is the identity."""
+
+    def __init__(self, hidden_size: int, num_layers: int):
+        super().__init__()
+        # One nn.Linear per block (upstream Medusa's `[ResBlock(d)] * L` shares one block L times).
+        self.layers = nn.ModuleList(nn.Linear(hidden_size, hidden_size) for _ in range(num_layers))
+        for layer in self.layers:
+            nn.init.zeros_(layer.weight)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            h = h + F.silu(layer(h))  # (..., d)
+        return h
+
+
+class MedusaHeads(nn.Module):
+    """Medusa-1 (Cai et al., 2024, "Medusa: Simple LLM Inference Acceleration Framework with Multiple
+    Decoding Heads").
+
+    K heads sit on the frozen target's last hidden state h_t (the input of its lm_head). Head k
+    (1-based) is a stack of L residual SiLU blocks followed by a vocabulary projection initialised
+    from the target's lm_head, and predicts token x_{t+k+1}: the target itself already predicts
+    x_{t+1}, so head 1 guesses one token further. Training is cross-entropy per head, weighted
+    λ_k = decay^k (k = 1..K) because later heads are less accurate and matter less for acceptance:
+    `loss = Σ_k λ_k Σ_{t valid for k} CE(head_k(h_t), x_{t+k+1}) / num_loss_tokens`, where t is valid
+    for head k when x_{t+k+1} is an assistant token of the same sample. Zero-initialised W1 makes
+    each head start as exactly the target's next-token head, which then learns to look further ahead.
+    At evaluation the heads' top-k choices form a static tree verified by the target.
+    """
+
+    def __init__(self, cfg: MedusaConfig, target: TargetParts):
+        super().__init__()
+        self.cfg = cfg
+        self.stored_layers = list(target.stored_layers)
+        d = target.config.hidden_size
+        self.blocks = nn.ModuleList(ResidualStack(d, cfg.num_layers) for _ in range(cfg.num_heads))
+        if cfg.share_lm_head:
+            self.lm_head = target.lm_head.requires_grad_(False)  # frozen, shared by reference
+            self.lm_heads = None
+        else:
+            self.lm_head = None
+            self.lm_heads = nn.ModuleList(_copy_linear(target.lm_head) for _ in range(cfg.num_heads))
+
+    # ---------------------------------------------------------------------------------------
+    # Heads on any hidden states (evaluation, Medusa-2 on a live backbone)
+
+    def head(self, k: int, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits of head k (1-based) for hidden states (..., d) -> (..., V)."""
+        h = self.blocks[k - 1](hidden.to(self.compute_dtype))  # (..., d)
+        if self.lm_heads is not None:
+            return self.lm_heads[k - 1](h)  # (..., V)
+        return self.lm_head(h.to(self.lm_head.weight.dtype))  # (..., V)
+
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """All heads on last hidden states (B, T, d) -> (K, B, T, V); head k predicts token t+k+1."""
+        return torch.stack([self.head(k, hidden) for k in range(1, self.cfg.num_heads + 1)])
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.blocks[0].layers[0].weight.dtype
+
+    # ---------------------------------------------------------------------------------------
+    # Training on a feature batch
+
+    def forward(self, batch: DraftBatch) -> DrafterOutput:
+        hidden = batch["hidden"][:, :, self.stored_layers.index(-1)]  # (B, T, d)
+        ids = batch["input_ids"]  # (B, T)
+        n_loss = num_loss_tokens(batch)
+        loss = hidden.new_zeros((), dtype=torch.float32)
+        metrics: dict[str, torch.Tensor] = {}
+        for k in range(1, self.cfg.num_heads + 1):
+            shift = k + 1
+            valid = shifted_valid(batch, shift)[:, :-shift]  # (B, T - shift): x_{t+k+1} is a loss token
+            # Only valid positions go through the head: the (N, V) logits dominate memory.
+            logits = self.head(k, hidden[:, :-shift][valid]).float()  # (N, V)
+            labels = ids[:, shift:][valid]  # (N,)
+            ce = F.cross_entropy(logits, labels, reduction="sum")
+            loss = loss + self.cfg.decay**k * ce
+            with torch.no_grad():
+                n_valid = labels.numel() or 1
+                top = logits.topk(min(5, logits.shape[-1]), dim=-1).indices  # (N, 5)
+                hit = top == labels[:, None]
+                metrics[f"loss/head{k}"] = ce.detach() / n_loss
+                metrics[f"acc@1/head{k}"] = hit[:, 0].sum() / n_valid
+                metrics[f"acc@5/head{k}"] = hit.any(-1).sum() / n_valid
+        return {"loss": loss / n_loss, **metrics}
+
+    # ---------------------------------------------------------------------------------------
+    # What the training loop needs
+
+    def trainable_parameter_names(self) -> list[str]:
+        return [name for name, p in self.named_parameters() if p.requires_grad]
+
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        """Trained tensors only (the shared frozen lm_head is the target's and is never saved here)."""
+        return {name: p.detach() for name, p in self.named_parameters() if p.requires_grad}
+
+    def is_head_param(self, name: str) -> bool:
+        """Every trainable Medusa parameter belongs to a head (Medusa-2 gives heads an LR multiplier)."""
+        return name.startswith(("blocks.", "lm_heads."))
+
+
+def _copy_linear(src: nn.Linear) -> nn.Linear:
+    """A trainable float copy of a (frozen) linear layer."""
+    dst = nn.Linear(src.in_features, src.out_features, bias=src.bias is not None)
+    with torch.no_grad():
+        dst.weight.copy_(src.weight)
+        if src.bias is not None:
+            dst.bias.copy_(src.bias)
+    return dst

@@ -1,0 +1,225 @@
+"""Medusa heads on a tiny random Llama target: loss against a hand computation, gradients, frozen parts,
+overfitting, packing invariance, distinct residual blocks.
+
+    .venv/bin/pytest tests/test_medusa.py -q
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from models.common import DraftBatch, TargetParts
+from models.medusa import MedusaConfig, MedusaHeads
+from train.config import RecipeError, build_dataclass
+
+torch.set_num_threads(1)
+
+
+def tiny_target(seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def target_parts(model: LlamaForCausalLM, layers: list[int]) -> TargetParts:
+    return TargetParts(model.config, model.model.embed_tokens, model.lm_head, layers)
+
+
+def make_samples(lengths: list[int], seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(input_ids (T,), loss_mask (T,)): a short prompt without loss, then assistant tokens."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for T in lengths:
+        ids = torch.randint(0, 256, (T,), generator=g)
+        mask = torch.ones(T)
+        mask[: T // 3] = 0
+        out.append((ids, mask))
+    return out
+
+
+@torch.no_grad()
+def sample_hidden(model: LlamaForCausalLM, ids: torch.Tensor, layers: list[int]) -> torch.Tensor:
+    """(T, n_layers, d) hidden states of one sample run alone through the target."""
+    hs = model(ids[None], output_hidden_states=True).hidden_states
+    return torch.stack([hs[layer][0] for layer in layers], dim=1)
+
+
+def make_batch(model, samples, layers: list[int], rows: list[list[int]], width: int) -> DraftBatch:
+    """Rows of packed samples (indices into `samples`), right-padded to `width`."""
+    d = model.config.hidden_size
+    B = len(rows)
+    batch = DraftBatch(
+        input_ids=torch.zeros(B, width, dtype=torch.long),
+        loss_mask=torch.zeros(B, width),
+        attention_mask=torch.zeros(B, width, dtype=torch.long),
+        position_ids=torch.zeros(B, width, dtype=torch.long),
+        hidden=torch.zeros(B, width, len(layers), d),
+    )
+    for b, row in enumerate(rows):
+        start = 0
+        for i in row:
+            ids, mask = samples[i]
+            T = ids.shape[0]
+            sl = slice(start, start + T)
+            batch["input_ids"][b, sl] = ids
+            batch["loss_mask"][b, sl] = mask
+            batch["attention_mask"][b, sl] = 1
+            batch["position_ids"][b, sl] = torch.arange(T)
+            batch["hidden"][b, sl] = sample_hidden(model, ids, layers)
+            start += T
+    return batch
+
+
+@pytest.fixture(scope="module")
+def setup():
+    model = tiny_target()
+    samples = make_samples([11, 8, 13])
+    padded = make_batch(model, samples, [-1], rows=[[0], [1], [2]], width=13)
+    packed = make_batch(model, samples, [-1], rows=[[0, 1], [2]], width=20)
+    return model, samples, padded, packed
+
+
+def randomise_blocks(heads: MedusaHeads, seed: int = 0) -> None:
+    """Nonzero W1 so the residual blocks matter in the hand computation."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for stack in heads.blocks:
+            for layer in stack.layers:
+                layer.weight.copy_(torch.randn(layer.weight.shape, generator=g) * 0.1)
+
+
+def test_config_through_recipe_builder():
+    def err(key, msg):
+        raise RecipeError(f"{key}: {msg}")
+
+    cfg = build_dataclass(MedusaConfig, {"method": "medusa1", "num_heads": 3, "decay": 0.5}, "drafter", err)
+    assert cfg.num_heads == 3 and cfg.feature_layers == [-1]
+    for bad in ({"num_heads": 0}, {"num_layers": 0}, {"decay": 0.0}, {"decay": 1.5}):
+        with pytest.raises(RecipeError, match="drafter"):
+            build_dataclass(MedusaConfig, {"method": "medusa1", **bad}, "drafter", err)
+
+
+@pytest.mark.parametrize("share_lm_head", [False, True])
+def test_loss_matches_hand_computation(setup, share_lm_head):
+    model, samples, padded, _ = setup
+    cfg = MedusaConfig(num_heads=3, num_layers=2, decay=0.8, share_lm_head=share_lm_head)
+    heads = MedusaHeads(cfg, target_parts(model, [-1]))
+    randomise_blocks(heads)
+    out = heads(padded)
+
+    total, per_head, n_loss = 0.0, [0.0] * cfg.num_heads, 0.0
+    for ids, mask in samples:
+        h = sample_hidden(model, ids, [-1])[:, 0]  # (T, d)
+        n_loss += mask.sum().item()
+        for k in range(1, cfg.num_heads + 1):
+            stack = heads.blocks[k - 1].layers
+            proj = model.lm_head.weight if share_lm_head else heads.lm_heads[k - 1].weight
+            for t in range(ids.shape[0] - k - 1):
+                if mask[t + k + 1] == 0:
+                    continue
+                x = h[t]
+                for layer in stack:
+                    x = x + F.silu(x @ layer.weight.T + layer.bias)
+                ce = F.cross_entropy((x @ proj.T)[None], ids[t + k + 1][None]).item()
+                total += 0.8**k * ce
+                per_head[k - 1] += ce
+    assert out["loss"].item() == pytest.approx(total / n_loss, rel=1e-5)
+    for k in range(1, cfg.num_heads + 1):
+        assert out[f"loss/head{k}"].item() == pytest.approx(per_head[k - 1] / n_loss, rel=1e-5)
+        assert 0.0 <= out[f"acc@1/head{k}"].item() <= out[f"acc@5/head{k}"].item() <= 1.0
+
+
+def test_padded_and_packed_give_the_same_loss(setup):
+    model, _, padded, packed = setup
+    heads = MedusaHeads(MedusaConfig(num_heads=3), target_parts(model, [-1]))
+    randomise_blocks(heads)
+    a, b = heads(padded), heads(packed)
+    for key in a:
+        assert a[key].item() == pytest.approx(b[key].item(), rel=1e-5, abs=1e-7), key
+
+
+def test_reads_the_last_hidden_state_slot(setup):
+    model, samples, padded, _ = setup
+    two = make_batch(model, samples, [1, -1], rows=[[0], [1], [2]], width=13)
+    heads = MedusaHeads(MedusaConfig(num_heads=2), target_parts(model, [1, -1]))
+    heads_one = MedusaHeads(MedusaConfig(num_heads=2), target_parts(model, [-1]))
+    heads_one.load_state_dict(heads.state_dict())
+    assert heads(two)["loss"].item() == pytest.approx(heads_one(padded)["loss"].item(), rel=1e-6)
+
+
+def test_blocks_have_their_own_parameters():
+    model = tiny_target()
+    heads = MedusaHeads(MedusaConfig(num_heads=3, num_layers=3), target_parts(model, [-1]))
+    linears = [layer for stack in heads.blocks for layer in stack.layers]
+    assert len(linears) == 9
+    assert len({id(layer) for layer in linears}) == 9
+    assert len({layer.weight.data_ptr() for layer in linears}) == 9
+    assert len({layer.bias.data_ptr() for layer in linears}) == 9
+    assert all(torch.count_nonzero(layer.weight) == 0 for layer in linears)  # W1 zero-initialised
+    projs = [p.weight for p in heads.lm_heads] + [model.lm_head.weight]
+    assert len({w.data_ptr() for w in projs}) == 4  # trainable copies, not views of the target's
+    for w in projs[:-1]:
+        assert torch.equal(w, model.lm_head.weight)
+    names = set(heads.trainable_parameter_names())
+    assert "blocks.1.layers.2.weight" in names and "lm_heads.2.weight" in names
+
+
+def test_fresh_head_is_the_target_head(setup):
+    """W1 = 0: a fresh head with b1 = 0 is exactly the target's own next-token head."""
+    model, _, padded, _ = setup
+    heads = MedusaHeads(MedusaConfig(num_heads=2), target_parts(model, [-1]))
+    with torch.no_grad():
+        for stack in heads.blocks:
+            for layer in stack.layers:
+                layer.bias.zero_()
+    h = padded["hidden"][:, :, 0]
+    logits = heads.head_logits(h)  # (K, B, T, V)
+    assert logits.shape == (2, 3, 13, 256)
+    assert torch.allclose(logits[1], model.lm_head(h), atol=1e-6)
+
+
+@pytest.mark.parametrize("share_lm_head", [False, True])
+def test_gradients_and_frozen_target(setup, share_lm_head):
+    model, _, padded, _ = setup
+    heads = MedusaHeads(MedusaConfig(num_heads=3, num_layers=2, share_lm_head=share_lm_head), target_parts(model, [-1]))
+    embed_before = model.model.embed_tokens.weight.clone()
+    head_before = model.lm_head.weight.clone()
+    opt = torch.optim.Adam(heads.parameters(), lr=1e-2)  # all parameters: frozen ones must still not move
+    heads(padded)["loss"].backward()
+    trainable = dict(heads.named_parameters())
+    for name in heads.trainable_parameter_names():
+        grad = trainable[name].grad
+        assert grad is not None and torch.count_nonzero(grad) > 0, name
+    assert model.lm_head.weight.grad is None and model.model.embed_tokens.weight.grad is None
+    opt.step()
+    assert torch.equal(model.lm_head.weight, head_before)
+    assert torch.equal(model.model.embed_tokens.weight, embed_before)
+    state = heads.trainable_state_dict()
+    assert set(state) == set(heads.trainable_parameter_names())
+    assert not any(name.startswith("lm_head.") for name in state)
+    assert all(heads.is_head_param(name) for name in state)
+
+
+def test_overfits_one_batch(setup):
+    model, _, padded, _ = setup
+    torch.manual_seed(0)
+    heads = MedusaHeads(MedusaConfig(num_heads=2), target_parts(model, [-1]))
+    opt = torch.optim.Adam(heads.parameters(), lr=1e-2)
+    first = heads(padded)["loss"].item()
+    for _ in range(100):
+        opt.zero_grad()
+        out = heads(padded)
+        out["loss"].backward()
+        opt.step()
+    assert out["loss"].item() < 0.1 * first
+    assert out["acc@1/head1"].item() > 0.9
