@@ -1,0 +1,345 @@
+"""Self-distillation: let the target write the responses a drafter is then trained on.
+
+    python -m data.selfdistill --target PATH --prompts FILE.jsonl --out OUT.jsonl \
+        [--max-new-tokens 256 --temperature 0 --top-p 1 --seed 0 --batch-size 8 --limit N]
+
+Reads prompt records, one JSON object a line, in either format that `data.prepare` reads:
+  * plain `{"id"?, "prompt": str}` -> `{"id", "prompt", "completion", "generation"}`; the input is
+    `bos + prompt` exactly as data.prepare tokenizes it;
+  * chat `{"messages": [...]}` (OpenAI) or `{"conversations": [...]}` (ShareGPT) -> the same record
+    with every assistant turn written by the target (turn by turn, through the tokenizer's chat
+    template with the generation prompt, after the already regenerated earlier turns). A user turn
+    with no assistant reply after it (prompts-only chats) gets one inserted.
+A record's id is its `id` field, else `line<N>`. Decoding is greedy when --temperature is 0, else
+sampled with temperature / top-p from a generator seeded by (--seed, id, turn), so a record's
+output does not depend on the batch it lands in or on resuming. Generation stops at the target's
+EOS tokens (generation config and tokenizer) and `<|end|>` when the vocabulary has it; the stop
+token is not part of the text. Every record carries `"generation"` (settings, per-turn seeds,
+finish reasons "stop" / "length"); OUT.jsonl.meta.json holds the settings and the target's identity.
+
+Re-running with the same OUT resumes: existing records are kept (a truncated last line, left by an
+interrupted run, is dropped), their ids are skipped, new records are appended. Resuming with
+different settings or a different target is refused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import itertools
+import json
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LogitsProcessor, LogitsProcessorList
+
+from data.chat import SHAREGPT_ROLES
+
+
+class SelfDistillError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    """Everything that determines the output; a resumed run must match it exactly."""
+
+    prompts: str
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    seed: int
+    dtype: str
+
+
+def read_prompts(path: Path, limit: int | None) -> list[tuple[str, dict[str, Any]]]:
+    """(id, record) for every record, validated; errors name the file and line."""
+    records, seen = [], set()
+    with open(path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            if limit is not None and len(records) == limit:
+                break
+            if not line.strip():
+                continue
+            where = f"{path}:{line_no}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise SelfDistillError(f"{where}: invalid JSON ({exc})") from None
+            if not isinstance(record, dict):
+                raise SelfDistillError(f"{where}: expected a JSON object, got {type(record).__name__}")
+            try:
+                check_record(record)
+            except SelfDistillError as exc:
+                raise SelfDistillError(f"{where}: {exc}") from None
+            rid = str(record["id"]) if "id" in record else f"line{line_no}"
+            if rid in seen:
+                raise SelfDistillError(f"{where}: duplicate id {rid!r}")
+            seen.add(rid)
+            records.append((rid, record))
+    return records
+
+
+def check_record(record: dict[str, Any]) -> None:
+    if "conversations" in record or "messages" in record:
+        key, role_key, text_key = chat_keys(record)
+        turns = record[key]
+        if not isinstance(turns, list) or not turns:
+            raise SelfDistillError(f"`{key}` must be a non-empty list of turns")
+        for j, turn in enumerate(turns):
+            if not isinstance(turn, dict) or not isinstance(turn.get(text_key), str) or role_key not in turn:
+                raise SelfDistillError(f"{key}[{j}]: needs `{role_key}` and a string `{text_key}`")
+            if key == "conversations" and turn[role_key] not in SHAREGPT_ROLES:
+                raise SelfDistillError(f"{key}[{j}]: unknown role {turn[role_key]!r}")
+            if key == "messages" and turn[role_key] not in ("system", "user", "assistant"):
+                raise SelfDistillError(f"{key}[{j}]: unknown role {turn[role_key]!r}")
+    elif not isinstance(record.get("prompt"), str):
+        raise SelfDistillError("expected a string `prompt`, or `messages` / `conversations`")
+
+
+def chat_keys(record: dict[str, Any]) -> tuple[str, str, str]:
+    """(list key, role key, text key) of a chat record."""
+    return ("conversations", "from", "value") if "conversations" in record else ("messages", "role", "content")
+
+
+def record_seed(seed: int, rid: str, turn: int) -> int:
+    return int.from_bytes(hashlib.sha256(f"{seed}\0{rid}\0{turn}".encode()).digest()[:8], "big") >> 1
+
+
+class PerRowSampler(LogitsProcessor):
+    """Samples each row from its own generator and leaves only that token finite, so greedy
+    decoding inside `generate` emits it: the samples do not depend on the batch composition."""
+
+    def __init__(self, seeds: list[int], temperature: float, top_p: float):
+        self.generators = [torch.Generator().manual_seed(s) for s in seeds]
+        self.temperature, self.top_p = temperature, top_p
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        probs = torch.softmax(scores.float().cpu() / self.temperature, dim=-1)  # (B, V)
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+        sorted_probs[(sorted_probs.cumsum(-1) - sorted_probs) >= self.top_p] = 0
+        picks = [
+            int(order[i, torch.multinomial(p, 1, generator=g)])
+            for i, (p, g) in enumerate(zip(sorted_probs, self.generators))
+        ]
+        out = torch.full_like(scores, float("-inf"))
+        out[torch.arange(len(picks)), torch.tensor(picks, device=scores.device)] = 0
+        return out
+
+
+class Generator:
+    """Batched left-padded generation with one target, returning text and finish reason per input."""
+
+    def __init__(self, model, tokenizer, settings: GenerationSettings):
+        self.model, self.tokenizer, self.settings = model, tokenizer, settings
+        stop = model.generation_config.eos_token_id
+        stop = set(stop if isinstance(stop, list) else [stop]) | {tokenizer.eos_token_id}
+        if "<|end|>" in tokenizer.get_vocab():
+            stop.add(tokenizer.convert_tokens_to_ids("<|end|>"))
+        self.stop_ids = sorted(i for i in stop if i is not None)
+        if not self.stop_ids:
+            raise SelfDistillError("the target has no EOS token to stop generation at")
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stop_ids[0]
+        self.config = GenerationConfig(
+            max_new_tokens=settings.max_new_tokens, do_sample=False, eos_token_id=self.stop_ids, pad_token_id=pad
+        )
+
+    @torch.no_grad()
+    def __call__(self, inputs: list[list[int]], seeds: list[int]) -> list[tuple[str, str]]:
+        width = max(map(len, inputs))
+        pad = self.config.pad_token_id
+        ids = torch.tensor([[pad] * (width - len(x)) + x for x in inputs], device=self.model.device)  # (B, T)
+        mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in inputs], device=self.model.device)
+        processors = LogitsProcessorList()
+        if self.settings.temperature > 0:
+            processors.append(PerRowSampler(seeds, self.settings.temperature, self.settings.top_p))
+        out = self.model.generate(
+            input_ids=ids, attention_mask=mask, generation_config=self.config, logits_processor=processors
+        )
+        results = []
+        for row in out[:, width:].tolist():
+            stop_at = next((k for k, t in enumerate(row) if t in self.stop_ids), None)
+            new = row if stop_at is None else row[:stop_at]
+            text = self.tokenizer.decode(new, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+            results.append((text, "length" if stop_at is None else "stop"))
+        return results
+
+
+def is_chat(record: dict[str, Any]) -> bool:
+    return "conversations" in record or "messages" in record
+
+
+def chat_turns(record: dict[str, Any]) -> list[dict[str, Any]]:
+    """Copies of the record's turns; assistant turns (existing, or inserted after an unanswered
+    user turn) have their text set to None, to be written by the target."""
+    key, role_key, text_key = chat_keys(record)
+    assistant = "gpt" if key == "conversations" else "assistant"
+    turns: list[dict[str, Any]] = []
+    for j, turn in enumerate(record[key]):
+        is_assistant = role_of(record, turn) == "assistant"
+        turns.append(dict(turn, **{text_key: None}) if is_assistant else dict(turn))
+        following = record[key][j + 1] if j + 1 < len(record[key]) else None
+        if role_of(record, turn) == "user" and (following is None or role_of(record, following) != "assistant"):
+            turns.append({role_key: assistant, text_key: None})
+    return turns
+
+
+def role_of(record: dict[str, Any], turn: dict[str, Any]) -> str:
+    return SHAREGPT_ROLES[turn["from"]] if "conversations" in record else turn["role"]
+
+
+def distill_batch(batch: list[tuple[str, dict[str, Any]]], generate: Generator) -> list[dict[str, Any]]:
+    """Output records for a batch of (id, record): plain prompts in one call, chats turn by turn."""
+    tok, settings = generate.tokenizer, generate.settings
+    outputs = [dict(record, id=record.get("id", rid)) for rid, record in batch]
+    for out in outputs:
+        out["generation"] = asdict(settings) | {"record_seeds": [], "finish_reason": []}
+        if is_chat(out):
+            out[chat_keys(out)[0]] = chat_turns(out)
+
+    plain = [i for i, out in enumerate(outputs) if not is_chat(out)]
+    if plain:
+        bos = [tok.bos_token_id] if tok.bos_token_id is not None else []
+        inputs = [bos + tok(outputs[i]["prompt"], add_special_tokens=False)["input_ids"] for i in plain]
+        seeds = [record_seed(settings.seed, batch[i][0], 0) for i in plain]
+        for i, seed, (text, reason) in zip(plain, seeds, generate(inputs, seeds)):
+            outputs[i]["completion"] = text
+            outputs[i]["generation"] |= {"record_seeds": [seed], "finish_reason": [reason]}
+
+    # Chats: round r writes the r-th assistant turn of every conversation that has one.
+    for r in itertools.count():
+        slots = []  # (output index, turn index) of the next unwritten assistant turn
+        for i, out in enumerate(outputs):
+            if is_chat(out):
+                key, _, text_key = chat_keys(out)
+                nxt = next((j for j, t in enumerate(out[key]) if t[text_key] is None), None)
+                if nxt is not None:
+                    slots.append((i, nxt))
+        if not slots:
+            break
+        inputs, seeds = [], []
+        for i, j in slots:
+            key, _, text_key = chat_keys(outputs[i])
+            messages = [{"role": role_of(outputs[i], t), "content": t[text_key]} for t in outputs[i][key][:j]]
+            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            inputs.append(tok(text, add_special_tokens=False)["input_ids"])
+            seeds.append(record_seed(settings.seed, batch[i][0], r))
+        for (i, j), seed, (text, reason) in zip(slots, seeds, generate(inputs, seeds)):
+            key, _, text_key = chat_keys(outputs[i])
+            outputs[i][key][j][text_key] = text
+            outputs[i]["generation"]["record_seeds"].append(seed)
+            outputs[i]["generation"]["finish_reason"].append(reason)
+    for out in outputs:
+        out["generation"] = out.pop("generation")  # last, so records read prompt -> completion -> settings
+    return outputs
+
+
+def target_identity(target: str) -> dict[str, Any]:
+    """Path plus hashes of the small files and sizes of the weight files (hashing GBs is too slow)."""
+    path = Path(target)
+    if not path.is_dir():
+        return {"name": target}
+    files = {}
+    for f in sorted(path.iterdir()):
+        if f.suffix in (".json", ".jinja", ".model", ".txt") and f.stat().st_size < 50_000_000:
+            files[f.name] = "sha256:" + hashlib.sha256(f.read_bytes()).hexdigest()
+        elif f.suffix in (".safetensors", ".bin", ".pt"):
+            files[f.name] = f"bytes:{f.stat().st_size}"
+    return {"path": str(path.resolve()), "files": files}
+
+
+def read_done(out: Path) -> set[str]:
+    """Ids already in OUT. A last line without its newline (an interrupted write) is cut off the file."""
+    if not out.exists():
+        return set()
+    data = out.read_bytes()
+    complete = data[: data.rfind(b"\n") + 1]
+    done: set[str] = set()
+    for line_no, line in enumerate(complete.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rid = str(json.loads(line)["id"])
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
+            raise SelfDistillError(f"{out}:{line_no}: malformed record (delete the file to start over)") from None
+        if rid in done:
+            raise SelfDistillError(f"{out}:{line_no}: duplicate id {rid!r}")
+        done.add(rid)
+    if len(complete) < len(data):
+        print(f"{out}: dropping a truncated last line ({len(data) - len(complete)} bytes)", file=sys.stderr)
+        with open(out, "r+b") as f:
+            f.truncate(len(complete))
+    return done
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", required=True, help="HF causal LM directory (model + tokenizer)")
+    parser.add_argument("--prompts", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--limit", type=int, default=None, help="only the first N prompt records")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--trust-remote-code", action="store_true")
+    args = parser.parse_args(argv)
+    if args.temperature < 0 or not 0 < args.top_p <= 1 or args.max_new_tokens < 1 or args.batch_size < 1:
+        parser.error("need --temperature >= 0, 0 < --top-p <= 1, --max-new-tokens >= 1, --batch-size >= 1")
+
+    settings = GenerationSettings(
+        prompts=args.prompts.name,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p if args.temperature > 0 else 1.0,
+        seed=args.seed,
+        dtype=args.dtype,
+    )
+    meta = {"settings": asdict(settings), "target": target_identity(args.target)}
+    meta_path = args.out.with_name(args.out.name + ".meta.json")
+    records = read_prompts(args.prompts, args.limit)
+    done = read_done(args.out)
+    if done:
+        previous = json.loads(meta_path.read_text()) if meta_path.exists() else None
+        if previous != meta:
+            raise SelfDistillError(
+                f"{args.out} holds {len(done)} records made with other settings or another target "
+                f"(see {meta_path}); refusing to resume. Now: {json.dumps(meta)}"
+            )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    meta_path.write_text(json.dumps(meta, indent=2) + "\n")
+    todo = [(rid, rec) for rid, rec in records if rid not in done]
+    if not todo:
+        print(f"{args.out}: all {len(records)} records done")
+        return
+
+    tokenizer = AutoTokenizer.from_pretrained(args.target, trust_remote_code=args.trust_remote_code)
+    if any(is_chat(rec) for _, rec in todo) and not tokenizer.chat_template:
+        raise SelfDistillError(f"{args.prompts} has chat records but the target's tokenizer has no chat_template")
+    dtype = args.dtype if args.dtype == "auto" else getattr(torch, args.dtype)
+    model = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype, trust_remote_code=args.trust_remote_code)
+    model.to(args.device).eval()
+    generate = Generator(model, tokenizer, settings)
+    with open(args.out, "a", encoding="utf-8") as f, tqdm(total=len(todo), desc="self-distill") as bar:
+        for start in range(0, len(todo), args.batch_size):
+            batch = todo[start : start + args.batch_size]
+            for out in distill_batch(batch, generate):
+                f.write(json.dumps(out, ensure_ascii=False) + "\n")
+            f.flush()
+            bar.update(len(batch))
+    print(f"{args.out}: {len(done) + len(todo)} records ({len(todo)} new)")
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except SelfDistillError as exc:
+        sys.exit(f"error: {exc}")

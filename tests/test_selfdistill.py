@@ -1,0 +1,123 @@
+"""Self-distillation on a tiny random Llama with the pocket tokenizer: formats, resume, errors."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from data.selfdistill import SelfDistillError, main, read_done
+
+POCKET = Path(__file__).resolve().parents[1] / "recipes" / "pocket" / "target"
+
+PLAIN = [{"id": f"p{i}", "prompt": f"def function_{i}(x):\n    return x + {i}\n"} for i in range(5)] + [
+    {"prompt": "import os\n"}  # no id: gets one from its line number
+]
+CHAT = [
+    {
+        "id": "openai",
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "old answer"},
+            {"role": "user", "content": "And then?"},
+        ],
+    },
+    {"id": "sharegpt", "conversations": [{"from": "human", "value": "2+2?"}, {"from": "gpt", "value": "4"}]},
+    {"id": "prompt-only", "messages": [{"role": "user", "content": "Write a haiku."}]},
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tmp_path_factory) -> Path:
+    """2-layer random Llama, vocab 8192, saved with the pocket tokenizer. A large init makes the
+    next-token distributions peaked, so greedy choices are far from ties."""
+    path = tmp_path_factory.mktemp("tiny-target")
+    tok = AutoTokenizer.from_pretrained(POCKET)
+    config = LlamaConfig(
+        vocab_size=8192,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        initializer_range=0.5,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def write_jsonl(path: Path, records: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def run(target: Path, prompts: Path, out: Path, *extra: str) -> list[dict]:
+    main(["--target", str(target), "--prompts", str(prompts), "--out", str(out), "--max-new-tokens", "6", *extra])
+    return [json.loads(line) for line in out.read_text().splitlines()]
+
+
+def test_plain_records(tiny_target, tmp_path):
+    out = run(tiny_target, write_jsonl(tmp_path / "p.jsonl", PLAIN), tmp_path / "out.jsonl", "--batch-size", "4")
+    assert [r["id"] for r in out] == [f"p{i}" for i in range(5)] + ["line6"]
+    for record, source in zip(out, PLAIN):
+        assert record["prompt"] == source["prompt"] and isinstance(record["completion"], str)
+        assert record["generation"]["max_new_tokens"] == 6 and record["generation"]["temperature"] == 0.0
+        assert record["generation"]["finish_reason"][0] in ("stop", "length")
+    meta = json.loads((tmp_path / "out.jsonl.meta.json").read_text())
+    assert meta["settings"]["max_new_tokens"] == 6 and "config.json" in meta["target"]["files"]
+
+
+def test_chat_records_keep_structure(tiny_target, tmp_path):
+    out = run(tiny_target, write_jsonl(tmp_path / "c.jsonl", CHAT), tmp_path / "out.jsonl", "--batch-size", "2")
+    openai, sharegpt, prompt_only = out
+    assert [m["role"] for m in openai["messages"]] == ["system", "user", "assistant", "user", "assistant"]
+    assert openai["messages"][:2] == CHAT[0]["messages"][:2] and openai["messages"][3] == CHAT[0]["messages"][3]
+    assert openai["messages"][2]["content"] != "old answer"
+    assert len(openai["generation"]["finish_reason"]) == 2
+    assert [t["from"] for t in sharegpt["conversations"]] == ["human", "gpt"]
+    assert sharegpt["conversations"][0] == CHAT[1]["conversations"][0]
+    assert [m["role"] for m in prompt_only["messages"]] == ["user", "assistant"]
+
+
+@pytest.mark.parametrize("sampling", [[], ["--temperature", "0.9", "--top-p", "0.9", "--seed", "3"]])
+def test_resume_equals_uninterrupted_run(tiny_target, tmp_path, sampling):
+    prompts = write_jsonl(tmp_path / "mixed.jsonl", PLAIN + CHAT)
+    run(tiny_target, prompts, tmp_path / "full.jsonl", "--batch-size", "3", *sampling)
+    run(tiny_target, prompts, tmp_path / "resumed.jsonl", "--batch-size", "2", "--limit", "3", *sampling)
+    with open(tmp_path / "resumed.jsonl", "a") as f:
+        f.write('{"id": "p3", "prompt": "trunc')  # an interrupted write: dropped on resume
+    resumed = run(tiny_target, prompts, tmp_path / "resumed.jsonl", "--batch-size", "4", *sampling)
+    assert (tmp_path / "resumed.jsonl").read_text() == (tmp_path / "full.jsonl").read_text()
+    ids = [r["id"] for r in resumed]
+    assert len(ids) == len(set(ids)) == len(PLAIN + CHAT)
+    assert len(read_done(tmp_path / "resumed.jsonl")) == len(ids)  # a finished file is left as is
+
+
+def test_refuses_resume_with_other_settings(tiny_target, tmp_path):
+    prompts = write_jsonl(tmp_path / "p.jsonl", PLAIN)
+    run(tiny_target, prompts, tmp_path / "out.jsonl", "--limit", "2")
+    with pytest.raises(SelfDistillError, match="refusing to resume"):
+        run(tiny_target, prompts, tmp_path / "out.jsonl", "--temperature", "0.7")
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("{not json", "p.jsonl:2: invalid JSON"),
+        ('{"text": "x"}', "p.jsonl:2: expected a string `prompt`"),
+        ('{"messages": [{"role": "robot", "content": "x"}]}', r"p.jsonl:2: messages\[0\]: unknown role"),
+        ('{"id": "a", "prompt": "y"}', "p.jsonl:2: duplicate id 'a'"),
+    ],
+)
+def test_malformed_prompt_names_file_and_line(tiny_target, tmp_path, line, message):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"id": "a", "prompt": "x"}\n' + line + "\n")
+    with pytest.raises(SelfDistillError, match=message):
+        run(tiny_target, prompts, tmp_path / "out.jsonl")
