@@ -114,9 +114,10 @@ class Attention(nn.Module):
         k = k * cos + _rotate_half(k) * sin
         if cache is not None:
             k, v = cache.update(layer_idx, k, v)  # (B, Hkv, S + n, hd)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask[:, None], enable_gqa=self.num_heads != self.num_kv_heads
-        )  # (B, H, n, hd)
+        # Repeat KV heads explicitly: SDPA's enable_gqa has no memory-efficient masked kernel on GPU.
+        groups = self.num_heads // self.num_kv_heads
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # (B, H, S + n, hd)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])  # (B, H, n, hd)
         return self.o_proj(out.transpose(1, 2).reshape(B, n, self.num_heads * self.head_dim))  # (B, n, d)
 
 

@@ -51,6 +51,8 @@ class MedusaConfig:
             err("eval.tree", "dynamic trees need an EAGLE drafter; Medusa uses static trees (chain, medusa63, ...)")
         if recipe.eval.tree in ("chain", "calibrated") and recipe.eval.tree_depth > self.num_heads:
             err("eval.tree_depth", f"{recipe.eval.tree_depth} exceeds the number of Medusa heads ({self.num_heads})")
+        if recipe.eval.tree == "medusa63" and self.num_heads < 4:
+            err("eval.tree", f"medusa63 is 4 deep and needs >= 4 heads, drafter.num_heads is {self.num_heads}")
 
 
 class ResidualStack(nn.Module):

@@ -395,3 +395,19 @@ def test_norm_switches_change_the_graph(setup):
             assert torch.allclose(unit.pow(2).mean(-1), torch.ones(1, 8), atol=1e-4)
             assert not torch.allclose(hidden, raw["h"])
         assert torch.allclose(logits, model.lm_head(hidden), atol=1e-5)
+
+
+def test_bf16_target_parts_with_fp32_drafter(setup):
+    """Targets load in bf16 and shards store bf16 features; the drafter trains in fp32 (or under autocast)."""
+    _, samples, padded, _ = setup
+    model = tiny_target().to(torch.bfloat16)
+    batch = dict(padded, hidden=padded["hidden"].to(torch.bfloat16))
+    drafter = drafter_for(model, feature_layers=[1, -1]).train()
+    assert drafter.compute_dtype == torch.float32
+    out = drafter(batch)
+    out["loss"].backward()
+    assert torch.isfinite(out["loss"]) and drafter.fc.weight.grad.dtype == torch.float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.isfinite(drafter(batch)["loss"])
+    logits, hidden = drafter.eval().step(*step_inputs(batch, drafter, 0, slice(0, 4)), drafter.new_cache())
+    assert logits.dtype == torch.float32 and hidden.dtype == torch.float32

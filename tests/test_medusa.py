@@ -223,3 +223,18 @@ def test_overfits_one_batch(setup):
         opt.step()
     assert out["loss"].item() < 0.1 * first
     assert out["acc@1/head1"].item() > 0.9
+
+
+@pytest.mark.parametrize("share_lm_head", [False, True])
+def test_bf16_target_parts_with_fp32_heads(setup, share_lm_head):
+    """Targets load in bf16 and shards store bf16 features; the heads train in fp32 (or under autocast)."""
+    _, _, padded, _ = setup
+    model = tiny_target().to(torch.bfloat16)
+    batch = dict(padded, hidden=padded["hidden"].to(torch.bfloat16))
+    heads = MedusaHeads(MedusaConfig(num_heads=2, share_lm_head=share_lm_head), target_parts(model, [-1]))
+    assert heads.compute_dtype == torch.float32
+    out = heads(batch)
+    out["loss"].backward()
+    assert torch.isfinite(out["loss"]) and heads.blocks[0].layers[0].weight.grad.dtype == torch.float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.isfinite(heads(batch)["loss"])
