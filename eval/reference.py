@@ -46,6 +46,7 @@ def tree_attention(
     mask_bits (B, N, W). GQA: query head h reads kv head h // (H / Hkv). fp32 math, output in q.dtype."""
     b, h, n, _ = q.shape
     group = h // k_tree.shape[1]
+    mask_bits = mask_bits.expand(b, n, mask_bits.shape[-1])
     k = torch.cat([k_prefix, k_tree], dim=2).float().repeat_interleave(group, dim=1)  # (B, H, P+N, D)
     v = torch.cat([v_prefix, v_tree], dim=2).float().repeat_interleave(group, dim=1)
     visible = torch.cat(

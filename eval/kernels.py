@@ -1,0 +1,512 @@
+"""Triton kernels for tree decoding, with the signatures and semantics of their twins in `eval.reference`.
+
+Tested by `TRITON_INTERPRET=1 .venv/bin/pytest tests/test_kernels.py -q`; timed on a GPU by
+`bash benchmarks/gpu_kernels.sh`.
+
+    ops = get_ops("triton")            # or "reference": the same functions in plain PyTorch
+    out = ops.tree_attention(q, k_prefix, v_prefix, k_tree, v_tree, mask_bits, scale)
+    accept_len, accepted_nodes, bonus = ops.verify_greedy(tree_tokens, target_logits, tree)
+    new_len = ops.kv_commit(k_cache, v_cache, prefix_len, accepted_nodes)
+
+    register_tree_attention()          # HF models: model.set_attn_implementation("specdraft_tree")
+    with tree_context(tree.mask_bits):
+        logits = model(input_ids=tree_tokens, position_ids=tree.positions(prefix_len), cache=cache).logits
+
+What is fused: tree attention (prefix read once per query block, split-KV over the prefix, tree block under the
+bitmask, log-sum-exp merge), greedy and typical verification (per-row argmax / log-sum-exp / entropy over the vocab,
+then one program per request picks the longest accepted path from the ancestor bitmask) and the KV commit copy.
+Sampled verification (`verify_sampled`) runs the torch walk of `eval.reference` in both op sets.
+
+Without CUDA the kernels run under the Triton interpreter: this module sets TRITON_INTERPRET=1 (unless already set)
+before defining them. The interpreter has no bf16 arithmetic, so inputs are cast to fp32 after loading there.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from eval import reference  # noqa: E402
+from eval.trees import Tree  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+LOG2E = 1.4426950408889634
+
+__all__ = [
+    "TreeOps",
+    "get_ops",
+    "kv_commit",
+    "register_tree_attention",
+    "tree_attention",
+    "tree_context",
+    "verify_greedy",
+    "verify_typical",
+]
+
+
+# -------------------------------------------------------------------------------------------------- tree attention
+
+
+@triton.jit
+def _attend_block(q, k, v, visible, m_i, l_i, acc, qk_scale, CAST_F32: tl.constexpr):
+    """One online-softmax step over a key block (scores in log2 units)."""
+    if CAST_F32:
+        s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = tl.where(visible, s * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if CAST_F32:
+        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _tree_attention_kernel(
+    Q, KP, VP, KT, VT, BITS, OUT, O_PART, L_PART,
+    sqb, sqh, sqn, skb, skh, skp, svb, svh, svp, stb, sth, stn, sub, suh, sun, sbb, sbn, sob, soh, son,
+    H, N, P, D, R, split_len, qk_scale,
+    HKV: tl.constexpr, GROUP: tl.constexpr, NUM_SPLITS: tl.constexpr, CAST_F32: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """Program (b * HKV + kv head, query block, prefix split). Rows are the GROUP query heads sharing the kv head
+    times the N tree queries (row = g * N + n), so K/V are read once per kv head. Last dims are contiguous."""
+    pid_bh, pid_m, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    b = pid_bh // HKV
+    kvh = pid_bh % HKV
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < GROUP * N
+    n = rows % N
+    h = kvh * GROUP + rows // N
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+    q = tl.load(Q + b * sqb + h[:, None] * sqh + n[:, None] * sqn + d[None, :], row_ok[:, None] & d_ok[None, :], 0.0)
+    if CAST_F32:
+        q = q.to(tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+    # the prefix: every tree query sees all of it; this program reads split pid_s of it
+    p_lo = pid_s * split_len
+    p_hi = tl.minimum(p_lo + split_len, P)
+    for start in range(p_lo, p_hi, BLOCK_P):
+        cols = start + tl.arange(0, BLOCK_P)
+        col_ok = cols < p_hi
+        kv_mask = col_ok[:, None] & d_ok[None, :]
+        k = tl.load(KP + b * skb + kvh * skh + cols[:, None] * skp + d[None, :], kv_mask, 0.0)
+        v = tl.load(VP + b * svb + kvh * svh + cols[:, None] * svp + d[None, :], kv_mask, 0.0)
+        m_i, l_i, acc = _attend_block(q, k, v, col_ok[None, :], m_i, l_i, acc, qk_scale, CAST_F32)
+
+    # the tree block under the ancestor bitmask, handled by the last split
+    t_hi = tl.where(pid_s == NUM_SPLITS - 1, N, 0)
+    for start in range(0, t_hi, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        col_ok = cols < N
+        kv_mask = col_ok[:, None] & d_ok[None, :]
+        k = tl.load(KT + b * stb + kvh * sth + cols[:, None] * stn + d[None, :], kv_mask, 0.0)
+        v = tl.load(VT + b * sub + kvh * suh + cols[:, None] * sun + d[None, :], kv_mask, 0.0)
+        words = tl.load(BITS + b * sbb + n[:, None] * sbn + cols[None, :] // 32, row_ok[:, None] & col_ok[None, :], 0)
+        visible = ((words >> (cols[None, :] % 32)) & 1) != 0
+        m_i, l_i, acc = _attend_block(q, k, v, visible, m_i, l_i, acc, qk_scale, CAST_F32)
+
+    l_safe = tl.where(l_i > 0, l_i, 1.0)  # only padding rows see nothing: each node sees itself
+    if NUM_SPLITS == 1:
+        out = acc / l_safe[:, None]
+        out_ptr = OUT + b * sob + h[:, None] * soh + n[:, None] * son + d[None, :]
+        tl.store(out_ptr, out.to(OUT.dtype.element_ty), row_ok[:, None] & d_ok[None, :])
+    else:
+        r = (b * H + h) * N + n  # flat (b, h, n) row of the partial buffers
+        part_ptr = O_PART + (pid_s * R + r)[:, None] * D + d[None, :]
+        tl.store(part_ptr, acc / l_safe[:, None], row_ok[:, None] & d_ok[None, :])
+        lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
+        tl.store(L_PART + pid_s * R + r, lse, row_ok)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    O_PART, L_PART, OUT, R, H, N, D, sob, soh, son,
+    NUM_SPLITS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """Log-sum-exp merge of the per-split partial outputs (every row has mass in the last split)."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_ok = r < R
+    d = tl.arange(0, BLOCK_D)
+    mask = r_ok[:, None] & (d < D)[None, :]
+    m = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    for s in range(NUM_SPLITS):
+        m = tl.maximum(m, tl.load(L_PART + s * R + r, r_ok, float("-inf")))
+    m = tl.where(r_ok, m, 0.0)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    total = tl.zeros([BLOCK_R], tl.float32)
+    for s in range(NUM_SPLITS):
+        w = tl.exp2(tl.load(L_PART + s * R + r, r_ok, float("-inf")) - m)
+        acc += w[:, None] * tl.load(O_PART + (s * R + r)[:, None] * D + d[None, :], mask, 0.0)
+        total += w
+    out = acc / tl.where(total > 0, total, 1.0)[:, None]
+    b, h, n = r // (H * N), (r // N) % H, r % N
+    tl.store(
+        OUT + b[:, None] * sob + h[:, None] * soh + n[:, None] * son + d[None, :], out.to(OUT.dtype.element_ty), mask
+    )
+
+
+def _pow2(x: int, lo: int, hi: int) -> int:
+    return max(lo, min(hi, triton.next_power_of_2(max(x, 1))))
+
+
+def _num_splits(q: torch.Tensor, programs: int, p: int, block_p: int) -> int:
+    """Split the prefix so that about two waves of programs fill the GPU (never on the interpreter)."""
+    if INTERPRET or p == 0:
+        return 1
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    return max(1, min(triton.cdiv(2 * sms, programs), triton.cdiv(p, 4 * block_p), 16))
+
+
+def tree_attention(
+    q: torch.Tensor,
+    k_prefix: torch.Tensor,
+    v_prefix: torch.Tensor,
+    k_tree: torch.Tensor,
+    v_tree: torch.Tensor,
+    mask_bits: torch.Tensor,
+    scale: float,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Triton twin of `eval.reference.tree_attention`; `num_splits` overrides the split-KV heuristic."""
+    bsz, h, n, d = q.shape
+    hkv, p = k_tree.shape[1], k_prefix.shape[2]
+    group = h // hkv
+    q, k_prefix, v_prefix, k_tree, v_tree = (
+        x if x.stride(-1) == 1 else x.contiguous() for x in (q, k_prefix, v_prefix, k_tree, v_tree)
+    )
+    mask_bits = mask_bits.expand(bsz, *mask_bits.shape[-2:]).to(torch.int32)
+    if mask_bits.stride(-1) != 1:
+        mask_bits = mask_bits.contiguous()
+    cast_f32 = INTERPRET or q.dtype == torch.float32
+    block_d = _pow2(d, 16, 256)
+    block_m = _pow2(group * n, 16, 32 if INTERPRET else 64)
+    block_p = 16 if INTERPRET else (32 if cast_f32 and block_d > 64 else 64)
+    block_n = 16 if INTERPRET else 32
+    m_blocks = triton.cdiv(group * n, block_m)
+    splits = num_splits or _num_splits(q, bsz * hkv * m_blocks, p, block_p)
+    split_len = triton.cdiv(triton.cdiv(p, splits), block_p) * block_p if p else 0
+    splits = max(1, triton.cdiv(p, split_len)) if p else 1
+    out = torch.empty_like(q)
+    rows = bsz * h * n
+    o_part = torch.empty((splits, rows, d), device=q.device, dtype=torch.float32) if splits > 1 else out
+    l_part = torch.empty((splits, rows), device=q.device, dtype=torch.float32) if splits > 1 else out
+    _tree_attention_kernel[(bsz * hkv, m_blocks, splits)](
+        q, k_prefix, v_prefix, k_tree, v_tree, mask_bits, out, o_part, l_part,
+        q.stride(0), q.stride(1), q.stride(2), k_prefix.stride(0), k_prefix.stride(1), k_prefix.stride(2),
+        v_prefix.stride(0), v_prefix.stride(1), v_prefix.stride(2), k_tree.stride(0), k_tree.stride(1),
+        k_tree.stride(2), v_tree.stride(0), v_tree.stride(1), v_tree.stride(2), mask_bits.stride(0),
+        mask_bits.stride(1), out.stride(0), out.stride(1), out.stride(2),
+        h, n, p, d, rows, split_len, scale * LOG2E,
+        HKV=hkv, GROUP=group, NUM_SPLITS=splits, CAST_F32=cast_f32,
+        BLOCK_M=block_m, BLOCK_P=block_p, BLOCK_N=block_n, BLOCK_D=block_d,
+    )  # fmt: skip
+    if splits > 1:
+        block_r = 16 if INTERPRET else 32
+        _merge_splits_kernel[(triton.cdiv(rows, block_r),)](
+            o_part, l_part, out, rows, h, n, d, out.stride(0), out.stride(1), out.stride(2),
+            NUM_SPLITS=splits, BLOCK_R=block_r, BLOCK_D=block_d,
+        )  # fmt: skip
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------- verification
+
+
+@triton.jit
+def _row_stats_kernel(
+    LOGITS, ARGMAX, LSE, LOG_THR, V, stride_row, inv_temp, log_eps, log_delta,
+    TYPICAL: tl.constexpr, BLOCK_V: tl.constexpr,
+):  # fmt: skip
+    """One program per (b, node) row: argmax (first maximum) and, for typical acceptance, the log-sum-exp of
+    logits / T and the threshold min(log eps, log delta - H) in one online pass over the vocabulary."""
+    row = tl.program_id(0)
+    base = LOGITS + row.to(tl.int64) * stride_row
+    best_val = tl.full([], float("-inf"), tl.float32)
+    best_idx = tl.full([], 0, tl.int32)
+    m = tl.full([], float("-inf"), tl.float32)
+    s = tl.zeros([], tl.float32)  # sum exp(z - m)
+    t = tl.zeros([], tl.float32)  # sum exp(z - m) * z
+    for start in range(0, V, BLOCK_V):
+        cols = start + tl.arange(0, BLOCK_V)
+        x = tl.load(base + cols, cols < V, float("-inf")).to(tl.float32)
+        blk_max, blk_idx = tl.max(x, 0, return_indices=True, return_indices_tie_break_left=True)
+        better = blk_max > best_val
+        best_idx = tl.where(better, start + blk_idx, best_idx)
+        best_val = tl.where(better, blk_max, best_val)
+        if TYPICAL:
+            z = x * inv_temp
+            m_new = tl.maximum(m, blk_max * inv_temp)
+            e = tl.where(cols < V, tl.exp(z - m_new), 0.0)
+            alpha = tl.exp(m - m_new)
+            s = s * alpha + tl.sum(e, 0)
+            t = t * alpha + tl.sum(e * tl.where(cols < V, z, 0.0), 0)
+            m = m_new
+    tl.store(ARGMAX + row, best_idx.to(tl.int64))
+    if TYPICAL:
+        lse = m + tl.log(s)
+        entropy = lse - t / s
+        tl.store(LSE + row, lse)
+        tl.store(LOG_THR + row, tl.minimum(log_eps, log_delta - entropy))
+
+
+@triton.jit
+def _longest_path_kernel(
+    TOKENS, PARENTS, DEPTH, BITS, ARGMAX, LOGITS, LSE, LOG_THR, ACCEPT_LEN, ACCEPTED, BONUS,
+    N, V, inv_temp, s_tok, s_par, s_dep, s_bb, s_bn, s_lb, s_ln, s_acc,
+    WIDTH: tl.constexpr, TYPICAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
+):  # fmt: skip
+    """One program per request. A node is accepted iff every node on its root path passes its test (greedy: token
+    == argmax at the parent; typical: log p > threshold at the parent), read from the ancestor bitmask; the deepest
+    accepted node wins (typical: ties by path log-likelihood), then the lowest index."""
+    b = tl.program_id(0)
+    i = tl.arange(0, BLOCK_N)
+    i_ok = i < N
+    par = tl.maximum(tl.load(PARENTS + b * s_par + i, i_ok, 0), 0)
+    tok = tl.load(TOKENS + b * s_tok + i, i_ok, 0)
+    depth = tl.load(DEPTH + b * s_dep + i, i_ok, 0)
+    if TYPICAL:
+        z = tl.load(LOGITS + (b * s_lb + par * s_ln).to(tl.int64) + tok, i_ok, 0.0).to(tl.float32) * inv_temp
+        lp = z - tl.load(LSE + b * N + par, i_ok, 0.0)
+        passed = lp > tl.load(LOG_THR + b * N + par, i_ok, 0.0)
+        lp = tl.where(i == 0, 0.0, lp)
+    else:
+        passed = tok == tl.load(ARGMAX + b * N + par, i_ok, 0)
+    failed = (~passed) & (i > 0) & i_ok  # (BLOCK_N,) over ancestors j
+    j = tl.arange(0, BLOCK_N)
+    words = tl.load(BITS + b * s_bb + i[:, None] * s_bn + j[None, :] // 32, i_ok[:, None] & (j < N)[None, :], 0)
+    anc = ((words >> (j[None, :] % 32)) & 1) != 0  # (i, j): j on the root path of i
+    ok = (tl.sum(tl.where(anc & failed[None, :], 1, 0), 1) == 0) & i_ok
+    key = tl.where(ok, depth, -1)
+    cand = key == tl.max(key, 0)
+    if TYPICAL:
+        path_lp = tl.where(cand, tl.sum(tl.where(anc, lp[None, :], 0.0), 1), float("-inf"))
+        cand = cand & (path_lp == tl.max(path_lp, 0))
+    best = tl.min(tl.where(cand, i, BLOCK_N), 0)
+    on_path = tl.sum(tl.where((i[:, None] == best) & anc, 1, 0), 0) > 0  # (j,)
+    slot = tl.arange(0, BLOCK_W)
+    hit = on_path[None, :] & (depth[None, :] == slot[:, None])  # (slot, j)
+    node_at = tl.sum(tl.where(hit, j[None, :] + 1, 0), 1) - 1
+    tl.store(ACCEPTED + b * s_acc + slot, node_at.to(tl.int64), slot < WIDTH)
+    tl.store(ACCEPT_LEN + b, tl.max(key, 0).to(tl.int64))
+    tl.store(BONUS + b, tl.load(ARGMAX + b * N + best))
+
+
+def _verify_longest_path(
+    tree_tokens: torch.Tensor,
+    target_logits: torch.Tensor,
+    tree: Tree,
+    typical: bool,
+    epsilon: float = 0.09,
+    delta: float = 0.3,
+    temperature: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    bsz, n = tree_tokens.shape
+    tree = tree.batched(bsz)
+    device = tree_tokens.device
+    tokens = tree_tokens.contiguous()
+    parents, depth, bits = (x.contiguous() for x in (tree.parents, tree.depth, tree.mask_bits))
+    if target_logits.is_floating_point():
+        logits = target_logits.contiguous()
+        vocab = logits.shape[-1]
+        argmax = torch.empty(bsz, n, dtype=torch.long, device=device)
+        lse = torch.empty(bsz, n, dtype=torch.float32, device=device)
+        log_thr = torch.empty_like(lse)
+        _row_stats_kernel[(bsz * n,)](
+            logits, argmax, lse, log_thr, vocab, logits.stride(1), 1.0 / temperature, math.log(epsilon),
+            math.log(delta), TYPICAL=typical, BLOCK_V=64 if INTERPRET else 1024,
+        )  # fmt: skip
+    else:  # greedy with the argmax already taken
+        logits, vocab, lse, log_thr = tokens, 0, tokens, tokens
+        argmax = target_logits.long().contiguous()
+    width = tree.max_depth + 1
+    accept_len = torch.empty(bsz, dtype=torch.long, device=device)
+    accepted = torch.empty(bsz, width, dtype=torch.long, device=device)
+    bonus = torch.empty(bsz, dtype=torch.long, device=device)
+    _longest_path_kernel[(bsz,)](
+        tokens, parents, depth, bits, argmax, logits, lse, log_thr, accept_len, accepted, bonus,
+        n, vocab, 1.0 / temperature, tokens.stride(0), parents.stride(0), depth.stride(0), bits.stride(0),
+        bits.stride(1), logits.stride(0) if typical else 0, logits.stride(1) if typical else 0, accepted.stride(0),
+        WIDTH=width, TYPICAL=typical, BLOCK_N=_pow2(n, 16, 1 << 12), BLOCK_W=_pow2(width, 16, 1 << 12),
+    )  # fmt: skip
+    return accept_len, accepted, bonus
+
+
+def verify_greedy(
+    tree_tokens: torch.Tensor, target_logits: torch.Tensor, tree: Tree
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Triton twin of `eval.reference.verify_greedy` (row argmax kernel + longest-path kernel)."""
+    return _verify_longest_path(tree_tokens, target_logits, tree, typical=False)
+
+
+def verify_typical(
+    tree_tokens: torch.Tensor,
+    target_logits: torch.Tensor,
+    tree: Tree,
+    epsilon: float = 0.09,
+    delta: float = 0.3,
+    temperature: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Triton twin of `eval.reference.verify_typical` (LOSSY Medusa typical acceptance)."""
+    return _verify_longest_path(tree_tokens, target_logits, tree, True, epsilon, delta, temperature)
+
+
+# ------------------------------------------------------------------------------------------------------- KV commit
+
+
+@triton.jit
+def _kv_commit_kernel(
+    CACHE, NODES, PREFIX, s_b, s_h, s_s, s_nb, D, HKV: tl.constexpr, WIDTH: tl.constexpr, BLOCK_D: tl.constexpr
+):
+    """Program (b * HKV + head, D tile). Steps run in order and each thread keeps its columns across steps: step s
+    reads row prefix + node[s] >= prefix + s, which no earlier step wrote, so the in-place copy is safe."""
+    pid = tl.program_id(0)
+    b = pid // HKV
+    base = CACHE + b.to(tl.int64) * s_b + (pid % HKV).to(tl.int64) * s_h
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_ok = d < D
+    prefix = tl.load(PREFIX + b)
+    for s in range(WIDTH):
+        node = tl.load(NODES + b * s_nb + s)
+        ok = d_ok & ((d * 0 + node) >= 0)  # a vector mask: the interpreter rejects scalar & vector masks
+        row = tl.load(base + (prefix + node) * s_s + d, ok)
+        tl.store(base + (prefix + s) * s_s + d, row, ok)
+
+
+def kv_commit(
+    k_cache: torch.Tensor | list[torch.Tensor],
+    v_cache: torch.Tensor | list[torch.Tensor],
+    prefix_len: int | torch.Tensor,
+    accepted_nodes: torch.Tensor,
+) -> torch.Tensor:
+    """Triton twin of `eval.reference.kv_commit` (one launch per cache tensor)."""
+    bsz, width = accepted_nodes.shape
+    nodes = accepted_nodes.contiguous()
+    prefix = torch.as_tensor(prefix_len, device=nodes.device, dtype=torch.long).expand(bsz).contiguous()
+    caches = [k_cache] if isinstance(k_cache, torch.Tensor) else list(k_cache)
+    caches += [v_cache] if isinstance(v_cache, torch.Tensor) else list(v_cache)
+    for cache in caches:
+        _, hkv, _, d = cache.shape
+        if cache.stride(-1) != 1:
+            raise ValueError("kv_commit needs caches with a contiguous last dimension")
+        block_d = _pow2(d, 16, 128)
+        _kv_commit_kernel[(bsz * hkv, triton.cdiv(d, block_d))](
+            cache, nodes, prefix, cache.stride(0), cache.stride(1), cache.stride(2), nodes.stride(0), d,
+            HKV=hkv, WIDTH=width, BLOCK_D=block_d,
+        )  # fmt: skip
+    return prefix + (nodes >= 0).sum(-1)
+
+
+# ------------------------------------------------------------------------------------------------------ op sets
+
+
+@dataclass(frozen=True)
+class TreeOps:
+    """The tree-decoding ops of one backend; every field has the signature of its `eval.reference` twin."""
+
+    tree_attention: Callable[..., torch.Tensor]
+    verify_greedy: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    verify_typical: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    verify_sampled: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    kv_commit: Callable[..., torch.Tensor]
+    draw_coins: Callable[..., torch.Tensor]
+
+
+_OPS = {
+    "triton": TreeOps(
+        tree_attention, verify_greedy, verify_typical, reference.verify_sampled, kv_commit, reference.draw_coins
+    ),
+    "reference": TreeOps(
+        reference.tree_attention,
+        reference.verify_greedy,
+        reference.verify_typical,
+        reference.verify_sampled,
+        reference.kv_commit,
+        reference.draw_coins,
+    ),
+}
+
+
+def get_ops(kind: str = "triton") -> TreeOps:
+    """`"triton"` (fused kernels; the interpreter on CPU) or `"reference"` (plain PyTorch)."""
+    if kind not in _OPS:
+        raise ValueError(f"unknown ops kind {kind!r}; expected one of {sorted(_OPS)}")
+    return _OPS[kind]
+
+
+# ---------------------------------------------------------------------------------- transformers AttentionInterface
+
+_TREE_MASK: ContextVar[torch.Tensor | None] = ContextVar("specdraft_tree_mask", default=None)
+
+
+@contextmanager
+def tree_context(mask_bits: torch.Tensor) -> Iterator[None]:
+    """Within the block, attention functions registered by `register_tree_attention` treat a query block of N tokens
+    as a tree with these (N, W) or (B, N, W) ancestor bits over the last N cached keys."""
+    token = _TREE_MASK.set(mask_bits)
+    try:
+        yield
+    finally:
+        _TREE_MASK.reset(token)
+
+
+def register_tree_attention(name: str = "specdraft_tree", kind: str = "triton") -> str:
+    """Register `name` with transformers' AttentionInterface (and the sdpa mask builder) and return it.
+
+    Then `model.set_attn_implementation(name)`. Inside `tree_context(mask_bits)` (or with `tree_mask_bits=` passed
+    through the model's forward kwargs) a query block whose length matches the tree runs `get_ops(kind)
+    .tree_attention` over keys split as [cached prefix | N tree keys]; the prefix is fully visible, so the HF
+    attention mask is ignored there (no padding in the prefix). Anything else (prefill, plain decoding) is causal SDPA.
+    """
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    attend = get_ops(kind).tree_attention
+
+    def tree_attention_forward(
+        module: torch.nn.Module,
+        query: torch.Tensor,  # (B, H, N, D)
+        key: torch.Tensor,  # (B, Hkv, P + N, D), cache already appended
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        scaling: float | None = None,
+        dropout: float = 0.0,
+        **kwargs,
+    ) -> tuple[torch.Tensor, None]:
+        bits = kwargs.pop("tree_mask_bits", None)
+        bits = _TREE_MASK.get() if bits is None else bits
+        n = query.shape[2]
+        if bits is None or bits.shape[-2] != n:
+            return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        out = attend(
+            query, key[:, :, :-n], value[:, :, :-n], key[:, :, -n:], value[:, :, -n:], bits.to(query.device), scale
+        )
+        return out.transpose(1, 2).contiguous(), None  # (B, N, H, D) like every HF attention function
+
+    AttentionInterface.register(name, tree_attention_forward)
+    AttentionMaskInterface.register(name, sdpa_mask)
+    return name
