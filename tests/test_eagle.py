@@ -24,16 +24,10 @@ torch.set_num_threads(1)
 LAYERS = [1, -1]  # stored hidden states in the test batches: a middle layer and the last one
 
 
-def tiny_target(seed: int = 0) -> LlamaForCausalLM:
+def tiny_target(seed: int = 0, **overrides) -> LlamaForCausalLM:
     torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
+    shape = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+    config = LlamaConfig(**{**shape, "num_key_value_heads": 2, **overrides})
     return LlamaForCausalLM(config).eval()
 
 
@@ -156,6 +150,29 @@ def test_predicted_features_match_hf_llama_layers(setup, kw):
         ref = reference_f_hat(drafter, model, ids, padded["hidden"][b, :T, slots])
         # The last position has no next token (never a loss position): compare the others.
         assert torch.allclose(f_hat[b, : T - 1], ref[:-1], atol=1e-5)
+
+
+def test_follows_the_target_attention_shape_and_llama3_rope():
+    """head_dim != d / heads, one KV head, Llama-3 rope scaling: still HF's layer, position for position."""
+    rope = dict(rope_type="llama3", rope_theta=50000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0)
+    model = tiny_target(
+        num_key_value_heads=1,
+        head_dim=32,
+        max_position_embeddings=64,
+        rope_parameters={**rope, "original_max_position_embeddings": 8},
+    )
+    samples = make_samples([13, 9])
+    batch = make_batch(model, samples, rows=[[0, 1]], width=24)
+    drafter = drafter_for(model)
+    assert drafter.layers[0].self_attn.q_proj.weight.shape == (128, 64)
+    assert drafter.layers[0].self_attn.k_proj.weight.shape == (32, 64)
+    f_hat = drafter.predict_features(batch)[0]  # (T, d)
+    start = 0
+    for ids, _ in samples:
+        T = ids.shape[0]
+        ref = reference_f_hat(drafter, model, ids, batch["hidden"][0, start : start + T, [1]])
+        assert torch.allclose(f_hat[start : start + T - 1], ref[:-1], atol=1e-5)
+        start += T
 
 
 @pytest.mark.parametrize("kw", [{}, {"feature_layers": [1, -1], "w_feat": 0.5, "w_ce": 0.3}])
