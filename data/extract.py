@@ -1,0 +1,294 @@
+"""Run the frozen target over the prepared dataset and store its hidden states as feature shards.
+
+    accelerate launch -m data.extract RECIPE [key=value ...]
+    python -m data.extract RECIPE [key=value ...]
+
+The shard plan (which samples go into which shard) is computed up front from the prepared data:
+samples sorted by length, cut into shards of about `data.shard_tokens` tokens, shard k owned by
+process k % world_size. It does not depend on the number of processes, so any number of processes
+produces the same shards. Inside a shard, samples are batched by length up to
+`data.extract_batch_tokens` padded tokens.
+
+Resume: each process records its finished shards in `manifest.part-RRRRR.json` (atomically, after
+every shard); a re-run skips shards that are present, recorded and intact, and a killed-then-resumed
+run ends with the same shards and manifest, byte for byte, as an uninterrupted one. When every
+process is done, process 0 merges the parts into `manifest.json`. Existing features built with
+another target, layer set, storage dtype, template or data refuse to be extended (the error names
+the field). The resolved recipe is saved as `recipe.yaml` next to the features.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from data.prepare import PreparedData, TokenSample, prepare_dataset, template_fingerprint
+from data.shards import (
+    FORMAT_VERSION,
+    HEADER_KEYS,
+    MANIFEST,
+    STORAGE_DTYPES,
+    FeatureMismatchError,
+    build_manifest,
+    check_header,
+    file_sha256,
+    write_json_atomic,
+    write_shard,
+)
+from models.target import Target, load_target
+
+STOP_AFTER_ENV = "SPECDRAFT_EXTRACT_STOP_AFTER_SHARDS"
+"""Test hook: every process exits (code 3) once each has written this many shards, as if killed."""
+PART_GLOB = "manifest.part-*.json"
+
+
+def part_name(rank: int) -> str:
+    return f"manifest.part-{rank:05d}.json"
+
+
+def plan_shards(samples: list[TokenSample], shard_tokens: int) -> list[list[int]]:
+    """Positions into `samples` per shard: sorted by (length, id), cut at the first boundary >= shard_tokens."""
+    order = sorted(range(len(samples)), key=lambda i: (len(samples[i]["input_ids"]), samples[i]["id"]))
+    plan: list[list[int]] = [[]]
+    tokens = 0
+    for i in order:
+        plan[-1].append(i)
+        tokens += len(samples[i]["input_ids"])
+        if tokens >= shard_tokens:
+            plan.append([])
+            tokens = 0
+    return [shard for shard in plan if shard]
+
+
+def plan_sha256(samples: list[TokenSample], plan: list[list[int]]) -> str:
+    """Fingerprint of the plan and the token data: a resumed run must extract exactly the same thing."""
+    digest = hashlib.sha256()
+    for shard in plan:
+        for i in shard:
+            s = samples[i]
+            digest.update(json.dumps([s["id"], s["input_ids"], s["loss_mask"]]).encode())
+        digest.update(b"|")
+    return digest.hexdigest()[:16]
+
+
+def length_batches(lengths: list[int], batch_tokens: int) -> list[tuple[int, int]]:
+    """[start, end) batches over ascending `lengths`, each padded to its longest sample within batch_tokens."""
+    batches, start = [], 0
+    for i in range(len(lengths)):
+        if i > start and (i - start + 1) * lengths[i] > batch_tokens:
+            batches.append((start, i))
+            start = i
+    batches.append((start, len(lengths)))
+    return batches
+
+
+def extract_shard(
+    target: Target,
+    samples: list[TokenSample],
+    layers: list[int],
+    storage_dtype: torch.dtype,
+    batch_tokens: int,
+    on_batch: Callable[[int, int], None] = lambda n, t: None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Flat (input_ids (T,), loss_mask (T,), hidden (T, n·d)) for samples sorted by ascending length."""
+    lengths = [len(s["input_ids"]) for s in samples]
+    n_values = len(layers) * target.hidden_size
+    hidden = torch.empty(sum(lengths), n_values, dtype=storage_dtype)  # filled batch by batch
+    offset = 0
+    for start, end in length_batches(lengths, batch_tokens):
+        T = lengths[end - 1]
+        ids = torch.zeros(end - start, T, dtype=torch.long)  # right padding (pad id irrelevant: causal + mask)
+        mask = torch.zeros(end - start, T, dtype=torch.long)
+        for row, s in enumerate(samples[start:end]):
+            ids[row, : len(s["input_ids"])] = torch.tensor(s["input_ids"])
+            mask[row, : len(s["input_ids"])] = 1
+        with torch.inference_mode():
+            h = target.hidden_states(ids.to(target.device), mask.to(target.device), layers=layers)  # (B, T, n, d)
+            h = h.to(storage_dtype).cpu().reshape(end - start, T, n_values)
+        for row, n in enumerate(lengths[start:end]):
+            hidden[offset : offset + n] = h[row, :n]
+            offset += n
+        on_batch(end - start, sum(lengths[start:end]))
+    input_ids = torch.tensor([t for s in samples for t in s["input_ids"]], dtype=torch.int32)
+    loss_mask = torch.tensor([m for s in samples for m in s["loss_mask"]], dtype=torch.uint8)
+    return input_ids, loss_mask, hidden
+
+
+def _known_entries(directory: Path, header: dict[str, Any]) -> dict[int, dict]:
+    """Shard entries recorded by earlier runs (manifest and parts), after checking they were built alike."""
+    known: dict[int, dict] = {}
+    for path in [directory / MANIFEST, *sorted(directory.glob(PART_GLOB))]:
+        if not path.is_file():
+            continue
+        record = json.loads(path.read_text())
+        found = record.get("header", record)
+        try:
+            check_header(found, header, str(path))
+        except FeatureMismatchError as exc:
+            raise FeatureMismatchError(f"{exc}; use another data.features_dir or delete {directory}") from None
+        for entry in record.get("shards", []):
+            known[entry["index"]] = entry
+    return known
+
+
+def _is_complete(directory: Path, entry: dict | None, sample_ids: list[int], verify: bool) -> bool:
+    if entry is None or entry["sample_ids"] != sample_ids:
+        return False
+    path = directory / entry["file"]
+    if not path.is_file() or path.stat().st_size != entry["bytes"]:
+        return False
+    return not verify or file_sha256(path) == entry["sha256"]
+
+
+def extract_features(
+    target: Target,
+    samples: list[TokenSample],
+    directory: str | Path,
+    header: dict[str, Any],
+    *,
+    shard_tokens: int,
+    batch_tokens: int,
+    rank: int = 0,
+    world_size: int = 1,
+    verify_checksums: bool = False,
+    barrier: Callable[[], None] = lambda: None,
+    progress: bool = False,
+) -> dict[str, Any] | None:
+    """Extract this process's shards, then (process 0) merge all parts into the manifest and return it.
+
+    `header` holds target, layers, hidden_size, dtype, template (+ anything else to check on resume).
+    Every process calls this with the same samples; `barrier` synchronises them (accelerate's
+    wait_for_everyone) before anything is written and before the merge.
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    plan = plan_shards(samples, shard_tokens)
+    header = {"format_version": FORMAT_VERSION, **header, "plan_sha256": plan_sha256(samples, plan)}
+    known = _known_entries(directory, header)
+    barrier()  # everyone has read the old parts before anyone rewrites its own
+
+    layers, dtype = header["layers"], STORAGE_DTYPES[header["dtype"]]
+    mine = [k for k in range(len(plan)) if k % world_size == rank]
+    done: list[dict] = []  # entries of finished shards, old and new
+    todo: list[int] = []
+    for k in mine:
+        entry = known.get(k)
+        if _is_complete(directory, entry, [samples[i]["id"] for i in plan[k]], verify_checksums):
+            done.append(entry)
+        else:
+            todo.append(k)
+    write_json_atomic(directory / part_name(rank), {"header": header, "shards": done})
+
+    stop_after = int(os.environ.get(STOP_AFTER_ENV, "0"))
+    bar = tqdm(
+        total=sum(len(plan[k]) for k in mine),
+        initial=sum(e["num_samples"] for e in done),
+        unit="sample",
+        disable=not progress,
+        desc=f"extract {directory}",
+    )
+    t0, tokens = time.perf_counter(), 0
+
+    def on_batch(n_samples: int, n_tokens: int) -> None:
+        nonlocal tokens
+        tokens += n_tokens
+        bar.update(n_samples)
+        bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - t0):.0f}")
+
+    for written, k in enumerate(todo, start=1):
+        shard = [samples[i] for i in plan[k]]
+        input_ids, loss_mask, hidden = extract_shard(target, shard, layers, dtype, batch_tokens, on_batch)
+        lengths = [len(s["input_ids"]) for s in shard]
+        done.append(write_shard(directory, k, [s["id"] for s in shard], lengths, input_ids, loss_mask, hidden))
+        write_json_atomic(directory / part_name(rank), {"header": header, "shards": done})
+        if written == stop_after:
+            barrier()  # so that no process is torn down by the launcher before it wrote its N shards
+            sys.exit(3)
+    bar.close()
+
+    barrier()
+    if rank != 0:
+        return None
+    return merge_parts(directory, header, len(plan), world_size)
+
+
+def merge_parts(directory: Path, header: dict[str, Any], num_shards: int, world_size: int) -> dict[str, Any]:
+    """Merge the parts of processes 0..world_size-1 into manifest.json; remove parts and stray .tmp files."""
+    entries: dict[int, dict] = {}
+    for rank in range(world_size):
+        for entry in json.loads((directory / part_name(rank)).read_text())["shards"]:
+            entries[entry["index"]] = entry
+    missing = sorted(set(range(num_shards)) - set(entries))
+    if missing:
+        raise RuntimeError(f"{directory}: shards {missing[:5]} missing after extraction; re-run to resume")
+    extra = {key: value for key, value in header.items() if key not in HEADER_KEYS}
+    manifest = build_manifest(header, list(entries.values()), extra)
+    write_json_atomic(directory / MANIFEST, manifest)
+    for path in [*directory.glob(PART_GLOB), *directory.glob("*.tmp")]:
+        path.unlink()
+    return manifest
+
+
+def main(argv: list[str] | None = None) -> None:
+    from accelerate import Accelerator
+
+    from train.config import RecipeError, load_recipe
+
+    parser = argparse.ArgumentParser(prog="python -m data.extract", description=__doc__.split("\n\n")[0])
+    parser.add_argument("recipe")
+    parser.add_argument("overrides", nargs="*", help="section.key=value")
+    args = parser.parse_args(argv)
+    recipe = load_recipe(args.recipe, args.overrides)
+    if recipe.data.features_dir is None:
+        raise RecipeError(f"{recipe.source}: data.features_dir: is required for extraction")
+    state = Accelerator()  # not PartialState(): only Accelerator honours ACCELERATE_USE_CPU (multi-process CPU)
+    target = load_target(**dataclasses.asdict(recipe.target))
+    if target.tokenizer is None:
+        raise RecipeError(f"{recipe.source}: target.tokenizer: no tokenizer found for {target.name}")
+    target.model.to(state.device)
+    prepared: PreparedData = prepare_dataset(recipe.data, target.tokenizer)
+    header = {
+        "target": target.identity(),
+        "layers": list(recipe.data.layers),
+        "hidden_size": target.hidden_size,
+        "dtype": recipe.data.storage_dtype,
+        "template": template_fingerprint(target.tokenizer),
+        "max_len": recipe.data.max_len,
+        "shard_tokens": recipe.data.shard_tokens,
+        "prepare": prepared.stats(),
+    }
+    manifest = extract_features(
+        target,
+        prepared.samples,
+        recipe.data.features_dir,
+        header,
+        shard_tokens=recipe.data.shard_tokens,
+        batch_tokens=recipe.data.extract_batch_tokens,
+        rank=state.process_index,
+        world_size=state.num_processes,
+        verify_checksums=recipe.data.verify_checksums,
+        barrier=state.wait_for_everyone,
+        progress=state.is_main_process,
+    )
+    if manifest is not None:
+        recipe.save(Path(recipe.data.features_dir) / "recipe.yaml")
+        print(
+            f"{recipe.data.features_dir}: {manifest['num_samples']} samples, {manifest['num_tokens']} tokens, "
+            f"{len(manifest['shards'])} shards, {manifest['bytes_per_token']:.1f} bytes/token "
+            f"(hidden {manifest['hidden_bytes_per_token']})"
+        )
+
+
+if __name__ == "__main__":
+    main()

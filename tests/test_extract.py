@@ -1,0 +1,195 @@
+"""Feature extraction end to end: `pytest tests/test_extract.py`.
+
+Real tiny Llama target, real chat data through data.prepare, real shards; the multi-process test
+launches `accelerate launch --multi_gpu --num_processes 2` on CPU (gloo).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from data.extract import STOP_AFTER_ENV, length_batches, main, plan_shards
+from data.prepare import prepare_dataset
+from data.shards import MANIFEST, FeatureDataset, FeatureMismatchError
+from models.target import load_target
+from train.config import load_recipe
+
+ROOT = Path(__file__).resolve().parents[1]
+WORDS = "the cat sat on a mat while every model learns to draft tokens quickly and well from its target".split()
+
+
+def conversation(rng: random.Random) -> dict:
+    say = lambda n: " ".join(rng.choice(WORDS) for _ in range(n))
+    return {
+        "messages": [
+            {"role": "user", "content": say(rng.randint(2, 25))},
+            {"role": "assistant", "content": say(rng.randint(2, 50))},
+        ]
+    }
+
+
+@pytest.fixture(scope="module")
+def recipe_path(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("extract")
+    rng = random.Random(0)
+    (root / "chat.jsonl").write_text("".join(json.dumps(conversation(rng)) + "\n" for _ in range(30)))
+    recipe = {
+        "target": {
+            "random_init": {
+                "model_type": "llama",
+                "vocab_size": 8192,
+                "hidden_size": 64,
+                "intermediate_size": 128,
+                "num_hidden_layers": 3,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+            },
+            "tokenizer": str(ROOT / "recipes/pocket/target"),
+            "dtype": "float32",
+        },
+        "data": {
+            "train_files": [str(root / "chat.jsonl")],
+            "layers": [0, 2, -1],
+            "features_dir": str(root / "features"),
+            "shard_tokens": 300,
+            "extract_batch_tokens": 256,
+            "max_len": 96,
+        },
+        "drafter": {"method": "medusa1"},
+    }
+    path = root / "extract.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+def run_inprocess(recipe: Path, features: Path, *overrides: str) -> None:
+    main([str(recipe), f"data.features_dir={features}", *overrides])
+
+
+def shard_bytes(features: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(features.glob("shard-*.safetensors")) + [features / MANIFEST]}
+
+
+@pytest.fixture(scope="module")
+def reference(recipe_path: Path) -> Path:
+    """One uninterrupted single-process extraction, shared by the tests below."""
+    features = recipe_path.parent / "reference"
+    run_inprocess(recipe_path, features)
+    return features
+
+
+def test_plan_and_batches_are_length_sorted() -> None:
+    samples = [{"id": i, "input_ids": [1] * n, "loss_mask": [1] * n} for i, n in enumerate([5, 3, 9, 3, 7])]
+    assert plan_shards(samples, shard_tokens=8) == [[1, 3, 0], [4, 2]]
+    # each batch pads to its longest sample and stays within the token budget (one sample may exceed it)
+    assert length_batches([3, 3, 5, 7, 9], batch_tokens=10) == [(0, 2), (2, 3), (3, 4), (4, 5)]
+    assert length_batches([2, 2, 2, 2], batch_tokens=100) == [(0, 4)]
+
+
+def test_features_equal_direct_forward(recipe_path: Path, reference: Path) -> None:
+    recipe = load_recipe(recipe_path)
+    target = load_target(**vars(recipe.target))
+    prepared = prepare_dataset(recipe.data, target.tokenizer)
+    manifest = json.loads((reference / MANIFEST).read_text())
+    assert len(manifest["shards"]) >= 4  # enough shards for resume and two processes to mean something
+    assert manifest["num_samples"] == len(prepared.samples) == 30
+    assert manifest["num_tokens"] == sum(len(s["input_ids"]) for s in prepared.samples)
+    assert (reference / "recipe.yaml").is_file() and not list(reference.glob("manifest.part-*"))
+
+    ds = FeatureDataset(reference, verify_checksums=True, expect={"target": target.identity(), "layers": [0, 2, -1]})
+    by_id = {s["id"]: s for s in prepared.samples}
+    assert sorted(ds.sample_ids) == sorted(by_id)
+    for i in range(len(ds)):
+        got = ds[i]
+        sample = by_id[got["id"]]
+        assert got["input_ids"].tolist() == sample["input_ids"]
+        assert got["loss_mask"].tolist() == [float(m) for m in sample["loss_mask"]]
+        with torch.inference_mode():
+            ids = torch.tensor([sample["input_ids"]])
+            ref = target.hidden_states(ids, layers=[0, 2, -1])[0]  # (T, 3, d), one sample, no padding
+        assert got["hidden"].dtype == torch.bfloat16
+        torch.testing.assert_close(got["hidden"].float(), ref, rtol=1e-2, atol=1e-4)
+
+
+def test_killed_then_resumed_equals_uninterrupted(recipe_path: Path, reference: Path, monkeypatch) -> None:
+    features = recipe_path.parent / "resumed"
+    monkeypatch.setenv(STOP_AFTER_ENV, "1")
+    with pytest.raises(SystemExit):
+        run_inprocess(recipe_path, features)
+    assert [p.name for p in features.glob("shard-*")] == ["shard-00000.safetensors"]
+    assert not (features / MANIFEST).exists()  # nothing that looks complete
+    monkeypatch.delenv(STOP_AFTER_ENV)
+    run_inprocess(recipe_path, features)
+    assert shard_bytes(features) == shard_bytes(reference)
+
+    # a damaged shard (wrong size) is not trusted: it is extracted again, identically
+    victim = features / "shard-00002.safetensors"
+    victim.write_bytes(victim.read_bytes()[:100])
+    run_inprocess(recipe_path, features)
+    assert shard_bytes(features) == shard_bytes(reference)
+
+
+@pytest.mark.parametrize(
+    "override, field",
+    [
+        ("data.layers=[0,-1]", "layers"),
+        ("target.seed=1", "target.weights_sha256"),
+        ("data.storage_dtype=float16", "dtype"),
+        ("data.max_samples=10", "max_len|plan_sha256|prepare"),
+    ],
+)
+def test_mismatched_rerun_is_refused(recipe_path: Path, reference: Path, override: str, field: str) -> None:
+    before = shard_bytes(reference)
+    with pytest.raises(FeatureMismatchError, match=rf"built with ({field})="):
+        run_inprocess(recipe_path, reference, override)
+    assert shard_bytes(reference) == before
+
+
+def test_two_processes_write_disjoint_shards_equal_to_one(recipe_path: Path, reference: Path) -> None:
+    features = recipe_path.parent / "two-procs"
+    cmd = [
+        str(Path(sys.executable).parent / "accelerate"),
+        "launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "-m",
+        "data.extract",
+        str(recipe_path),
+        f"data.features_dir={features}",
+    ]
+    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
+    # each process stops after its first shard: rank 0 wrote shard 0, rank 1 shard 1, each in its own part
+    stopped = subprocess.run(cmd, cwd=ROOT, env={**env, STOP_AFTER_ENV: "1"}, capture_output=True, text=True)
+    assert stopped.returncode != 0
+    assert sorted(p.name for p in features.glob("shard-*")) == ["shard-00000.safetensors", "shard-00001.safetensors"]
+    parts = [json.loads((features / f"manifest.part-0000{r}.json").read_text())["shards"] for r in (0, 1)]
+    assert [[e["index"] for e in part] for part in parts] == [[0], [1]]
+    assert not set(parts[0][0]["sample_ids"]) & set(parts[1][0]["sample_ids"])
+
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    one, two = FeatureDataset(reference), FeatureDataset(features, verify_checksums=True)
+    # the shard plan does not depend on the number of processes
+    assert [e["sample_ids"] for e in two.shards] == [e["sample_ids"] for e in one.shards]
+    position = {sample_id: i for i, sample_id in enumerate(one.sample_ids)}
+    for i in range(len(two)):
+        a, b = one[position[two.sample_ids[i]]], two[i]
+        assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["loss_mask"], b["loss_mask"])
+        # thread counts differ between the runs; allow one bf16 rounding step
+        torch.testing.assert_close(a["hidden"].float(), b["hidden"].float(), rtol=1e-2, atol=1e-4)
