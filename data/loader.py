@@ -1,0 +1,156 @@
+"""Batches for the training loop from feature shards or token samples, per process, resumable.
+
+    loader = BatchLoader(FeatureDataset(dir), train_idx, batch_size=8, rank=r, world_size=n, seed=0)
+    batches = loader.batches()          # endless; epochs advance with a new shuffle
+    state = loader.state_dict()         # {"epoch", "batch"}: where the next batch comes from
+
+Every epoch is planned up front from the sample lengths alone: a shuffle seeded by (seed, epoch),
+then rows (one sample per row, or with `packing` samples concatenated up to `max_len` tokens with
+position ids restarting at 0 per sample), then rows dealt round-robin to the processes. Rows are
+wrapped around to a multiple of world_size so every process gets the same number of batches
+(DDP ranks stay in step). A restored state therefore replays exactly the same batches.
+
+Batches are `DraftBatch` dicts, right-padded to the batch's longest row: attention_mask 0 and
+loss_mask 0 on padding, and padding positions continue the last sample's positions (so they never
+look like the start of a new packed sample). Feature batches carry `hidden` (B, T, n_layers, d) in
+the storage dtype; the loop casts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from data.prepare import TokenSample
+from data.shards import FeatureDataset
+from models.common import DraftBatch
+
+
+class BatchLoader:
+    """Deterministic, rank-sharded, resumable batches over `samples[indices]` (see module docstring)."""
+
+    def __init__(
+        self,
+        samples: FeatureDataset | Sequence[TokenSample],
+        indices: Sequence[int] | None = None,
+        *,
+        batch_size: int,
+        packing: bool = False,
+        max_len: int | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> None:
+        if packing and max_len is None:
+            raise ValueError("BatchLoader: packing needs max_len")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"BatchLoader: rank {rank} not in [0, {world_size})")
+        self.samples = samples
+        self.indices = list(range(len(samples)) if indices is None else indices)
+        if not self.indices:
+            raise ValueError("BatchLoader: no samples")
+        self.batch_size, self.packing, self.max_len = batch_size, packing, max_len
+        self.shuffle, self.seed, self.rank, self.world_size = shuffle, seed, rank, world_size
+        self.features = isinstance(samples, FeatureDataset)
+        raw = samples.lengths if self.features else [len(s["input_ids"]) for s in samples]
+        self.lengths = {i: min(raw[i], max_len or raw[i]) for i in self.indices}
+        self._epoch, self._batch = 0, 0
+        self._plan_cache: tuple[int, list[list[list[int]]]] | None = None
+
+    # ---------------------------------------------------------------------------------- planning
+
+    def plan(self, epoch: int) -> list[list[list[int]]]:
+        """This process's batches for `epoch`: batches of rows of sample positions."""
+        if self._plan_cache is not None and self._plan_cache[0] == epoch:
+            return self._plan_cache[1]
+        order = list(self.indices)
+        if self.shuffle:
+            order = [order[j] for j in np.random.default_rng([self.seed, epoch]).permutation(len(order))]
+        rows = self._pack(order) if self.packing else [[i] for i in order]
+        per_rank = -(-len(rows) // self.world_size)
+        rows = (rows * (per_rank * self.world_size // len(rows) + 1))[: per_rank * self.world_size]
+        mine = rows[self.rank :: self.world_size]
+        plan = [mine[b : b + self.batch_size] for b in range(0, len(mine), self.batch_size)]
+        self._plan_cache = (epoch, plan)
+        return plan
+
+    def _pack(self, order: list[int]) -> list[list[int]]:
+        """Next-fit packing in shuffled order: a row closes when the next sample would overflow max_len."""
+        rows: list[list[int]] = [[]]
+        used = 0
+        for i in order:
+            if rows[-1] and used + self.lengths[i] > self.max_len:
+                rows.append([])
+                used = 0
+            rows[-1].append(i)
+            used += self.lengths[i]
+        return rows
+
+    def __len__(self) -> int:
+        """Batches per epoch for this process (the same for every process)."""
+        return len(self.plan(self._epoch))
+
+    # ---------------------------------------------------------------------------------- iteration
+
+    def epoch(self, epoch: int) -> Iterator[DraftBatch]:
+        """The batches of one epoch, from the first; does not touch the resume state."""
+        for rows in self.plan(epoch):
+            yield self.collate(rows)
+
+    def batches(self) -> Iterator[DraftBatch]:
+        """Endless batches from the current state; the state always names the next batch."""
+        while True:
+            plan = self.plan(self._epoch)
+            while self._batch < len(plan):
+                rows = plan[self._batch]
+                self._batch += 1
+                yield self.collate(rows)
+            self._epoch, self._batch = self._epoch + 1, 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self._epoch, "batch": self._batch}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._epoch, self._batch = int(state["epoch"]), int(state["batch"])
+
+    # ---------------------------------------------------------------------------------- collation
+
+    def _item(self, i: int) -> dict[str, Any]:
+        n = self.lengths[i]
+        if self.features:
+            item = self.samples[i]
+            return {k: item[k][:n] for k in ("input_ids", "loss_mask", "hidden")}
+        s = self.samples[i]
+        return {
+            "input_ids": torch.tensor(s["input_ids"][:n], dtype=torch.int64),
+            "loss_mask": torch.tensor(s["loss_mask"][:n], dtype=torch.float32),
+        }
+
+    def collate(self, rows: list[list[int]]) -> DraftBatch:
+        """Right-padded (B, T) batch of rows; a row holds one sample, or several when packing."""
+        B = len(rows)
+        T = max(sum(self.lengths[i] for i in row) for row in rows)
+        batch: DraftBatch = {
+            "input_ids": torch.zeros(B, T, dtype=torch.int64),
+            "loss_mask": torch.zeros(B, T, dtype=torch.float32),
+            "attention_mask": torch.zeros(B, T, dtype=torch.int64),
+            "position_ids": torch.zeros(B, T, dtype=torch.int64),
+        }
+        if self.features:
+            ds = self.samples
+            batch["hidden"] = torch.zeros(B, T, len(ds.layers), ds.hidden_size, dtype=ds.dtype)  # (B, T, n, d)
+        for b, row in enumerate(rows):
+            t = 0
+            for i in row:
+                item, n = self._item(i), self.lengths[i]
+                for key, value in item.items():
+                    batch[key][b, t : t + n] = value
+                batch["attention_mask"][b, t : t + n] = 1
+                batch["position_ids"][b, t : t + n] = torch.arange(n)
+                t += n
+            batch["position_ids"][b, t:] = torch.arange(n, n + T - t)  # padding continues the last sample
+        return batch
