@@ -82,7 +82,8 @@ class MedusaHeads(nn.Module):
     λ_k = decay^k (k = 1..K) because later heads are less accurate and matter less for acceptance:
     `loss = Σ_k λ_k Σ_{t valid for k} CE(head_k(h_t), x_{t+k+1}) / num_loss_tokens`, where t is valid
     for head k when x_{t+k+1} is an assistant token of the same sample. Zero-initialised W1 makes
-    each head start as exactly the target's next-token head, which then learns to look further ahead.
+    each head start as the target's next-token head applied to h_t + SiLU(b1) (a constant shift), which
+    then learns to look further ahead.
     At evaluation the heads' top-k choices form a static tree verified by the target.
     """
 
