@@ -110,3 +110,176 @@ def test_typical_prefers_longest_then_likeliest(kind):
     logits[0, 1, 3] = -10.0  # the likelier branch now stops at depth 1: the longer one wins
     accept_len, nodes, bonus = kernels.get_ops(kind).verify_typical(tokens, logits, tree)
     assert (accept_len.tolist(), nodes.tolist(), bonus.tolist()) == ([2], [[0, 2, 4]], [7])
+
+
+def emitted(tokens, logits, tree, draft_probs, gen, depth=1):
+    """Token emitted at `depth` (1 = first) in each of the independent trials (rows), the first drafted token
+    accepted (-1 if none) and which rows emitted at that depth."""
+    coins = reference.draw_coins(tree, tokens.shape[0], gen)
+    accept_len, nodes, bonus = reference.verify_sampled(tokens, logits, tree, coins, draft_probs=draft_probs)
+    drafted = torch.where(nodes >= 0, tokens.gather(1, nodes.clamp(min=0)), -1)  # (T, D+1)
+    return torch.where(accept_len >= depth, drafted[:, depth], bonus), drafted[:, 1], accept_len >= depth - 1
+
+
+def emitted_histogram(tokens, logits, tree, draft_probs, gen):
+    first, _, _ = emitted(tokens, logits, tree, draft_probs, gen)
+    return histogram(first, logits.shape[-1])
+
+
+def histogram(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
+    return torch.bincount(tokens, minlength=vocab).double() / tokens.numel()
+
+
+TRIALS, VOCAB, KIDS = 20000, 6, 3
+P_LOGITS = torch.tensor([2.0, 1.5, 0.5, 0.0, -0.5, 1.0])
+Q = torch.softmax(torch.tensor([0.0, 2.0, 1.0, 1.5, 0.0, -1.0]), -1)  # the drafter disagrees with the target
+
+
+def total_variation(hist: torch.Tensor, p: torch.Tensor) -> float:
+    return 0.5 * (hist - p.double()).abs().sum().item()
+
+
+@pytest.fixture
+def no_residual(monkeypatch):
+    """A broken verifier: after a rejection the target distribution is not replaced by the residual."""
+    monkeypatch.setattr(reference, "_residual", lambda p, q: p)
+
+
+def sampled_children_case(gen):
+    tree = Tree.from_parents([-1] + [0] * KIDS)
+    kids = torch.multinomial(Q.expand(TRIALS, VOCAB), KIDS, replacement=True, generator=gen)  # i.i.d. from q
+    tokens = torch.cat([torch.zeros(TRIALS, 1, dtype=torch.long), kids], 1)
+    return tokens, P_LOGITS.expand(TRIALS, KIDS + 1, VOCAB), tree, Q.expand(TRIALS, KIDS + 1, VOCAB)
+
+
+def test_sampled_children_first_token_follows_target():
+    gen = torch.Generator().manual_seed(0)
+    hist = emitted_histogram(*sampled_children_case(gen), gen)
+    assert total_variation(hist, torch.softmax(P_LOGITS, -1)) < 0.02
+
+
+def test_sampled_children_without_residual_is_biased(no_residual):
+    gen = torch.Generator().manual_seed(0)
+    hist = emitted_histogram(*sampled_children_case(gen), gen)
+    assert total_variation(hist, torch.softmax(P_LOGITS, -1)) > 0.1
+
+
+def test_topk_children_first_token_follows_target():
+    gen = torch.Generator().manual_seed(1)
+    tree = Tree.from_parents([-1] + [0] * KIDS)
+    tokens = torch.cat([torch.zeros(1, dtype=torch.long), Q.topk(KIDS).indices]).expand(TRIALS, -1)
+    logits = P_LOGITS.expand(TRIALS, KIDS + 1, VOCAB)
+    p = torch.softmax(P_LOGITS, -1)
+    assert total_variation(emitted_histogram(tokens, logits, tree, None, gen), p) < 0.02
+    # verifying deterministic top-k drafts as if they were samples from q is not lossless
+    draft = Q.expand(TRIALS, KIDS + 1, VOCAB)
+    assert total_variation(emitted_histogram(tokens, logits, tree, draft, gen), p) > 0.1
+
+
+def test_sampled_second_level_follows_target():
+    """Two levels of i.i.d. sampled children; the second emitted token, given the first was drafted child x,
+    follows p(. | x) (fresh coins per level, q and p taken at the accepted node)."""
+    gen = torch.Generator().manual_seed(2)
+    p_table = 2 * torch.randn(VOCAB, VOCAB, generator=gen)  # target logits given the node's token
+    q_table = torch.softmax(p_table + torch.randn(VOCAB, VOCAB, generator=gen), -1)  # a roughly aligned drafter
+    tree = Tree.from_parents([-1, 0, 0, 1, 1, 2, 2])
+    tokens = torch.zeros(TRIALS, 7, dtype=torch.long)
+    tokens[:, 1:3] = torch.multinomial(q_table[0], 2 * TRIALS, replacement=True, generator=gen).view(TRIALS, 2)
+    for child, kids in ((1, slice(3, 5)), (2, slice(5, 7))):
+        tokens[:, kids] = torch.multinomial(q_table[tokens[:, child]], 2, replacement=True, generator=gen)
+    second, first, emitted_two = emitted(tokens, p_table[tokens], tree, q_table[tokens], gen, depth=2)
+    x = int(torch.mode(first[first >= 0]).values)  # the most often accepted first token
+    hist = histogram(second[emitted_two & (first == x)], VOCAB)
+    assert total_variation(hist, torch.softmax(p_table[x], -1)) < 0.04
+
+
+def test_sampled_verification_respects_top_p():
+    gen = torch.Generator().manual_seed(3)
+    tokens, logits, tree, draft = sampled_children_case(gen)
+    coins = reference.draw_coins(tree, TRIALS, gen)
+    accept_len, nodes, bonus = reference.verify_sampled(tokens, logits, tree, coins, draft_probs=draft, top_p=0.5)
+    first = torch.where(accept_len > 0, tokens.gather(1, nodes[:, 1:2].clamp(min=0)).squeeze(1), bonus)
+    assert set(first.tolist()) <= {0, 1}  # p = (.40, .24, .09, .05, .03, .15): top-p 0.5 keeps tokens 0 and 1
+
+
+# ------------------------------------------------------------------------------------------------------- KV commit
+
+
+@pytest.mark.parametrize("kind", ["reference", "triton"])
+def test_kv_commit_moves_exactly_the_accepted_rows(kind):
+    b, hkv, prefix, n, d = 2, 2, 5, 8, 16
+    rows = torch.arange(prefix + n + 2, dtype=torch.float32)  # cache row r holds the value r everywhere
+    k = rows[None, None, :, None].repeat(b, hkv, 1, d)
+    v = -k.clone()
+    accepted = torch.tensor([[0, 2, 5, 7], [0, 1, 3, -1]])  # overlapping moves: row 2 is read then overwritten
+    new_len = kernels.get_ops(kind).kv_commit([k], [v], prefix, accepted)
+    assert new_len.tolist() == [prefix + 4, prefix + 3]
+    want0 = torch.cat([rows[:prefix], torch.tensor([0.0, 2, 5, 7]) + prefix, rows[prefix + 4 :]])
+    want1 = torch.cat([rows[:prefix], torch.tensor([0.0, 1, 3]) + prefix, rows[prefix + 3 :]])
+    assert torch.equal(k[0, :, :, 0], want0.expand(hkv, -1)) and torch.equal(k[1, :, :, 0], want1.expand(hkv, -1))
+    assert torch.equal(v, -k)
+
+
+def test_kv_commit_kernel_matches_twin_per_request_prefix():
+    gen = torch.Generator().manual_seed(0)
+    caches = [torch.randn(2, 2, 30, 24, generator=gen) for _ in range(4)]
+    twins = [c.clone() for c in caches]
+    prefix = torch.tensor([3, 9])
+    accepted = torch.tensor([[0, 4, 6, 11, -1], [0, 1, 2, 3, 4]])
+    want = reference.kv_commit(twins[:2], twins[2:], prefix, accepted)
+    got = kernels.kv_commit(caches[:2], caches[2:], prefix, accepted)
+    assert torch.equal(want, got) and all(torch.equal(a, b) for a, b in zip(caches, twins))
+
+
+# ------------------------------------------------------------------------------------------- HF AttentionInterface
+
+
+def tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+@torch.inference_mode()
+def test_hf_tree_attention_matches_per_path_and_masked_eager():
+    from transformers import DynamicCache
+
+    model = tiny_llama()
+    name = kernels.register_tree_attention()
+    gen = torch.Generator().manual_seed(0)
+    prefix = torch.randint(0, 256, (1, 9), generator=gen)
+    tree = Tree.from_parents(HAND_PARENTS)
+    tokens = torch.randint(0, 256, (1, tree.num_nodes), generator=gen)
+    positions = tree.positions(prefix.shape[1])[None]
+
+    def tree_logits(attn: str, mask=None) -> torch.Tensor:
+        model.set_attn_implementation(attn)
+        cache = DynamicCache(config=model.config)
+        model(input_ids=prefix, cache=cache, use_cache=True)  # prefill: causal SDPA fallback for `name`
+        assert cache.get_seq_length() == prefix.shape[1]
+        return model(input_ids=tokens, position_ids=positions, attention_mask=mask, cache=cache).logits[0]
+
+    with kernels.tree_context(tree.mask_bits):
+        got = tree_logits(name)
+    model.set_attn_implementation("sdpa")
+    for i in range(tree.num_nodes):
+        path = tree.dense_mask()[i].nonzero().squeeze(-1)
+        want = model(input_ids=torch.cat([prefix, tokens[:, path]], 1)).logits[0, -1]
+        torch.testing.assert_close(got[i], want, atol=1e-4, rtol=1e-4)
+    mask = torch.zeros(1, 1, tree.num_nodes, prefix.shape[1] + tree.num_nodes)
+    mask[..., prefix.shape[1] :] = torch.where(tree.dense_mask(), 0.0, torch.finfo(torch.float32).min)
+    torch.testing.assert_close(got, tree_logits("eager", mask), atol=1e-4, rtol=1e-4)
+    # without a tree context the registered function is plain causal attention
+    plain = model(input_ids=prefix).logits
+    model.set_attn_implementation(name)
+    torch.testing.assert_close(model(input_ids=prefix).logits, plain)
