@@ -1,8 +1,11 @@
 """Checkpoints of a training run: save, find, prune, resume.
 
+    <output_dir>/recipe.yaml        the resolved recipe
+    <output_dir>/metrics.jsonl      one line per optimizer step
     <output_dir>/checkpoints/step-000500/
         (accelerate save_state: model, optimizer, RNG states, registered objects such as the scheduler)
-        trainer_state.json          step, recipe hashes, world size, tokens seen
+        drafter.safetensors         trainable drafter tensors, gathered (what `train.export` reads)
+        trainer_state.json          step, recipe hash, world size, tokens seen
         loader_state_<rank>.json    data position of each process
 
 A checkpoint is written under `step-XXXXXX.tmp` and renamed once every process has finished, so a
@@ -16,9 +19,14 @@ import re
 import shutil
 from pathlib import Path
 
+import torch
 from accelerate import Accelerator
+from safetensors.torch import save_file
 
 STATE_FILE = "trainer_state.json"
+DRAFTER_FILE = "drafter.safetensors"
+RECIPE_FILE = "recipe.yaml"
+METRICS_FILE = "metrics.jsonl"
 _STEP_DIR = re.compile(r"^step-(\d{6,})$")
 
 
@@ -41,9 +49,18 @@ def latest_checkpoint(output_dir: str | Path) -> Path | None:
 
 
 def save_checkpoint(
-    accelerator: Accelerator, output_dir: str | Path, step: int, state: dict, loader_state: dict, keep: int
+    accelerator: Accelerator,
+    output_dir: str | Path,
+    step: int,
+    state: dict,
+    loader_state: dict,
+    drafter_tensors: dict[str, torch.Tensor],
+    keep: int,
 ) -> Path:
-    """Write checkpoint `step` (collective: every process calls it); return its directory."""
+    """Write checkpoint `step` (collective: every process calls it); return its directory.
+
+    `drafter_tensors` (full, gathered) is only written by the main process.
+    """
     final = checkpoints_root(output_dir) / f"step-{step:06d}"
     tmp = final.with_name(final.name + ".tmp")
     if accelerator.is_main_process:
@@ -54,6 +71,7 @@ def save_checkpoint(
     (tmp / f"loader_state_{accelerator.process_index}.json").write_text(json.dumps(loader_state))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
+        save_file({k: v.detach().cpu().contiguous() for k, v in drafter_tensors.items()}, str(tmp / DRAFTER_FILE))
         (tmp / STATE_FILE).write_text(json.dumps({**state, "step": step}, indent=2))
         if final.exists():
             shutil.rmtree(final)

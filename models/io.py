@@ -1,0 +1,125 @@
+"""Exported drafters in the native format: write, read, and rebuild them strictly (no training code).
+
+    drafter = load_drafter("runs/tiny-eagle2/export", target)  # eval's entry point
+
+A native export is a directory with
+- `config.json`: `format`, `format_version`, `method`, `drafter` (the method's config fields),
+  `target` (the target's identity, `Target.identity()`), `stored_layers` (hidden-state indices the
+  drafter's batches carry), `recipe` (the resolved training recipe, informational);
+- `model.safetensors`: the trained drafter tensors under their module names; with
+  `include_target_weights` also the frozen target tensors the drafter borrows (embedding, lm_head).
+Weights are never pickled. Loading rebuilds the module from `DRAFTERS` and requires the file to hold
+exactly its trainable tensors; frozen tensors found in the file must equal the target's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from models import DRAFTERS
+from models.target import Target
+
+FORMAT = "specdraft"
+FORMAT_VERSION = 1
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+# Identity fields that must match between the training target and the one a drafter is loaded with.
+# (dtype and the weight fingerprint change when the same model is loaded in another precision.)
+_IDENTITY_KEYS = ("model_type", "num_layers", "hidden_size", "config_sha256")
+
+
+class ExportError(ValueError):
+    """An export that cannot be used with this target / code; the message names the file and field."""
+
+
+def save_native(
+    out_dir: str | Path,
+    drafter: nn.Module,
+    target: Target,
+    recipe: dict[str, Any] | None = None,
+    include_target_weights: bool = False,
+) -> Path:
+    """Write `drafter` (a module from DRAFTERS, trained against `target`) as a native export."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = dict(drafter.trainable_state_dict())
+    if include_target_weights:
+        tensors.update({k: v for k, v in drafter.state_dict().items() if k not in tensors})
+    config = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "method": drafter.cfg.method,
+        "drafter": dataclasses.asdict(drafter.cfg),
+        "target": target.identity(),
+        "stored_layers": list(drafter.stored_layers),
+        "recipe": recipe,
+    }
+    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(out / WEIGHTS_FILE))
+    (out / CONFIG_FILE).write_text(json.dumps(config, indent=2, default=str) + "\n")
+    return out
+
+
+def read_config(export_dir: str | Path) -> dict[str, Any]:
+    path = Path(export_dir) / CONFIG_FILE
+    if not path.is_file():
+        raise ExportError(f"{export_dir}: no {CONFIG_FILE} (not a drafter export: see `python -m train.export`)")
+    config = json.loads(path.read_text())
+    if config.get("format") != FORMAT or config.get("format_version") != FORMAT_VERSION:
+        raise ExportError(
+            f"{path}: format {config.get('format')!r} v{config.get('format_version')!r}, "
+            f"this code reads {FORMAT!r} v{FORMAT_VERSION} (engine formats are for serving engines, not for eval)"
+        )
+    if config.get("method") not in DRAFTERS:
+        raise ExportError(f"{path}: method: unknown method {config.get('method')!r} (known: {sorted(DRAFTERS)})")
+    return config
+
+
+def check_target(config: dict[str, Any], target: Target, where: str) -> None:
+    have = target.identity()
+    for key in _IDENTITY_KEYS:
+        if config["target"].get(key) != have[key]:
+            raise ExportError(
+                f"{where}: target.{key}: drafter trained for {config['target'].get(key)!r} "
+                f"({config['target'].get('name')}), loaded with {have[key]!r} ({have['name']})"
+            )
+
+
+def load_drafter(export_dir: str | Path, target: Target, check_identity: bool = True) -> nn.Module:
+    """Rebuild an exported drafter on `target` (eval mode, target's device); weights load strictly."""
+    config = read_config(export_dir)
+    where = str(Path(export_dir) / CONFIG_FILE)
+    if check_identity:
+        check_target(config, target, where)
+    cfg_cls, module_cls = DRAFTERS[config["method"]]
+    try:
+        cfg = cfg_cls(**config["drafter"])
+    except TypeError as exc:
+        raise ExportError(f"{where}: drafter: {exc}") from None
+
+    def err(key: str, msg: str) -> None:
+        raise ExportError(f"{where}: {key}: {msg}")
+
+    cfg.validate(err)
+    module = module_cls(cfg, target.parts(config["stored_layers"]))
+    weights = str(Path(export_dir) / WEIGHTS_FILE)
+    state = load_file(weights)
+    expected, full = module.trainable_state_dict(), module.state_dict()
+    missing = sorted(expected.keys() - state.keys())
+    unexpected = sorted(state.keys() - full.keys())
+    if missing or unexpected:
+        raise ExportError(f"{weights}: missing tensors {missing[:5]}, unexpected {unexpected[:5]}")
+    for name, tensor in state.items():
+        want = full[name]
+        if tensor.shape != want.shape:
+            raise ExportError(f"{weights}: {name} has shape {tuple(tensor.shape)}, expected {tuple(want.shape)}")
+        if name not in expected and not torch.equal(tensor.to(want.device, want.dtype), want):
+            raise ExportError(f"{weights}: {name} is a frozen target tensor and differs from the target's")
+    module.load_state_dict({k: state[k] for k in expected}, strict=False)
+    return module.to(target.device).eval()

@@ -1,0 +1,97 @@
+"""Export a trained drafter from a run directory.
+
+    python -m train.export RUN_DIR [--out DIR] [--format native] [--checkpoint DIR] [--include-target-weights]
+
+Reads the run's resolved recipe (`RUN_DIR/recipe.yaml`) and the newest checkpoint's gathered drafter
+tensors (`drafter.safetensors`, written by every checkpoint whatever the parallelism), rebuilds the
+drafter on the recipe's target and writes `config.json` + `model.safetensors` (never pickle) to
+`--out` (default `export.out`, else `RUN_DIR/export`). The export is then reloaded strictly
+(`models.io.load_drafter`) before the command reports success.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from safetensors.torch import load_file
+from torch import nn
+
+from models import DRAFTERS
+from models.io import ExportError, load_drafter, save_native
+from models.target import Target, load_target
+from train.checkpoint import DRAFTER_FILE, RECIPE_FILE, latest_checkpoint, read_state
+from train.config import Recipe, RecipeError, load_recipe
+
+FORMATS = ("native",)
+
+
+def load_run(run_dir: str | Path, checkpoint: str | Path | None = None) -> tuple[Recipe, Target, nn.Module]:
+    """(recipe, target on CPU, drafter with the checkpoint's trained tensors) of a training run."""
+    run_dir = Path(run_dir)
+    recipe = load_recipe(run_dir / RECIPE_FILE)
+    ckpt = Path(checkpoint) if checkpoint is not None else latest_checkpoint(run_dir)
+    if ckpt is None:
+        raise ExportError(f"{run_dir}: no complete checkpoint under {run_dir / 'checkpoints'}")
+    state = read_state(ckpt)
+    if state["recipe_hash"] != recipe.section_hash("target", "data", "drafter"):
+        raise ExportError(f"{ckpt}: trained with other target/data/drafter settings than {run_dir / RECIPE_FILE}")
+    t = recipe.target
+    target = load_target(
+        path=t.path,
+        random_init=t.random_init,
+        tokenizer=t.tokenizer,
+        dtype=t.dtype,
+        seed=t.seed,
+        trust_remote_code=t.trust_remote_code,
+        attn_implementation=t.attn_implementation,
+    )
+    drafter = DRAFTERS[recipe.drafter.method][1](recipe.drafter, target.parts(recipe.data.layers))
+    tensors = load_file(str(ckpt / DRAFTER_FILE))
+    expected = drafter.trainable_state_dict().keys()
+    if tensors.keys() != expected:
+        raise ExportError(
+            f"{ckpt / DRAFTER_FILE}: tensors {sorted(tensors.keys() ^ expected)[:5]} do not match the drafter"
+        )
+    drafter.load_state_dict(tensors, strict=False)
+    return recipe, target, drafter.eval()
+
+
+def export(
+    run_dir: str | Path,
+    out: str | Path | None = None,
+    fmt: str | None = None,
+    checkpoint: str | Path | None = None,
+    include_target_weights: bool | None = None,
+) -> Path:
+    """Export a run's drafter; arguments left None come from the recipe's `export` section."""
+    recipe, target, drafter = load_run(run_dir, checkpoint)
+    fmt = fmt or recipe.export.format
+    if fmt not in FORMATS:
+        raise ExportError(f"export.format: {fmt!r} is not implemented yet (available: {', '.join(FORMATS)})")
+    out = Path(out or recipe.export.out or Path(run_dir) / "export")
+    if include_target_weights is None:
+        include_target_weights = recipe.export.include_target_weights
+    save_native(out, drafter, target, recipe.to_dict(), include_target_weights)
+    load_drafter(out, target)  # strict round trip before reporting success
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m train.export", description=__doc__.split("\n\n")[0])
+    parser.add_argument("run_dir", help="train.output_dir of a run")
+    parser.add_argument("--out", default=None, help="output directory (default: export.out or RUN_DIR/export)")
+    parser.add_argument("--format", default=None, choices=FORMATS, help="default: the recipe's export.format")
+    parser.add_argument("--checkpoint", default=None, help="checkpoint directory (default: the newest)")
+    parser.add_argument("--include-target-weights", action="store_true", default=None)
+    args = parser.parse_args(argv)
+    try:
+        out = export(args.run_dir, args.out, args.format, args.checkpoint, args.include_target_weights)
+    except (ExportError, RecipeError, FileNotFoundError) as exc:
+        sys.exit(f"error: {exc}")
+    print(f"exported {args.run_dir} -> {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,349 @@
+"""The training loop: one for every drafter method (DESIGN §5).
+
+    accelerate launch [--config_file recipes/accelerate/X.yaml] -m train RECIPE [key=value ...]
+
+target -> TargetParts -> drafter (`DRAFTERS[method]`) -> AdamW groups + warm-up/cosine ->
+`accelerator.prepare` (DDP, DeepSpeed ZeRO-2/3 or FSDP, as the accelerate config says).
+
+One optimizer step takes `grad_accum` micro-batches per process. Their loss tokens are counted and
+summed over processes (N) before any backward, and micro-batch i backpropagates
+`loss_i · n_i / N · world · grad_accum`: accelerate divides by grad_accum and DDP averages over
+processes, so the gradient is exactly Σ(per-token losses) / N however the step is split (4×1 = 1×4).
+Offline runs read feature shards; online runs (`train.online`) compute the hidden states with the
+target inside the step, unless the drafter consumes tokens itself (`consumes = "tokens"`).
+Every step is appended to `<output_dir>/metrics.jsonl`; checkpoints allow exact resumption.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import InitProcessGroupKwargs, set_seed
+from tqdm import tqdm
+
+from data.loader import BatchLoader
+from data.prepare import prepare_dataset, template_fingerprint
+from data.shards import FeatureDataset, FeatureMismatchError, split_by_id
+from models import DRAFTERS
+from models.common import DraftBatch
+from models.target import Target, load_target
+from train.checkpoint import (
+    METRICS_FILE,
+    RECIPE_FILE,
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    read_state,
+    save_checkpoint,
+)
+from train.config import Recipe
+from train.optim import build_optimizer, build_scheduler
+
+
+class TrainingError(RuntimeError):
+    """A run that cannot start or continue; the message says why and what to do."""
+
+
+# --------------------------------------------------------------------------------------------
+# Setup
+
+
+def make_accelerator(recipe: Recipe) -> Accelerator:
+    cfg, tracker = recipe.train, recipe.logging.tracker
+    if tracker == "wandb" and not os.environ.get("WANDB_API_KEY"):
+        os.environ.setdefault("WANDB_MODE", "offline")
+    # Several processes without CUDA: torch.distributed needs gloo (accelerate picks nccl under DeepSpeed).
+    cpu_distributed = not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1
+    handlers = [InitProcessGroupKwargs(backend="gloo")] if cpu_distributed else []
+    accelerator = Accelerator(
+        mixed_precision=cfg.mixed_precision,
+        gradient_accumulation_steps=cfg.grad_accum,
+        log_with=None if tracker == "none" else tracker,
+        project_dir=cfg.output_dir,
+        kwargs_handlers=handlers,
+    )
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is not None:  # DeepSpeed owns batch size, accumulation and clipping: give it the recipe's
+        plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = cfg.batch_size
+        plugin.deepspeed_config["gradient_accumulation_steps"] = cfg.grad_accum
+        plugin.deepspeed_config["gradient_clipping"] = cfg.clip_grad_norm or 0.0
+    return accelerator
+
+
+def build_target(recipe: Recipe, device: torch.device) -> Target:
+    t = recipe.target
+    target = load_target(
+        path=t.path,
+        random_init=t.random_init,
+        tokenizer=t.tokenizer,
+        dtype=t.dtype,
+        seed=t.seed,
+        trust_remote_code=t.trust_remote_code,
+        attn_implementation=t.attn_implementation,
+    )
+    target.model.to(device)
+    return target
+
+
+def _template(target: Target) -> dict:
+    return {} if target.tokenizer is None else {"template": template_fingerprint(target.tokenizer)}
+
+
+def build_loaders(recipe: Recipe, target: Target, accelerator: Accelerator) -> tuple[BatchLoader, BatchLoader | None]:
+    """(train loader, held-out loader or None): feature shards checked against the target, or token data (online)."""
+    data, cfg = recipe.data, recipe.train
+    if cfg.online:
+        samples = prepare_dataset(data, target.tokenizer).samples
+        train_idx, heldout_idx = split_by_id([s["id"] for s in samples], data.heldout_fraction, cfg.seed)
+    else:
+        if data.features_dir is None:
+            raise TrainingError(
+                f"{recipe.source}: data.features_dir is not set: offline training reads feature shards "
+                f"(run `python -m data.extract {recipe.source}`) or set train.online=true"
+            )
+        try:
+            samples = FeatureDataset(
+                data.features_dir,
+                verify_checksums=data.verify_checksums,
+                expect={"target": target.identity(), "layers": list(data.layers), **_template(target)},
+            )
+        except (FeatureMismatchError, FileNotFoundError) as exc:
+            raise TrainingError(
+                f"{recipe.source}: data.features_dir: {exc} (re-extract with `python -m data.extract {recipe.source}`)"
+            ) from None
+        train_idx, heldout_idx = samples.split(data.heldout_fraction, cfg.seed)
+    common = dict(
+        batch_size=cfg.batch_size,
+        packing=cfg.packing,
+        max_len=data.max_len,
+        rank=accelerator.process_index,
+        world_size=accelerator.num_processes,
+        seed=cfg.seed,
+    )
+    train_loader = BatchLoader(samples, train_idx, shuffle=True, **common)
+    heldout_loader = BatchLoader(samples, heldout_idx, shuffle=False, **common) if heldout_idx else None
+    return train_loader, heldout_loader
+
+
+# --------------------------------------------------------------------------------------------
+# One step
+
+
+def _to_device(batch: dict, device: torch.device) -> DraftBatch:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items() if isinstance(v, torch.Tensor)}
+
+
+def _block_mask(batch: DraftBatch, dtype: torch.dtype) -> torch.Tensor:
+    """(B, 1, T, T) additive mask: causal within each packed sample, padding never attended."""
+    pos, real = batch["position_ids"], batch["attention_mask"].bool()
+    seg = torch.cumsum((pos == 0).long(), dim=-1)  # (B, T)
+    T = pos.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=pos.device).tril()
+    allowed = causal & (seg[:, :, None] == seg[:, None, :]) & real[:, None, :]
+    allowed |= torch.eye(T, dtype=torch.bool, device=pos.device)  # padding rows: no all-masked softmax
+    zero = torch.zeros((), dtype=dtype, device=pos.device)
+    return torch.where(allowed, zero, torch.finfo(dtype).min)[:, None]  # (B, 1, T, T)
+
+
+class Stepper:
+    """Runs forward/backward over the micro-batches of one optimizer step and evaluation batches."""
+
+    def __init__(self, accelerator: Accelerator, model: torch.nn.Module, target: Target, recipe: Recipe):
+        self.accelerator, self.model, self.target = accelerator, model, target
+        self.layers = list(recipe.data.layers)
+        drafter = accelerator.unwrap_model(model)
+        self.needs_hidden = recipe.train.online and getattr(drafter, "consumes", "features") != "tokens"
+
+    def prepare(self, batch: dict) -> DraftBatch:
+        batch = _to_device(batch, self.accelerator.device)
+        if self.needs_hidden:
+            with torch.no_grad():
+                mask = _block_mask(batch, self.target.dtype)
+                batch["hidden"] = self.target.hidden_states(
+                    batch["input_ids"], mask, batch["position_ids"], layers=self.layers
+                )  # (B, T, n, d)
+        return batch
+
+    def _reduce(self, sums: dict[str, torch.Tensor], n_total: torch.Tensor) -> dict[str, float]:
+        """Token-weighted means over every micro-batch of every process."""
+        keys = sorted(sums)
+        total = self.accelerator.reduce(torch.stack([sums[k] for k in keys]), reduction="sum")
+        return {k: (v / n_total).item() for k, v in zip(keys, total)}
+
+    def train_step(self, micro_batches: list[dict]) -> tuple[dict[str, float], float]:
+        """Forward/backward of one step (no optimizer step); returns (token-weighted metrics, global tokens)."""
+        acc = self.accelerator
+        batches = [self.prepare(b) for b in micro_batches]
+        n_local = torch.stack([b["loss_mask"].sum().float() for b in batches])  # (grad_accum,)
+        tokens_local = sum(b["attention_mask"].sum().float() for b in batches)
+        counts = acc.reduce(torch.stack([n_local.sum(), tokens_local]), reduction="sum")
+        n_total = counts[0].clamp_min(1.0)
+        scale = acc.num_processes * acc.gradient_accumulation_steps / n_total
+        sums: dict[str, torch.Tensor] = {}
+        for batch, n in zip(batches, n_local):
+            with acc.accumulate(self.model):
+                out = self.model(batch)
+                acc.backward(out["loss"] * n * scale)
+            for key, value in out.items():
+                sums[key] = sums.get(key, 0.0) + value.detach().float() * n
+        return self._reduce(sums, n_total), counts[1].item()
+
+    @torch.no_grad()
+    def evaluate(self, loader: BatchLoader, max_batches: int) -> dict[str, float]:
+        self.model.eval()
+        sums: dict[str, torch.Tensor] = {}
+        n_total = torch.zeros((), device=self.accelerator.device)
+        for i, raw in enumerate(loader.epoch(0)):
+            if i == max_batches:
+                break
+            batch = self.prepare(raw)
+            n = batch["loss_mask"].sum().float()
+            for key, value in self.model(batch).items():
+                sums[key] = sums.get(key, 0.0) + value.float() * n
+            n_total += n
+        self.model.train()
+        n_total = self.accelerator.reduce(n_total, reduction="sum").clamp_min(1.0)
+        return self._reduce(sums, n_total)
+
+
+# --------------------------------------------------------------------------------------------
+# Bookkeeping
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    """Flat scalar config for trackers (tensorboard hparams take scalars and strings only)."""
+    out = {}
+    for key, value in d.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value if isinstance(value, (int, float, str, bool)) else str(value)
+    return out
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """Drop lines past `step` (a run that died after its last checkpoint) before appending again."""
+    if path.is_file():
+        lines = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= step]
+        path.write_text("".join(line + "\n" for line in lines))
+
+
+def _resume_from(recipe: Recipe) -> Path | None:
+    cfg = recipe.train
+    existing = list_checkpoints(cfg.output_dir)
+    if cfg.resume is None:
+        if existing:
+            raise TrainingError(
+                f"{cfg.output_dir} already holds checkpoints ({existing[-1].name}): pass --resume "
+                "(train.resume=auto) to continue, or choose another train.output_dir"
+            )
+        return None
+    if cfg.resume == "auto":
+        return latest_checkpoint(cfg.output_dir)
+    if not Path(cfg.resume).is_dir():
+        raise TrainingError(f"{recipe.source}: train.resume: no checkpoint directory {cfg.resume}")
+    return Path(cfg.resume)
+
+
+def _save(accelerator, model, recipe, step, loader, tokens_seen) -> Path:
+    cfg = recipe.train
+    state = {
+        "recipe_hash": recipe.section_hash("target", "data", "drafter"),
+        "world_size": accelerator.num_processes,
+        "tokens_seen": tokens_seen,
+    }
+    full = accelerator.get_state_dict(model)  # collective under ZeRO-3 / FSDP; the full dict on the main process
+    names = accelerator.unwrap_model(model).trainable_state_dict().keys()
+    tensors = {k: full[k] for k in names} if accelerator.is_main_process else {}
+    return save_checkpoint(accelerator, cfg.output_dir, step, state, loader.state_dict(), tensors, cfg.keep_checkpoints)
+
+
+# --------------------------------------------------------------------------------------------
+# The loop
+
+
+def train(recipe: Recipe, stop_after: int | None = None) -> Path:
+    """Train `recipe`'s drafter; return the newest checkpoint. `stop_after`: checkpoint after that step and return."""
+    cfg = recipe.train
+    accelerator = make_accelerator(recipe)
+    out_dir = Path(cfg.output_dir)
+    resume = _resume_from(recipe)
+    set_seed(cfg.seed)
+    target = build_target(recipe, accelerator.device)
+    drafter = DRAFTERS[recipe.drafter.method][1](recipe.drafter, target.parts(recipe.data.layers))
+    train_loader, heldout_loader = build_loaders(recipe, target, accelerator)
+    optimizer = build_optimizer(drafter, cfg)
+    scheduler = build_scheduler(optimizer, cfg)
+    model, optimizer = accelerator.prepare(drafter, optimizer)
+    accelerator.register_for_checkpointing(scheduler)  # stepped here, once per optimizer step
+
+    step, tokens_seen = 0, 0.0
+    if resume is not None:
+        if read_state(resume)["recipe_hash"] != recipe.section_hash("target", "data", "drafter"):
+            raise TrainingError(
+                f"{resume}: saved with different target/data/drafter settings than {recipe.source}; "
+                "resume with the recipe it was trained with (see its recipe.yaml)"
+            )
+        saved, loader_state = load_checkpoint(accelerator, resume)
+        train_loader.load_state_dict(loader_state)
+        step, tokens_seen = saved["step"], saved["tokens_seen"]
+    if accelerator.is_main_process:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        recipe.save(out_dir / RECIPE_FILE)
+        _truncate_metrics(out_dir / METRICS_FILE, step)
+    accelerator.init_trackers(
+        recipe.logging.project,
+        config=_flat(recipe.to_dict()),
+        init_kwargs={"wandb": {"name": recipe.logging.run_name}} if recipe.logging.run_name else {},
+    )
+
+    stepper = Stepper(accelerator, model, target, recipe)
+    batches = train_loader.batches()  # endless, from where the loader state says
+    bar = tqdm(total=cfg.max_steps, initial=step, disable=not accelerator.is_main_process, desc="train")
+    last_ckpt = resume
+    try:
+        while step < cfg.max_steps:
+            t0 = time.perf_counter()
+            lr = scheduler.get_last_lr()[0]
+            metrics, tokens = stepper.train_step([next(batches) for _ in range(cfg.grad_accum)])
+            if not math.isfinite(metrics["loss"]):
+                raise TrainingError(
+                    f"non-finite training loss ({metrics['loss']}) at step {step + 1}; last good checkpoint: "
+                    f"{last_ckpt or 'none'} (lower train.lr or check the data, then resume with train.resume=<dir>)"
+                )
+            grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.clip_grad_norm or math.inf)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            tokens_seen += tokens
+            elapsed = time.perf_counter() - t0
+            log = {f"train/{k}": v for k, v in metrics.items()}
+            log.update({"train/lr": lr, "train/tokens_per_s": tokens / elapsed, "train/tokens_seen": tokens_seen})
+            if grad_norm is not None:  # DeepSpeed clips inside its step and reports nothing here
+                log["train/grad_norm"] = float(grad_norm)
+            evaluate = (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.max_steps
+            if heldout_loader is not None and evaluate:
+                log.update({f"eval/{k}": v for k, v in stepper.evaluate(heldout_loader, cfg.eval_batches).items()})
+            if accelerator.is_main_process:
+                with open(out_dir / METRICS_FILE, "a") as f:
+                    f.write(json.dumps({"step": step, **log}) + "\n")
+                bar.set_postfix(loss=f"{metrics['loss']:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens / elapsed:.0f}")
+                bar.update(1)
+            if step % cfg.log_every == 0 or step == cfg.max_steps or evaluate:
+                accelerator.log(log, step=step)
+            stop = stop_after is not None and step >= stop_after
+            if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.max_steps or stop:
+                last_ckpt = _save(accelerator, model, recipe, step, train_loader, tokens_seen)
+            if stop:
+                break
+    finally:
+        bar.close()
+        accelerator.end_training()
+    return last_ckpt
