@@ -18,6 +18,7 @@ distribution (lossless); `acceptance="typical"` is Medusa's lossy typical accept
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
@@ -25,7 +26,8 @@ from typing import Any, Literal, Protocol
 import torch
 from transformers import DynamicCache
 
-from eval.trees import Tree
+from eval.reference import target_probs
+from eval.trees import Tree, dynamic_tree, medusa_tokens
 
 
 @dataclass
@@ -127,21 +129,6 @@ def round_stats(accepted: list[int], tree_depth: list[int]) -> dict[str, Any]:
 # Target side: forwards with a DynamicCache, tree masks, KV commit
 
 
-def processed_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
-    """(..., V) logits -> (..., V) float32 probabilities after temperature and top-p (nucleus).
-
-    The one processed distribution used for acceptance, residuals and bonus tokens alike.
-    """
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    if top_p >= 1.0:
-        return probs
-    sorted_p, order = probs.sort(dim=-1, descending=True)
-    drop = sorted_p.cumsum(-1) - sorted_p >= top_p  # keep the smallest prefix reaching top_p
-    sorted_p = sorted_p.masked_fill(drop, 0.0)
-    probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
-    return probs / probs.sum(-1, keepdim=True)
-
-
 def tree_attention_mask(tree: Tree, prefix_len: int, dtype: torch.dtype) -> torch.Tensor:
     """(1, 1, N, prefix_len + N) additive float mask: the cached prefix is visible, tree nodes see their ancestors.
 
@@ -189,12 +176,15 @@ class TargetRunner:
         self.seconds += time.perf_counter() - start
         return out.logits, hidden
 
-    def commit(self, prefix_len: int, path: list[int]) -> None:
-        """Keep the KV of tree nodes `path` at positions prefix_len.. and drop the rest of the tree block."""
+    def commit(self, prefix_len: int, accepted_nodes: torch.Tensor) -> None:
+        """Move the KV rows of `accepted_nodes` ((1, D+1), root first, -1 padded) to positions prefix_len.. in
+        place (`ops.kv_commit`), then drop the rest of the tree block."""
         start = time.perf_counter()
-        index = torch.tensor(path, dtype=torch.long, device=self.model.device)
-        for layer in self.cache.layers:
-            layer.keys, layer.values = self.ops.kv_commit(layer.keys, layer.values, prefix_len, index)
+        layers = self.cache.layers
+        keys, values = [x.keys for x in layers], [x.values for x in layers]
+        new_len = int(self.ops.kv_commit(keys, values, prefix_len, accepted_nodes))
+        for layer in layers:
+            layer.keys, layer.values = layer.keys[:, :, :new_len], layer.values[:, :, :new_len]
         self.seconds += time.perf_counter() - start
 
 
@@ -206,7 +196,7 @@ def _first_token(logits: torch.Tensor, settings: DecodeSettings, gen: torch.Gene
     """(B, V) last-position logits -> (B,) next token (argmax or a sample of the processed distribution)."""
     if settings.greedy:
         return logits.argmax(-1)
-    probs = processed_probs(logits, settings.temperature, settings.top_p)
+    probs = target_probs(logits, settings.temperature, settings.top_p)
     return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
 
 
@@ -242,14 +232,23 @@ def plain_generate(model: torch.nn.Module, prompt_ids: torch.Tensor, settings: D
     )
 
 
-def _verify(ops: Any, tree: Tree, logits: torch.Tensor, settings: DecodeSettings, gen: torch.Generator):
-    """Target logits over the tree (N, V) -> (accepted path node indices, root first; bonus token)."""
+def _verify(
+    ops: Any, tree: Tree, logits: torch.Tensor, settings: DecodeSettings, gen: torch.Generator
+) -> tuple[int, torch.Tensor, int]:
+    """Target logits over the tree (1, N, V) -> (accepted drafts k, accepted nodes (1, D+1) root first, bonus)."""
+    tokens = tree.tokens[None]  # (1, N)
     if settings.greedy:
-        return ops.verify_greedy(tree, logits)
-    probs = processed_probs(logits, settings.temperature, settings.top_p)
-    if settings.acceptance == "typical":
-        return ops.verify_typical(tree, probs, settings.typical_epsilon, settings.typical_delta, gen)
-    return ops.verify_sampled(tree, probs, gen)
+        accept_len, nodes, bonus = ops.verify_greedy(tokens, logits, tree)
+    elif settings.acceptance == "typical":
+        accept_len, nodes, bonus = ops.verify_typical(
+            tokens, logits, tree, settings.typical_epsilon, settings.typical_delta, settings.temperature
+        )
+    else:
+        coins = ops.draw_coins(tree, 1, gen)
+        accept_len, nodes, bonus = ops.verify_sampled(
+            tokens, logits, tree, coins, temperature=settings.temperature, top_p=settings.top_p
+        )
+    return int(accept_len[0]), nodes, int(bonus[0])
 
 
 @torch.inference_mode()
@@ -280,22 +279,21 @@ def speculative_generate(
         tree = proposer.propose(state)
         result.draft_s += time.perf_counter() - t0
 
+        tree = tree.to(device)
         prefix_len = state.prefix_len
-        tree_tokens = tree.tokens.to(device)[None]  # (1, N)
-        positions = tree.positions(prefix_len).to(device)[None]  # (1, N)
-        logits, hidden = target.forward(tree_tokens, positions, tree)
-        path, bonus = _verify(ops, tree, logits[0], settings, gen)
-        path = [int(i) for i in path]
-        target.commit(prefix_len, path)
+        logits, hidden = target.forward(tree.tokens[None], tree.positions(prefix_len)[None], tree)  # (1, N, V)
+        accepted, nodes, bonus = _verify(ops, tree, logits, settings, gen)
+        target.commit(prefix_len, nodes)
+        path = nodes[0, : accepted + 1]  # (k+1,) root first
 
         t0 = time.perf_counter()
-        proposer.commit(path)
+        proposer.commit(path.tolist())
         result.draft_s += time.perf_counter() - t0
 
-        new = [int(t) for t in tree_tokens[0, path[1:]]] + [int(bonus)]
-        result.accepted.append(len(path) - 1)
+        new = tree.tokens[path[1:]].tolist() + [bonus]
+        result.accepted.append(accepted)
         result.tree_depth.append(tree.max_depth)
-        result.tree_nodes.append(len(tree_tokens[0]))
+        result.tree_nodes.append(tree.num_nodes)
         hidden = hidden[:, path] if hidden is not None else None  # (1, k+1, S, d)
         tokens = torch.cat([tokens, torch.tensor([new], device=device)], dim=1)
         done = _finish(result.tokens, new, settings)
@@ -309,3 +307,82 @@ def speculative_generate(
 def _check_batch(prompt_ids: torch.Tensor) -> None:
     if prompt_ids.dim() != 2 or prompt_ids.shape[0] != 1:
         raise ValueError(f"prompt_ids must be (1, L) (batch size 1), got shape {tuple(prompt_ids.shape)}")
+
+
+# --------------------------------------------------------------------------------------------
+# Proposers for the trained drafters
+
+
+class MedusaProposer:
+    """Medusa heads fill a static tree: node at depth k with rank r gets head k's r-th most likely token.
+
+    The heads read the target's last hidden state at the last cached position (the one that chose the root):
+    head k predicts the token k positions after the root.
+    """
+
+    feature_layers = [-1]
+
+    def __init__(self, heads: torch.nn.Module, tree: Tree):
+        if tree.max_depth > heads.cfg.num_heads:
+            raise ValueError(f"tree depth {tree.max_depth} exceeds the number of Medusa heads ({heads.cfg.num_heads})")
+        self.heads = heads
+        self.tree = tree
+        self.top_k = int(tree.head_rank.max()) + 1
+
+    def reset(self) -> None:
+        pass
+
+    def propose(self, state: DecodeState) -> Tree:
+        last = state.new_hidden[:, -1:, 0]  # (1, 1, d)
+        logits = self.heads.head_logits(last)[:, :, 0]  # (K, 1, V)
+        head_topk = logits.topk(self.top_k, dim=-1).indices.transpose(0, 1)  # (1, K, top_k)
+        tokens = medusa_tokens(self.tree, state.tokens[:, -1], head_topk)  # (1, N)
+        return dataclasses.replace(self.tree, tokens=tokens[0])
+
+    def commit(self, path: list[int]) -> None:
+        pass
+
+
+class EagleProposer:
+    """EAGLE-2 drafting: catch up on the target features of the newly verified tokens, then grow a dynamic tree
+    (top_k expansion by cumulative draft log-probability for `depth` steps, `total_tokens` kept; top_k = 1 gives
+    a chain). The drafter's KV cache holds the verified prefix; tree steps are appended under an ancestor mask and
+    cropped away at commit, because the accepted tokens are re-run next round with the target's true features.
+    """
+
+    def __init__(self, drafter: torch.nn.Module, depth: int, top_k: int, total_tokens: int):
+        self.drafter = drafter
+        self.feature_layers = list(drafter.cfg.feature_layers)
+        self.depth, self.top_k, self.total_tokens = depth, top_k, total_tokens
+        self.cache = drafter.new_cache()
+
+    def reset(self) -> None:
+        self.cache = self.drafter.new_cache()
+
+    def propose(self, state: DecodeState) -> Tree:
+        feats = state.new_hidden  # (1, n, S, d) target features at positions P-n .. P-1
+        n, prefix_len = feats.shape[1], state.prefix_len
+        device = feats.device
+        positions = torch.arange(prefix_len - n, prefix_len, device=device)[None]  # (1, n)
+        logits, hidden = self.drafter.step(feats, state.tokens[:, -n:], positions, self.cache)  # (1, n, V), (1, n, d)
+        committed = self.committed = self.cache.length
+        rows = {"hidden": hidden[0, -1:], "anc": torch.zeros(1, 0, dtype=torch.bool, device=device)}
+
+        def expand(tokens: torch.Tensor, parent_rows: torch.Tensor, step: int) -> torch.Tensor:
+            if step == 0:  # the root's children come from the catch-up's last position
+                return torch.log_softmax(logits[0, -1:], dim=-1)  # (1, V)
+            parent_rows = parent_rows.to(device)
+            f = tokens.numel()
+            anc = torch.cat([rows["anc"][parent_rows], torch.eye(f, dtype=torch.bool, device=device)], dim=1)
+            mask = torch.cat([torch.ones(f, committed, dtype=torch.bool, device=device), anc], dim=1)  # (F, S+F)
+            pos = torch.full((1, f), prefix_len + step - 1, device=device)  # the parent's position
+            step_logits, step_hidden = self.drafter.step(
+                rows["hidden"][parent_rows][None], tokens.to(device)[None], pos, self.cache, mask[None], False
+            )
+            rows["hidden"], rows["anc"] = step_hidden[0], anc
+            return torch.log_softmax(step_logits[0], dim=-1)  # (F, V)
+
+        return dynamic_tree(expand, int(state.tokens[0, -1]), self.depth, self.top_k, self.total_tokens)
+
+    def commit(self, path: list[int]) -> None:
+        self.cache.crop(self.committed)

@@ -1,0 +1,292 @@
+"""Speculative decoding loop: losslessness against plain decoding, stub and real drafters, τ bookkeeping.
+
+TRITON_INTERPRET=1 .venv/bin/pytest tests/test_generate.py -q
+"""
+
+from __future__ import annotations
+
+import random
+import types
+
+import pytest
+import torch
+
+from eval import reference
+from eval.generate import (
+    DecodeSettings,
+    DecodeState,
+    EagleProposer,
+    MedusaProposer,
+    plain_generate,
+    round_stats,
+    speculative_generate,
+)
+from eval.trees import Tree, chain, medusa_tree
+from models.eagle import EagleConfig, EagleDrafter
+from models.medusa import MedusaConfig, MedusaHeads
+from models.target import load_target
+
+TINY = {
+    "llama": {"model_type": "llama", "rope_theta": 10000.0},
+    "qwen2": {"model_type": "qwen2", "rope_theta": 1000000.0},
+}
+
+
+def tiny_target(family: str, vocab: int = 96, init_range: float = 0.2, seed: int = 0):
+    config = {
+        **TINY[family],
+        "vocab_size": vocab,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 256,
+        "initializer_range": init_range,  # peaked distributions, so greedy continuations vary
+        "tie_word_embeddings": False,
+    }
+    return load_target(random_init=config, dtype="float32", seed=seed)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models: thread start-up dominates, and the machine's cores are shared."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def target(request):
+    return tiny_target(request.param)
+
+
+OPS = reference  # the reference twins; tests/test_generate's triton case swaps in eval.kernels
+PROMPT = torch.tensor([[5, 17, 3, 42, 8, 77, 23]])
+
+
+class ScriptedProposer:
+    """Stub drafter that knows the plain greedy continuation `truth`.
+
+    It drafts a fixed tree shape; at every node it may make one child right (the true next token), the other
+    children get distinct wrong tokens. `mode`: "never" (no child is right: every branch rejected), "always" (the
+    first child is right: a chain is accepted in full), "sometimes" (a random child is right with probability 0.6).
+    """
+
+    feature_layers: list[int] = []
+
+    def __init__(self, truth: list[int], prompt_len: int, parents: list[int], mode: str, vocab: int, seed: int = 0):
+        self.truth, self.prompt_len, self.parents, self.mode, self.vocab = truth, prompt_len, parents, mode, vocab
+        self.rng = random.Random(seed)
+        self.commits: list[list[int]] = []
+
+    def reset(self) -> None:
+        self.commits.clear()
+
+    def propose(self, state: DecodeState) -> Tree:
+        shape = Tree.from_parents(self.parents)
+        done = state.tokens.shape[1] - self.prompt_len  # generated so far; the root is truth[done - 1]
+        tokens = [int(state.tokens[0, -1])] + [0] * (len(self.parents) - 1)
+        right_node = {0: True}
+        for node in range(len(self.parents)):
+            kids = [c for c, p in enumerate(self.parents) if p == node]
+            if not kids:
+                continue
+            idx = done - 1 + int(shape.depth[node]) + 1
+            true = self.truth[idx] if idx < len(self.truth) and right_node.get(node) else None
+            pick = {"never": None, "always": 0, "sometimes": self.rng.randrange(len(kids))}[self.mode]
+            if self.mode == "sometimes" and self.rng.random() > 0.6:
+                pick = None
+            wrong = iter(t for t in range(self.vocab) if t != true)
+            for j, child in enumerate(kids):
+                is_right = true is not None and j == pick
+                right_node[child] = is_right
+                tokens[child] = true if is_right else next(wrong)
+        return Tree.from_parents(self.parents, tokens=tokens)
+
+    def commit(self, path: list[int]) -> None:
+        self.commits.append(path)
+
+
+TREE_SHAPES = {
+    "chain4": [-1, 0, 1, 2, 3],
+    "wide": [-1, 0, 0, 0, 1, 1, 2, 4, 4, 7],  # 3 children at the root, depth 4
+}
+
+
+@pytest.mark.parametrize("shape", sorted(TREE_SHAPES))
+@pytest.mark.parametrize("mode", ["never", "always", "sometimes"])
+def test_greedy_stub_lossless(target, shape, mode):
+    settings = DecodeSettings(max_new_tokens=24)
+    plain = plain_generate(target.model, PROMPT, settings)
+    vocab = target.config.vocab_size
+    stub = ScriptedProposer(plain.tokens, PROMPT.shape[1], TREE_SHAPES[shape], mode, vocab)
+    out = speculative_generate(target.model, stub, PROMPT, settings, OPS)
+    assert out.tokens == plain.tokens
+    assert out.target_forwards == 1 + len(out.accepted)
+    if mode == "never":
+        assert out.accepted == [0] * (settings.max_new_tokens - 1)  # every branch rejected: one token per round
+    if mode == "always":
+        depth = Tree.from_parents(TREE_SHAPES[shape]).max_depth
+        assert all(a == depth for a in out.accepted[:-1])  # the last round may run past the known continuation
+        assert len(out.accepted) == -(-(settings.max_new_tokens - 1) // (depth + 1))
+
+
+def test_greedy_stops_at_eos(target):
+    plain = plain_generate(target.model, PROMPT, DecodeSettings(max_new_tokens=20))
+    eos = plain.tokens[6]
+    settings = DecodeSettings(max_new_tokens=20, eos_token_ids=[eos])
+    stub = ScriptedProposer(plain.tokens, PROMPT.shape[1], TREE_SHAPES["chain4"], "always", 96)
+    out = speculative_generate(target.model, stub, PROMPT, settings, OPS)
+    assert out.tokens == plain.tokens[: plain.tokens.index(eos) + 1]
+    assert out.tokens == plain_generate(target.model, PROMPT, settings).tokens
+
+
+def _eagle(target, seed=0):
+    torch.manual_seed(seed)
+    return EagleDrafter(EagleConfig(), target.parts([-1])).eval()
+
+
+def _medusa(target, num_heads=3, seed=0):
+    torch.manual_seed(seed)
+    heads = MedusaHeads(MedusaConfig(num_heads=num_heads), target.parts([-1])).eval()
+    with torch.no_grad():  # non-zero residual blocks: heads that differ from the target's own next-token head
+        for p in heads.blocks.parameters():
+            p.normal_(0, 0.1)
+    return heads
+
+
+@pytest.mark.parametrize(
+    "kind", ["eagle_dynamic", "eagle_chain", "medusa_tree", "medusa_chain"], ids=lambda k: k.replace("_", "-")
+)
+def test_greedy_real_drafters_lossless(target, kind):
+    settings = DecodeSettings(max_new_tokens=20)
+    if kind == "eagle_dynamic":
+        proposer = EagleProposer(_eagle(target), depth=3, top_k=3, total_tokens=8)
+    elif kind == "eagle_chain":
+        proposer = EagleProposer(_eagle(target), depth=4, top_k=1, total_tokens=5)
+    elif kind == "medusa_tree":
+        proposer = MedusaProposer(_medusa(target), medusa_tree([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)], 3))
+    else:
+        proposer = MedusaProposer(_medusa(target), chain(3))
+    plain = plain_generate(target.model, PROMPT, settings)
+    out = speculative_generate(target.model, proposer, PROMPT, settings, OPS)
+    assert out.tokens == plain.tokens
+    if kind == "eagle_chain":
+        assert set(out.tree_nodes) == {5}
+
+
+def test_eagle_drafts_what_it_would_draft_alone(target):
+    """The tree the proposer builds after a round equals a fresh drafter's tree over the same verified prefix:
+    the drafter cache is committed correctly (tree steps cropped, accepted tokens re-run with target features)."""
+    settings = DecodeSettings(max_new_tokens=8)
+    drafter = _eagle(target)
+    proposer = EagleProposer(drafter, depth=3, top_k=2, total_tokens=6)
+    trees = []
+    propose = proposer.propose
+    proposer.propose = lambda state: trees.append((state.tokens.clone(), propose(state))) or trees[-1][1]
+    speculative_generate(target.model, proposer, PROMPT, settings, OPS)
+    tokens, tree = trees[-1]
+    fresh = EagleProposer(drafter, depth=3, top_k=2, total_tokens=6)
+    hidden = target.hidden_states(tokens[:, :-1], layers=[-1])  # (1, L-1, 1, d)
+    again = fresh.propose(DecodeState(tokens=tokens, new_hidden=hidden))
+    assert torch.equal(again.tokens, tree.tokens) and torch.equal(again.parents, tree.parents)
+
+
+def test_round_stats_scripted():
+    stats = round_stats(accepted=[0, 2, 3, 1], tree_depth=[3, 3, 3, 2])
+    assert stats["accept_len"] == pytest.approx((1 + 3 + 4 + 2) / 4)
+    # depth 1: reached 4, passed 3; depth 2: reached (a>=1, t>=2) 3, passed 2; depth 3: reached (a>=2, t>=3) 2, passed 1
+    assert stats["reached_by_depth"] == [4, 3, 2]
+    assert stats["accept_rate_by_depth"] == pytest.approx([3 / 4, 2 / 3, 1 / 2])
+    assert round_stats([], [])["rounds"] == 0
+
+
+def test_generation_result_counts(target):
+    settings = DecodeSettings(max_new_tokens=12)
+    plain = plain_generate(target.model, PROMPT, settings)
+    assert plain.target_forwards == 12 and plain.stats()["forwards_per_token"] == 1.0
+    stub = ScriptedProposer(plain.tokens, PROMPT.shape[1], TREE_SHAPES["chain4"], "always", 96)
+    out = speculative_generate(target.model, stub, PROMPT, settings, OPS)
+    stats = out.stats()
+    # 1 token from the prefill, then 5 + 5 per round; the stub knows 12 tokens, so the last round accepts 1
+    assert out.accepted == [4, 4, 1] and stats["accept_len"] == pytest.approx(4.0) and stats["new_tokens"] == 12
+    assert stats["forwards_per_token"] == pytest.approx(4 / 12)
+    assert out.wall_s >= out.target_s > 0
+
+
+# --------------------------------------------------------------------------------------------
+# Sampling: the output follows the target distribution
+
+
+class FixedTreeProposer:
+    """Deterministic drafts independent of the target's randomness: the same token tree every round."""
+
+    feature_layers: list[int] = []
+
+    def __init__(self, parents: list[int], tokens: list[int]):
+        self.parents, self.tokens = parents, tokens
+
+    def reset(self) -> None:
+        pass
+
+    def propose(self, state: DecodeState) -> Tree:
+        return Tree.from_parents(self.parents, tokens=[int(state.tokens[0, -1])] + self.tokens)
+
+    def commit(self, path: list[int]) -> None:
+        pass
+
+
+SMALL_PROMPT = torch.tensor([[1, 3, 0]])
+
+
+def _exact_joint(model, prompt: torch.Tensor, vocab: int, settings: DecodeSettings) -> torch.Tensor:
+    """P(x1, x2) of the 2nd and 3rd generated tokens (the first two that go through verification), (V, V)."""
+    x0, x1 = torch.meshgrid(torch.arange(vocab), torch.arange(vocab), indexing="ij")
+    seqs = torch.cat([prompt.expand(vocab * vocab, -1), x0.reshape(-1, 1), x1.reshape(-1, 1)], dim=1)
+    with torch.no_grad():
+        logits = model(seqs).logits[:, -3:]  # (V*V, 3, V)
+    p = reference.target_probs(logits, settings.temperature, settings.top_p)
+    p0 = p[0, 0]  # (V,) first token
+    p1 = p[::vocab, 1]  # (V x0, V) second token given x0
+    p2 = p[:, 2].reshape(vocab, vocab, vocab)  # (x0, x1, x2)
+    return torch.einsum("a,ab,abc->bc", p0, p1, p2)
+
+
+def _empirical_joint(model, proposer, settings, ops, trials: int, vocab: int) -> torch.Tensor:
+    counts = torch.zeros(vocab, vocab)
+    for seed in range(trials):
+        s = DecodeSettings(**{**vars(settings), "seed": seed})
+        out = speculative_generate(model, proposer, SMALL_PROMPT, s, ops)
+        counts[out.tokens[1], out.tokens[2]] += 1
+    return counts / trials
+
+
+def _tv(a: torch.Tensor, b: torch.Tensor) -> float:
+    return 0.5 * float((a - b).abs().sum())
+
+
+def test_sampled_follows_target_distribution():
+    vocab, trials = 5, 800
+    target = tiny_target("llama", vocab=vocab, init_range=0.5, seed=1)
+    settings = DecodeSettings(max_new_tokens=3, temperature=0.8, top_p=0.95)
+    exact = _exact_joint(target.model, SMALL_PROMPT, vocab, settings)
+    # root -> {0, 1}; 0 -> {2, 3}; 1 -> {4}; 2 -> {1}: several children, deep paths, every token drafted somewhere
+    proposer = FixedTreeProposer([-1, 0, 0, 1, 1, 2, 3], [0, 1, 2, 3, 4, 1])
+    noise = 0.5 * float((2 * exact * (1 - exact) / (torch.pi * trials)).sqrt().sum())  # E[TV] of i.i.d. draws
+    joint = _empirical_joint(target.model, proposer, settings, OPS, trials, vocab)
+    assert _tv(joint.sum(1), exact.sum(1)) < 2 * noise  # the first verified token alone
+    assert _tv(joint, exact) < 2 * noise, (_tv(joint, exact), noise)
+
+    def forgetful_verify(tokens, logits, tree, coins, temperature=1.0, top_p=1.0):
+        """A classic bug: after rejecting the drafts, the bonus is redrawn from p instead of the residual."""
+        accept_len, nodes, _ = reference.verify_sampled(tokens, logits, tree, coins, None, temperature, top_p)
+        last = nodes[0, accept_len[0]]
+        p = reference.target_probs(logits[0, last], temperature, top_p)
+        return accept_len, nodes, reference.sample_from(p[None], coins[:, -1, -1])
+
+    perturbed = types.SimpleNamespace(**{n: getattr(reference, n) for n in reference.__all__})
+    perturbed.verify_sampled = forgetful_verify
+    bad = _tv(_empirical_joint(target.model, proposer, settings, perturbed, trials, vocab), exact)
+    assert bad > 3 * noise, (bad, noise)
