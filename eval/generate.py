@@ -1,7 +1,7 @@
 """Speculative decoding with a tree of drafts and a KV-cached target.
 
-    ops = get_ops("reference")                     # or "triton": same tokens, fused kernels
-    out = speculative_generate(model, proposer, prompt_ids, DecodeSettings(max_new_tokens=64), ops)
+    settings = DecodeSettings(max_new_tokens=64)   # temperature 0: greedy
+    out = speculative_generate(model, proposer, prompt_ids, settings, kernels="triton")  # or "reference"
     out.tokens, out.stats()["accept_len"]
 
 One round, with the root r (the last token chosen by the target, not yet in its KV cache) at position P:
@@ -18,6 +18,7 @@ distribution (lossless); `acceptance="typical"` is Medusa's lossy typical accept
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from dataclasses import dataclass, field
@@ -26,8 +27,11 @@ from typing import Any, Literal, Protocol
 import torch
 from transformers import DynamicCache
 
+from eval.kernels import TreeOps, get_ops, register_tree_attention, tree_context
 from eval.reference import target_probs
 from eval.trees import Tree, dynamic_tree, medusa_tokens
+
+Kernels = Literal["triton", "reference"]
 
 
 @dataclass
@@ -144,10 +148,21 @@ def tree_attention_mask(tree: Tree, prefix_len: int, dtype: torch.dtype) -> torc
 class TargetRunner:
     """The frozen target with its KV cache: prefill, tree forwards, commits; times every forward."""
 
-    def __init__(self, model: torch.nn.Module, ops: Any, feature_layers: list[int]):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        feature_layers: list[int],
+        kernels: Kernels = "reference",
+        ops: TreeOps | None = None,
+    ):
         self.model = model
-        self.ops = ops
+        self.kernels = kernels
+        self.ops = ops or get_ops(kernels)
         self.feature_layers = feature_layers
+        if kernels == "triton":  # tree blocks through the fused kernel; other blocks stay causal SDPA
+            name = register_tree_attention(kind="triton")
+            if model.config._attn_implementation != name:
+                model.set_attn_implementation(name)
         self.cache = DynamicCache(config=model.config)
         self.forwards = 0
         self.seconds = 0.0
@@ -160,15 +175,20 @@ class TargetRunner:
         Without a tree the block is causal (prefill, plain decoding); with one, tree attention.
         """
         start = time.perf_counter()
-        mask = None if tree is None else tree_attention_mask(tree, self.cache.get_seq_length(), self.model.dtype)
-        out = self.model(
-            input_ids=input_ids,
-            attention_mask=mask,
-            position_ids=position_ids,
-            cache=self.cache,
-            use_cache=True,
-            output_hidden_states=bool(self.feature_layers),
-        )
+        mask, context = None, contextlib.nullcontext()
+        if tree is not None and self.kernels == "reference":
+            mask = tree_attention_mask(tree, self.cache.get_seq_length(), self.model.dtype)
+        elif tree is not None:
+            context = tree_context(tree.mask_bits)
+        with context:
+            out = self.model(
+                input_ids=input_ids,
+                attention_mask=mask,
+                position_ids=position_ids,
+                cache=self.cache,
+                use_cache=True,
+                output_hidden_states=bool(self.feature_layers),
+            )
         hidden = None
         if self.feature_layers:
             hidden = torch.stack([out.hidden_states[i] for i in self.feature_layers], dim=2)  # (B, N, S, d)
@@ -215,7 +235,7 @@ def plain_generate(model: torch.nn.Module, prompt_ids: torch.Tensor, settings: D
     _check_batch(prompt_ids)
     gen = torch.Generator(device=prompt_ids.device).manual_seed(settings.seed)
     start = time.perf_counter()
-    target = TargetRunner(model, None, [])
+    target = TargetRunner(model, [])
     L = prompt_ids.shape[1]
     logits, _ = target.forward(prompt_ids, torch.arange(L, device=prompt_ids.device)[None])
     generated: list[int] = []
@@ -233,7 +253,7 @@ def plain_generate(model: torch.nn.Module, prompt_ids: torch.Tensor, settings: D
 
 
 def _verify(
-    ops: Any, tree: Tree, logits: torch.Tensor, settings: DecodeSettings, gen: torch.Generator
+    ops: TreeOps, tree: Tree, logits: torch.Tensor, settings: DecodeSettings, gen: torch.Generator
 ) -> tuple[int, torch.Tensor, int]:
     """Target logits over the tree (1, N, V) -> (accepted drafts k, accepted nodes (1, D+1) root first, bonus)."""
     tokens = tree.tokens[None]  # (1, N)
@@ -257,14 +277,21 @@ def speculative_generate(
     proposer: Proposer,
     prompt_ids: torch.Tensor,
     settings: DecodeSettings,
-    ops: Any,
+    kernels: Kernels = "reference",
+    ops: TreeOps | None = None,
 ) -> GenerationResult:
-    """Speculative decoding of one prompt ((1, L) ids) with `proposer` drafting and `model` verifying."""
+    """Speculative decoding of one prompt ((1, L) ids) with `proposer` drafting and `model` verifying.
+
+    `kernels` selects the tree attention + verification + commit implementation: "triton" (fused kernels, the
+    model's attention switched to the registered tree kernel) or "reference" (PyTorch twins, an additive 4D mask
+    under the model's own attention); both give the same tokens. `ops` overrides the op set (tests inject faults).
+    """
     _check_batch(prompt_ids)
     device = prompt_ids.device
     gen = torch.Generator(device=device).manual_seed(settings.seed)
     start = time.perf_counter()
-    target = TargetRunner(model, ops, proposer.feature_layers)
+    target = TargetRunner(model, proposer.feature_layers, kernels, ops)
+    ops = target.ops
     result = GenerationResult(tokens=[])
     proposer.reset()
 

@@ -5,8 +5,8 @@ TRITON_INTERPRET=1 .venv/bin/pytest tests/test_generate.py -q
 
 from __future__ import annotations
 
+import dataclasses
 import random
-import types
 
 import pytest
 import torch
@@ -21,6 +21,7 @@ from eval.generate import (
     round_stats,
     speculative_generate,
 )
+from eval.kernels import get_ops
 from eval.trees import Tree, chain, medusa_tree
 from models.eagle import EagleConfig, EagleDrafter
 from models.medusa import MedusaConfig, MedusaHeads
@@ -62,7 +63,6 @@ def target(request):
     return tiny_target(request.param)
 
 
-OPS = reference  # the reference twins; tests/test_generate's triton case swaps in eval.kernels
 PROMPT = torch.tensor([[5, 17, 3, 42, 8, 77, 23]])
 
 
@@ -122,7 +122,7 @@ def test_greedy_stub_lossless(target, shape, mode):
     plain = plain_generate(target.model, PROMPT, settings)
     vocab = target.config.vocab_size
     stub = ScriptedProposer(plain.tokens, PROMPT.shape[1], TREE_SHAPES[shape], mode, vocab)
-    out = speculative_generate(target.model, stub, PROMPT, settings, OPS)
+    out = speculative_generate(target.model, stub, PROMPT, settings)
     assert out.tokens == plain.tokens
     assert out.target_forwards == 1 + len(out.accepted)
     if mode == "never":
@@ -138,7 +138,7 @@ def test_greedy_stops_at_eos(target):
     eos = plain.tokens[6]
     settings = DecodeSettings(max_new_tokens=20, eos_token_ids=[eos])
     stub = ScriptedProposer(plain.tokens, PROMPT.shape[1], TREE_SHAPES["chain4"], "always", 96)
-    out = speculative_generate(target.model, stub, PROMPT, settings, OPS)
+    out = speculative_generate(target.model, stub, PROMPT, settings)
     assert out.tokens == plain.tokens[: plain.tokens.index(eos) + 1]
     assert out.tokens == plain_generate(target.model, PROMPT, settings).tokens
 
@@ -171,10 +171,28 @@ def test_greedy_real_drafters_lossless(target, kind):
     else:
         proposer = MedusaProposer(_medusa(target), chain(3))
     plain = plain_generate(target.model, PROMPT, settings)
-    out = speculative_generate(target.model, proposer, PROMPT, settings, OPS)
+    out = speculative_generate(target.model, proposer, PROMPT, settings)
     assert out.tokens == plain.tokens
     if kind == "eagle_chain":
         assert set(out.tree_nodes) == {5}
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_triton_path_matches_reference(family):
+    """One switch selects the kernels; both paths give the same tokens and the same accepted lengths."""
+    target = tiny_target(family)  # its own instance: the triton path switches the model's attention
+    settings = DecodeSettings(max_new_tokens=16)
+    plain = plain_generate(target.model, PROMPT, settings)
+    runs = {}
+    for kernels in ("reference", "triton"):
+        stub = ScriptedProposer(plain.tokens, PROMPT.shape[1], TREE_SHAPES["wide"], "sometimes", 96, seed=3)
+        eagle = EagleProposer(_eagle(target), depth=3, top_k=2, total_tokens=6)
+        runs[kernels] = [speculative_generate(target.model, p, PROMPT, settings, kernels) for p in (stub, eagle)]
+    assert target.model.config._attn_implementation == "specdraft_tree"
+    for ref, tri in zip(runs["reference"], runs["triton"]):
+        assert tri.tokens == ref.tokens == plain.tokens
+        assert tri.accepted == ref.accepted
+    assert sum(runs["triton"][0].accepted) > 0
 
 
 def test_eagle_drafts_what_it_would_draft_alone(target):
@@ -186,7 +204,7 @@ def test_eagle_drafts_what_it_would_draft_alone(target):
     trees = []
     propose = proposer.propose
     proposer.propose = lambda state: trees.append((state.tokens.clone(), propose(state))) or trees[-1][1]
-    speculative_generate(target.model, proposer, PROMPT, settings, OPS)
+    speculative_generate(target.model, proposer, PROMPT, settings)
     tokens, tree = trees[-1]
     fresh = EagleProposer(drafter, depth=3, top_k=2, total_tokens=6)
     hidden = target.hidden_states(tokens[:, :-1], layers=[-1])  # (1, L-1, 1, d)
@@ -208,7 +226,7 @@ def test_generation_result_counts(target):
     plain = plain_generate(target.model, PROMPT, settings)
     assert plain.target_forwards == 12 and plain.stats()["forwards_per_token"] == 1.0
     stub = ScriptedProposer(plain.tokens, PROMPT.shape[1], TREE_SHAPES["chain4"], "always", 96)
-    out = speculative_generate(target.model, stub, PROMPT, settings, OPS)
+    out = speculative_generate(target.model, stub, PROMPT, settings)
     stats = out.stats()
     # 1 token from the prefill, then 5 + 5 per round; the stub knows 12 tokens, so the last round accepts 1
     assert out.accepted == [4, 4, 1] and stats["accept_len"] == pytest.approx(4.0) and stats["new_tokens"] == 12
@@ -258,7 +276,7 @@ def _empirical_joint(model, proposer, settings, ops, trials: int, vocab: int) ->
     counts = torch.zeros(vocab, vocab)
     for seed in range(trials):
         s = DecodeSettings(**{**vars(settings), "seed": seed})
-        out = speculative_generate(model, proposer, SMALL_PROMPT, s, ops)
+        out = speculative_generate(model, proposer, SMALL_PROMPT, s, "reference", ops)
         counts[out.tokens[1], out.tokens[2]] += 1
     return counts / trials
 
@@ -275,7 +293,7 @@ def test_sampled_follows_target_distribution():
     # root -> {0, 1}; 0 -> {2, 3}; 1 -> {4}; 2 -> {1}: several children, deep paths, every token drafted somewhere
     proposer = FixedTreeProposer([-1, 0, 0, 1, 1, 2, 3], [0, 1, 2, 3, 4, 1])
     noise = 0.5 * float((2 * exact * (1 - exact) / (torch.pi * trials)).sqrt().sum())  # E[TV] of i.i.d. draws
-    joint = _empirical_joint(target.model, proposer, settings, OPS, trials, vocab)
+    joint = _empirical_joint(target.model, proposer, settings, None, trials, vocab)
     assert _tv(joint.sum(1), exact.sum(1)) < 2 * noise  # the first verified token alone
     assert _tv(joint, exact) < 2 * noise, (_tv(joint, exact), noise)
 
@@ -286,7 +304,6 @@ def test_sampled_follows_target_distribution():
         p = reference.target_probs(logits[0, last], temperature, top_p)
         return accept_len, nodes, reference.sample_from(p[None], coins[:, -1, -1])
 
-    perturbed = types.SimpleNamespace(**{n: getattr(reference, n) for n in reference.__all__})
-    perturbed.verify_sampled = forgetful_verify
+    perturbed = dataclasses.replace(get_ops("reference"), verify_sampled=forgetful_verify)
     bad = _tv(_empirical_joint(target.model, proposer, settings, perturbed, trials, vocab), exact)
     assert bad > 3 * noise, (bad, noise)
