@@ -23,6 +23,7 @@ before defining them. The interpreter has no bf16 arithmetic, so inputs are cast
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from collections.abc import Callable, Iterator
@@ -90,7 +91,7 @@ def _tree_attention_kernel(
     """Program (b * HKV + kv head, query block, prefix split). Rows are the GROUP query heads sharing the kv head
     times the N tree queries (row = g * N + n), so K/V are read once per kv head. Last dims are contiguous."""
     pid_bh, pid_m, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    b = pid_bh // HKV
+    b = (pid_bh // HKV).to(tl.int64)  # int64 offsets: caches can exceed 2^31 elements
     kvh = pid_bh % HKV
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < GROUP * N
@@ -172,11 +173,16 @@ def _pow2(x: int, lo: int, hi: int) -> int:
     return max(lo, min(hi, triton.next_power_of_2(max(x, 1))))
 
 
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def _num_splits(q: torch.Tensor, programs: int, p: int, block_p: int) -> int:
     """Split the prefix so that about two waves of programs fill the GPU (never on the interpreter)."""
     if INTERPRET or p == 0:
         return 1
-    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    sms = _sm_count(q.device)
     return max(1, min(triton.cdiv(2 * sms, programs), triton.cdiv(p, 4 * block_p), 16))
 
 
@@ -259,10 +265,11 @@ def _row_stats_kernel(
         if TYPICAL:
             z = x * inv_temp
             m_new = tl.maximum(m, blk_max * inv_temp)
-            e = tl.where(cols < V, tl.exp(z - m_new), 0.0)
-            alpha = tl.exp(m - m_new)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            e = tl.exp(z - m_safe)  # 0 for padding and -inf logits
+            alpha = tl.exp(m - m_safe)
             s = s * alpha + tl.sum(e, 0)
-            t = t * alpha + tl.sum(e * tl.where(cols < V, z, 0.0), 0)
+            t = t * alpha + tl.sum(e * tl.where(e > 0, z, 0.0), 0)
             m = m_new
     tl.store(ARGMAX + row, best_idx.to(tl.int64))
     if TYPICAL:
@@ -288,7 +295,7 @@ def _longest_path_kernel(
     tok = tl.load(TOKENS + b * s_tok + i, i_ok, 0)
     depth = tl.load(DEPTH + b * s_dep + i, i_ok, 0)
     if TYPICAL:
-        z = tl.load(LOGITS + (b * s_lb + par * s_ln).to(tl.int64) + tok, i_ok, 0.0).to(tl.float32) * inv_temp
+        z = tl.load(LOGITS + b.to(tl.int64) * s_lb + par * s_ln + tok, i_ok, 0.0).to(tl.float32) * inv_temp
         lp = z - tl.load(LSE + b * N + par, i_ok, 0.0)
         passed = lp > tl.load(LOG_THR + b * N + par, i_ok, 0.0)
         lp = tl.where(i == 0, 0.0, lp)
@@ -349,7 +356,8 @@ def _verify_longest_path(
         tokens, parents, depth, bits, argmax, logits, lse, log_thr, accept_len, accepted, bonus,
         n, vocab, 1.0 / temperature, tokens.stride(0), parents.stride(0), depth.stride(0), bits.stride(0),
         bits.stride(1), logits.stride(0) if typical else 0, logits.stride(1) if typical else 0, accepted.stride(0),
-        WIDTH=width, TYPICAL=typical, BLOCK_N=_pow2(n, 16, 1 << 12), BLOCK_W=_pow2(width, 16, 1 << 12),
+        WIDTH=width, TYPICAL=typical, BLOCK_N=max(16, triton.next_power_of_2(n)),
+        BLOCK_W=max(16, triton.next_power_of_2(width)),
     )  # fmt: skip
     return accept_len, accepted, bonus
 

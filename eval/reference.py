@@ -115,7 +115,7 @@ def verify_typical(
     bsz = tree_tokens.shape[0]
     tree = tree.batched(bsz)
     logp = torch.log_softmax(target_logits.float() / temperature, dim=-1)  # (B, N, V)
-    entropy = -(logp.exp() * logp).sum(-1)  # (B, N)
+    entropy = torch.special.entr(logp.exp()).sum(-1)  # (B, N); 0 * log 0 = 0 for -inf logits
     log_thr = torch.clamp(math.log(delta) - entropy, max=math.log(epsilon))  # (B, N)
     parents = tree.parents.clamp(min=0)
     rows = torch.arange(bsz, device=logp.device)[:, None]

@@ -85,9 +85,16 @@ def test_greedy_and_typical_kernels_match_twin(n):
     b, vocab = 3, 50
     tree = stack_trees([random_tree(n, gen) for _ in range(b)])
     logits = 3 * torch.randn(b, n, vocab, generator=gen)
+    logits[..., -3:] = float("-inf")  # masked vocabulary entries must not turn the entropy into nan
     argmax = logits.argmax(-1)
-    tokens = argmax.gather(1, tree.parents.clamp(min=0))  # mostly accepted, with random rejections
-    tokens = torch.where(torch.rand(b, n, generator=gen) < 0.3, torch.randint(0, vocab, (b, n), generator=gen), tokens)
+    # siblings carry distinct tokens (argmax at the parent + sibling rank + a per-parent shift, 0 for 70% of parents)
+    # so that accepted paths never tie exactly
+    parents = tree.parents.clamp(min=0)
+    earlier_sibling = (tree.parents[:, None, :] == tree.parents[:, :, None]) & torch.ones(n, n, dtype=torch.bool).tril(
+        -1
+    )
+    shift = torch.where(torch.rand(b, n, generator=gen) < 0.7, 0, torch.randint(1, vocab, (b, n), generator=gen))
+    tokens = (argmax.gather(1, parents) + earlier_sibling.sum(-1) + shift.gather(1, parents)) % vocab
     for target in (logits, argmax):
         want = reference.verify_greedy(tokens, target, tree)
         for w, g in zip(want, kernels.verify_greedy(tokens, target, tree)):
