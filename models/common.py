@@ -28,13 +28,15 @@ class TargetParts:
     """The frozen pieces of the target a drafter reuses (never trained, never exported by default).
 
     `config` is the target's transformers config (hidden_size, vocab_size, rope, heads...);
-    `stored_layers` lists the hidden-state indices present in `DraftBatch.hidden`, in order.
+    `stored_layers` lists the hidden-state indices present in `DraftBatch.hidden`, in order;
+    `model` is the whole frozen HF model, for drafters that run the target themselves (Medusa-2).
     """
 
     config: object
     embed_tokens: nn.Embedding
     lm_head: nn.Linear
     stored_layers: list[int]
+    model: nn.Module | None = None
 
     def layer_slot(self, layer: int) -> int:
         """Position of hidden-state index `layer` in `DraftBatch.hidden`'s third axis."""

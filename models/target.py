@@ -121,7 +121,7 @@ class Target:
         """The frozen pieces a drafter borrows, with the hidden-state indices its batches carry."""
         for layer in stored_layers:
             self._check_layer(layer)
-        return TargetParts(self.config, self.embed_tokens, self.lm_head, list(stored_layers))
+        return TargetParts(self.config, self.embed_tokens, self.lm_head, list(stored_layers), self.model)
 
     def _check_layer(self, layer: int) -> int:
         """Validate an HF hidden-state index; return it in 0..L (L = after the final norm)."""
