@@ -196,6 +196,8 @@ class ExportConfig:
     """Defaults to <train.output_dir>/export."""
     include_target_weights: bool = False
     """Copy frozen target tensors (embeddings, lm_head) into the drafter file."""
+    merge_lora: bool = False
+    """Drafters with LoRA adapters (Medusa-2): also write the target with the adapters merged in (`merged/`)."""
 
 
 @dataclass

@@ -1,12 +1,14 @@
 """Export a trained drafter from a run directory.
 
     python -m train.export RUN_DIR [--out DIR] [--format native] [--checkpoint DIR] [--include-target-weights]
+                                   [--merge-lora]
 
 Reads the run's resolved recipe (`RUN_DIR/recipe.yaml`) and the newest checkpoint's gathered drafter
 tensors (`drafter.safetensors`, written by every checkpoint whatever the parallelism), rebuilds the
 drafter on the recipe's target and writes `config.json` + `model.safetensors` (never pickle) to
 `--out` (default `export.out`, else `RUN_DIR/export`). The export is then reloaded strictly
-(`models.io.load_drafter`) before the command reports success.
+(`models.io.load_drafter`) before the command reports success. Drafters with an `export_extra` hook add
+their method-specific files next to it (Medusa-2: `heads/`, the LoRA `adapter/`, `merged/` with --merge-lora).
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ def export(
     fmt: str | None = None,
     checkpoint: str | Path | None = None,
     include_target_weights: bool | None = None,
+    merge_lora: bool | None = None,
 ) -> Path:
     """Export a run's drafter; arguments left None come from the recipe's `export` section."""
     recipe, target, drafter = load_run(run_dir, checkpoint)
@@ -74,6 +77,8 @@ def export(
     if include_target_weights is None:
         include_target_weights = recipe.export.include_target_weights
     save_native(out, drafter, target, recipe.to_dict(), include_target_weights)
+    if hasattr(drafter, "export_extra"):
+        drafter.export_extra(out, target, merge_lora=recipe.export.merge_lora if merge_lora is None else merge_lora)
     load_drafter(out, target)  # strict round trip before reporting success
     return out
 
@@ -85,9 +90,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--format", default=None, choices=FORMATS, help="default: the recipe's export.format")
     parser.add_argument("--checkpoint", default=None, help="checkpoint directory (default: the newest)")
     parser.add_argument("--include-target-weights", action="store_true", default=None)
+    parser.add_argument("--merge-lora", action="store_true", default=None, help="LoRA drafters: also write merged/")
     args = parser.parse_args(argv)
     try:
-        out = export(args.run_dir, args.out, args.format, args.checkpoint, args.include_target_weights)
+        out = export(args.run_dir, args.out, args.format, args.checkpoint, args.include_target_weights, args.merge_lora)
     except (ExportError, RecipeError, FileNotFoundError) as exc:
         sys.exit(f"error: {exc}")
     print(f"exported {args.run_dir} -> {out}")
