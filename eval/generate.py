@@ -116,15 +116,16 @@ def round_stats(accepted: list[int], tree_depth: list[int]) -> dict[str, Any]:
     """τ = mean over rounds of (accepted + 1), and the conditional acceptance rate per depth.
 
     `accept_rate_by_depth[d-1]` = P(depth d accepted | depth d-1 accepted and the tree reaches depth d);
-    `reached_by_depth[d-1]` is the number of rounds in that condition (the rate's denominator).
+    `reached_by_depth[d-1]` is the number of rounds in that condition (the rate's denominator); rates with
+    no such round, and τ without rounds, are None.
     """
     max_depth = max(tree_depth, default=0)
     reached = [sum(a >= d - 1 and t >= d for a, t in zip(accepted, tree_depth)) for d in range(1, max_depth + 1)]
     passed = [sum(a >= d for a in accepted) for d in range(1, max_depth + 1)]
     return {
         "rounds": len(accepted),
-        "accept_len": sum(a + 1 for a in accepted) / len(accepted) if accepted else float("nan"),
-        "accept_rate_by_depth": [p / r if r else float("nan") for p, r in zip(passed, reached)],
+        "accept_len": sum(a + 1 for a in accepted) / len(accepted) if accepted else None,
+        "accept_rate_by_depth": [p / r if r else None for p, r in zip(passed, reached)],
         "reached_by_depth": reached,
     }
 

@@ -1,0 +1,306 @@
+"""Acceptance-length evaluation: speculative decoding against plain decoding and prompt lookup, same prompts, same run.
+
+    python -m eval RECIPE [key=value ...]
+    accelerate launch -m eval RECIPE [key=value ...]
+
+Loads the recipe's target and the exported drafter (`eval.drafter`, default `<train.output_dir>/export`),
+reads `eval.prompts` (JSONL: chat records with `messages` / `conversations`, rendered with the chat
+template up to the first assistant turn plus the generation prompt, or plain `prompt` records), splits
+them across processes and, for every prompt, decodes with
+- plain decoding (own KV-cached loop, one target forward per token),
+- speculative decoding with the drafter (`eval/generate.py`; tree per `eval.tree`),
+- transformers' prompt-lookup decoding (`generate(prompt_lookup_num_tokens=10)`): what a user gets
+  without training a drafter.
+Greedy speculative output is checked against plain greedy output token for token. Process 0 writes
+`report.json`, `report.md` and `report.png` to `eval.output_dir` (default `<train.output_dir>/eval`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from data.chat import SHAREGPT_ROLES
+from eval.generate import (
+    DecodeSettings,
+    EagleProposer,
+    MedusaProposer,
+    Proposer,
+    plain_generate,
+    speculative_generate,
+)
+from eval.report import summarize, write_report
+from eval.trees import MEDUSA_63, calibrated_tree, chain, medusa_tree
+from models.eagle import EagleDrafter
+from models.io import ExportError, load_drafter
+from models.medusa import MedusaHeads
+from models.target import Target, load_target
+from train.config import EvalConfig, Recipe, RecipeError, load_recipe
+
+PROMPT_LOOKUP_TOKENS = 10
+CALIBRATION_PROMPTS = 4
+WARMUP_TOKENS = 4
+
+
+class EvalError(ValueError):
+    """Bad eval input (prompts file, drafter, tree); the message names the file / key."""
+
+
+# --------------------------------------------------------------------------------------------
+# Prompts
+
+
+def prompt_token_ids(record: dict[str, Any], tokenizer, where: str) -> list[int]:
+    """A chat record (up to its first assistant turn, plus the generation prompt) or a plain `prompt` -> ids."""
+    turns = record.get("messages") or record.get("conversations")
+    if turns is not None:
+        messages = []
+        for turn in turns:
+            role = SHAREGPT_ROLES.get(turn.get("role", turn.get("from")))
+            if role is None:
+                raise EvalError(f"{where}: unknown role in turn {turn!r:.80}")
+            if role == "assistant":
+                break
+            messages.append({"role": role, "content": turn.get("content", turn.get("value"))})
+        if not messages:
+            raise EvalError(f"{where}: no user turn before the first assistant turn")
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    if isinstance(record.get("prompt"), str):
+        ids = tokenizer(record["prompt"], add_special_tokens=False)["input_ids"]
+        bos = tokenizer.bos_token_id
+        return ([bos] if bos is not None and ids[:1] != [bos] else []) + ids
+    raise EvalError(f"{where}: needs `messages`, `conversations` or a string `prompt`")
+
+
+def load_prompts(path: str, tokenizer, limit: int | None) -> list[dict[str, Any]]:
+    """[{index, id, input_ids}] from a JSONL file; errors name file:line."""
+    if not Path(path).is_file():
+        raise EvalError(f"eval.prompts: no such file {path}")
+    prompts = []
+    for line_no, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        if limit is not None and len(prompts) >= limit:
+            break
+        where = f"{path}:{line_no}"
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise EvalError(f"{where}: not valid JSON ({exc.msg})") from None
+        ids = prompt_token_ids(record, tokenizer, where)
+        prompts.append({"index": len(prompts), "id": str(record.get("id", where)), "input_ids": ids})
+    if not prompts:
+        raise EvalError(f"{path}: no prompts")
+    return prompts
+
+
+# --------------------------------------------------------------------------------------------
+# Drafter -> proposer
+
+
+@torch.inference_mode()
+def medusa_rank_accuracy(heads: MedusaHeads, target: Target, sequences: list[tuple[torch.Tensor, int]], top_k: int):
+    """(K, top_k) measured P(head k's rank-r token is right), teacher-forced on `sequences` ((1, T) ids, first
+    generated position): the calibration of a Medusa static tree."""
+    K = heads.cfg.num_heads
+    hits, counts = torch.zeros(K, top_k), torch.zeros(K)
+    for ids, start in sequences:
+        hidden = target.hidden_states(ids, layers=[-1])[:, :, 0]  # (1, T, d)
+        logits = heads.head_logits(hidden)[:, 0]  # (K, T, V)
+        for k in range(1, K + 1):
+            pos = torch.arange(max(start - 1, 0), ids.shape[1] - k - 1, device=ids.device)  # t predicts t+k+1
+            if pos.numel() == 0:
+                continue
+            top = logits[k - 1, pos].topk(top_k, dim=-1).indices  # (n, top_k)
+            hits[k - 1] += (top == ids[0, pos + k + 1, None]).sum(0).float().cpu()
+            counts[k - 1] += pos.numel()
+    return hits / counts.clamp(min=1)[:, None]
+
+
+def build_proposer(drafter: torch.nn.Module, ev: EvalConfig, calibrate) -> tuple[Proposer, str]:
+    """The proposer for `drafter` and `eval.tree`, with a short description of the tree for the report.
+
+    `calibrate(top_k)` returns measured Medusa rank accuracies (only called for calibrated trees).
+    """
+    tree = ev.tree
+    if isinstance(drafter, EagleDrafter):
+        if tree in ("auto", "dynamic"):
+            desc = f"dynamic d{ev.tree_depth} k{ev.tree_top_k} n{ev.tree_total_tokens}"
+            return EagleProposer(drafter, ev.tree_depth, ev.tree_top_k, ev.tree_total_tokens), desc
+        if tree == "chain":
+            return EagleProposer(drafter, ev.tree_depth, 1, ev.tree_depth + 1), f"chain d{ev.tree_depth}"
+        raise EvalError(f"eval.tree: {tree!r} is not an EAGLE tree (auto, dynamic, chain)")
+    if isinstance(drafter, MedusaHeads):
+        heads = drafter.cfg.num_heads
+        if tree == "chain":
+            return MedusaProposer(drafter, chain(min(ev.tree_depth, heads))), f"chain d{min(ev.tree_depth, heads)}"
+        if tree == "medusa63":
+            return MedusaProposer(drafter, medusa_tree(MEDUSA_63, heads)), "medusa63"
+        if tree in ("auto", "calibrated"):
+            depth = min(ev.tree_depth, heads)
+            rank_acc = calibrate(ev.tree_top_k)[:depth]
+            static = calibrated_tree(rank_acc, ev.tree_total_tokens - 1)
+            return MedusaProposer(drafter, static), f"calibrated d{static.max_depth} n{static.num_nodes}"
+        raise EvalError(f"eval.tree: {tree!r} is not a Medusa tree (auto, calibrated, medusa63, chain)")
+    raise EvalError(f"no proposer for drafter type {type(drafter).__name__}")
+
+
+# --------------------------------------------------------------------------------------------
+# One prompt, three decoders
+
+
+@torch.inference_mode()
+def prompt_lookup_generate(model, ids: torch.Tensor, settings: DecodeSettings) -> tuple[list[int], float]:
+    """transformers' prompt-lookup decoding (n-gram drafts copied from the context); (tokens, seconds)."""
+    kwargs: dict[str, Any] = {"do_sample": False}
+    if not settings.greedy:
+        kwargs = {"do_sample": True, "temperature": settings.temperature, "top_p": settings.top_p, "top_k": 0}
+        torch.manual_seed(settings.seed)
+    start = time.perf_counter()
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=settings.max_new_tokens,
+        prompt_lookup_num_tokens=PROMPT_LOOKUP_TOKENS,
+        eos_token_id=settings.eos_token_ids or None,
+        pad_token_id=(settings.eos_token_ids or [0])[0],
+        **kwargs,
+    )
+    return out[0, ids.shape[1] :].tolist(), time.perf_counter() - start
+
+
+def evaluate_prompt(
+    target: Target, proposer: Proposer, prompt: dict[str, Any], settings: DecodeSettings, ev: EvalConfig
+) -> dict[str, Any]:
+    """Decode one prompt with every method; the per-prompt record of the report."""
+    device = target.device
+    ids = torch.tensor([prompt["input_ids"]], device=device)
+    settings = dataclasses.replace(settings, seed=ev.seed + prompt["index"])
+    record: dict[str, Any] = {"index": prompt["index"], "id": prompt["id"], "prompt_tokens": ids.shape[1]}
+    spec = speculative_generate(target.model, proposer, ids, settings, ev.kernels)
+    record["speculative"] = spec.stats() | {
+        "accepted": spec.accepted,
+        "tree_depth": spec.tree_depth,
+        "target_s": spec.target_s,
+        "draft_s": spec.draft_s,
+    }
+    record["output"] = target.tokenizer.decode(spec.tokens) if target.tokenizer is not None else None
+    record["lossless"] = None
+    if "plain" in ev.baselines:
+        plain = plain_generate(target.model, ids, settings)
+        record["plain"] = {"new_tokens": len(plain.tokens), "wall_s": plain.wall_s}
+        if settings.greedy:
+            record["lossless"] = spec.tokens == plain.tokens
+            mismatch = [i for i, (a, b) in enumerate(zip(spec.tokens, plain.tokens)) if a != b]
+            record["first_mismatch"] = mismatch[0] if mismatch else None
+    if "prompt_lookup" in ev.baselines:
+        tokens, seconds = prompt_lookup_generate(target.model, ids, settings)
+        record["prompt_lookup"] = {"new_tokens": len(tokens), "wall_s": seconds}
+    return record
+
+
+# --------------------------------------------------------------------------------------------
+# Entry
+
+
+def run(recipe: Recipe) -> dict[str, Any] | None:
+    """Evaluate; returns the summary on the main process (None on the others)."""
+    from accelerate import PartialState
+    from accelerate.utils import gather_object
+    from tqdm import tqdm
+
+    ev = recipe.eval
+    if ev.prompts is None:
+        raise EvalError(f"{recipe.source}: eval.prompts: is required (a JSONL file of prompts)")
+    drafter_dir = ev.drafter or recipe.export.out or str(Path(recipe.train.output_dir) / "export")
+    out_dir = ev.output_dir or str(Path(recipe.train.output_dir) / "eval")
+    state = PartialState()
+    target = load_target(**dataclasses.asdict(recipe.target))
+    target.model.to(state.device)
+    if target.tokenizer is None:
+        raise EvalError(f"{recipe.source}: target.tokenizer: the target has no tokenizer to render prompts")
+    drafter = load_drafter(drafter_dir, target)
+    prompts = load_prompts(ev.prompts, target.tokenizer, ev.max_prompts)
+    eos = target.model.generation_config.eos_token_id
+    eos = [eos] if isinstance(eos, int) else list(eos or [])
+    if target.tokenizer.eos_token_id is not None and target.tokenizer.eos_token_id not in eos:
+        eos.append(target.tokenizer.eos_token_id)
+    settings = DecodeSettings(
+        max_new_tokens=ev.max_new_tokens,
+        temperature=ev.temperature,
+        top_p=ev.top_p,
+        acceptance=ev.acceptance,
+        typical_epsilon=ev.typical_epsilon,
+        typical_delta=ev.typical_delta,
+        eos_token_ids=eos,
+        seed=ev.seed,
+    )
+
+    def calibrate(top_k: int) -> torch.Tensor:
+        sequences = []
+        for p in prompts[:CALIBRATION_PROMPTS]:  # the same on every process, so every process builds one tree
+            ids = torch.tensor([p["input_ids"]], device=state.device)
+            greedy = plain_generate(target.model, ids, dataclasses.replace(settings, temperature=0.0))
+            sequences.append((torch.cat([ids, torch.tensor([greedy.tokens], device=state.device)], 1), ids.shape[1]))
+        return medusa_rank_accuracy(drafter, target, sequences, top_k)
+
+    proposer, tree_desc = build_proposer(drafter, ev, calibrate)
+    with state.split_between_processes(prompts) as local:
+        if local:  # warm-up (kernel compilation, allocator), not timed
+            evaluate_prompt(target, proposer, local[0], dataclasses.replace(settings, max_new_tokens=WARMUP_TOKENS), ev)
+        bar = tqdm(local, desc=f"eval {recipe.drafter.method}", disable=not state.is_local_main_process)
+        records = [evaluate_prompt(target, proposer, p, settings, ev) for p in bar]
+    if state.num_processes > 1:
+        records = gather_object(records)
+    if not state.is_main_process:
+        return None
+    meta = {
+        "method": recipe.drafter.method,
+        "tree": tree_desc,
+        "target": target.name,
+        "drafter": drafter_dir,
+        "prompts": ev.prompts,
+        "max_new_tokens": ev.max_new_tokens,
+        "temperature": ev.temperature,
+        "top_p": ev.top_p,
+        "acceptance": ev.acceptance,
+        "kernels": ev.kernels,
+        "device": str(state.device),
+        "num_processes": state.num_processes,
+        "prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS,
+    }
+    summary = summarize(records, meta)
+    write_report(summary, out_dir)
+    recipe.save(Path(out_dir) / "recipe.yaml")
+    return summary
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m eval", description=__doc__.split("\n\n")[0])
+    parser.add_argument("recipe", help="YAML recipe (see recipes/)")
+    parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    args = parser.parse_args(argv)
+    try:
+        recipe = load_recipe(args.recipe, args.overrides)
+        summary = run(recipe)
+    except (RecipeError, EvalError, ExportError) as exc:
+        sys.exit(f"error: {exc}")
+    if summary is not None:
+        out = recipe.eval.output_dir or str(Path(recipe.train.output_dir) / "eval")
+        print(
+            f"eval/accept_len {summary['accept_len']:.3f}  speedup vs plain {summary['speedup_vs_plain'] or 0:.2f}x  "
+            f"vs prompt lookup {summary['speedup_vs_prompt_lookup'] or 0:.2f}x  lossless {summary['lossless_prompts']}"
+            f"  -> {out}/report.md"
+        )
+
+
+if __name__ == "__main__":
+    main()

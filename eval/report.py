@@ -1,0 +1,164 @@
+"""Summaries of an evaluation run: `report.json`, `report.md` (markdown tables) and `report.png`.
+
+    summary = summarize(records, meta)      # records: one dict per prompt, from eval/__main__.py
+    write_report(summary, "runs/x/eval")    # report.json, report.md, report.png
+
+Speeds are pooled over prompts (total new tokens / total wall time per method), τ is pooled over
+every verification round of every prompt (mean of accepted + 1), per-depth conditional acceptance
+pools the rounds too.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from eval.generate import round_stats
+
+METHODS = ("plain", "speculative", "prompt_lookup")
+
+
+def _speed(records: list[dict[str, Any]], method: str) -> float | None:
+    runs = [r[method] for r in records if method in r]
+    if not runs:
+        return None
+    return sum(x["new_tokens"] for x in runs) / max(sum(x["wall_s"] for x in runs), 1e-9)
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def summarize(records: list[dict[str, Any]], meta: dict[str, Any]) -> dict[str, Any]:
+    """Pool per-prompt records into the report (meta: method, tree, settings... copied as they are)."""
+    records = sorted(records, key=lambda r: r["index"])
+    accepted = [a for r in records for a in r["speculative"]["accepted"]]
+    depths = [d for r in records for d in r["speculative"]["tree_depth"]]
+    speed = {m: _speed(records, m) for m in METHODS}
+    checked = [r["lossless"] for r in records if r.get("lossless") is not None]
+    spec_tokens = sum(r["speculative"]["new_tokens"] for r in records)
+    return {
+        **meta,
+        "num_prompts": len(records),
+        **round_stats(accepted, depths),
+        "forwards_per_token": sum(r["speculative"]["target_forwards"] for r in records) / max(spec_tokens, 1),
+        "tokens_per_s": speed,
+        "speedup_vs_plain": _ratio(speed["speculative"], speed["plain"]),
+        "speedup_vs_prompt_lookup": _ratio(speed["speculative"], speed["prompt_lookup"]),
+        "prompt_lookup_vs_plain": _ratio(speed["prompt_lookup"], speed["plain"]),
+        "lossless": all(checked) if checked else None,
+        "lossless_prompts": f"{sum(checked)}/{len(checked)}" if checked else "n/a (sampled)",
+        "tokens_per_round_histogram": _histogram([a + 1 for a in accepted]),
+        "per_prompt": records,
+    }
+
+
+def _histogram(values: list[int]) -> dict[str, int]:
+    return {str(v): values.count(v) for v in sorted(set(values))}
+
+
+def _fmt(x: float | None, digits: int = 2, suffix: str = "") -> str:
+    return "–" if x is None else f"{x:.{digits}f}{suffix}"
+
+
+def lossless_mark(lossless: bool | None) -> str:
+    return {True: "✓", False: "✗", None: "n/a"}[lossless]
+
+
+def summary_row(s: dict[str, Any]) -> list[str]:
+    """One table row: method, tree, τ, tok/s (plain, spec), speedups, forwards/token, lossless."""
+    return [
+        s["method"],
+        s["tree"],
+        _fmt(s["accept_len"]),
+        _fmt(s["tokens_per_s"]["plain"], 1),
+        _fmt(s["tokens_per_s"]["speculative"], 1),
+        _fmt(s["speedup_vs_plain"], 2, "×"),
+        _fmt(s["speedup_vs_prompt_lookup"], 2, "×"),
+        _fmt(s["forwards_per_token"]),
+        lossless_mark(s["lossless"]),
+    ]
+
+
+SUMMARY_HEADER = [
+    "method",
+    "tree",
+    "τ",
+    "plain tok/s",
+    "spec tok/s",
+    "vs plain",
+    "vs prompt lookup",
+    "fwd/token",
+    "lossless",
+]
+
+
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
+
+
+def to_markdown(s: dict[str, Any]) -> str:
+    depth_header = ["depth"] + [str(d + 1) for d in range(len(s["accept_rate_by_depth"]))]
+    depth_rows = [
+        ["P(accept | reached)"] + [_fmt(x) for x in s["accept_rate_by_depth"]],
+        ["rounds reaching it"] + [str(n) for n in s["reached_by_depth"]],
+    ]
+    prompt_rows = [
+        [
+            str(r["index"]),
+            str(r["speculative"]["new_tokens"]),
+            _fmt(round_stats(r["speculative"]["accepted"], r["speculative"]["tree_depth"])["accept_len"]),
+            _fmt(_ratio(r["plain"]["wall_s"], r["speculative"]["wall_s"]), 2, "×"),
+            lossless_mark(r.get("lossless")),
+        ]
+        for r in s["per_prompt"]
+    ]
+    pl = s["tokens_per_s"]["prompt_lookup"]
+    return "\n\n".join(
+        [
+            f"# Speculative decoding: {s['method']} on {s['target']}",
+            f"{s['num_prompts']} prompts from `{s['prompts']}`, max {s['max_new_tokens']} new tokens, "
+            f"temperature {s['temperature']}, acceptance `{s['acceptance']}`, kernels `{s['kernels']}`, "
+            f"device `{s['device']}`. τ = mean over {s['rounds']} rounds of (accepted + 1). "
+            f"Prompt lookup (transformers, no training): {_fmt(pl, 1)} tok/s, "
+            f"{_fmt(s['prompt_lookup_vs_plain'], 2, '×')} vs plain.",
+            markdown_table(SUMMARY_HEADER, [summary_row(s)]),
+            "## Acceptance by depth\n\n" + markdown_table(depth_header, depth_rows),
+            "## Per prompt\n\n" + markdown_table(["prompt", "new tokens", "τ", "speedup", "lossless"], prompt_rows),
+        ]
+    )
+
+
+def plot(s: dict[str, Any], path: Path) -> None:
+    """Acceptance rate by depth (bars) and the histogram of tokens per round (whose mean is τ)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.5))
+    rates = [x or 0.0 for x in s["accept_rate_by_depth"]]
+    ax1.bar(range(1, len(rates) + 1), rates, color="tab:blue")
+    ax1.set(xlabel="draft depth", ylabel="P(accepted | parent accepted)", ylim=(0, 1), title="acceptance by depth")
+    hist = s["tokens_per_round_histogram"]
+    ax2.bar([int(k) for k in hist], list(hist.values()), color="tab:green")
+    if s["accept_len"] is not None:
+        ax2.axvline(s["accept_len"], color="k", linestyle="--", label=f"τ = {s['accept_len']:.2f}")
+        ax2.legend()
+    ax2.set(xlabel="tokens per round (accepted + 1)", ylabel="rounds", title="τ histogram")
+    fig.suptitle(f"{s['method']} ({s['tree']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def write_report(summary: dict[str, Any], out_dir: str | Path) -> Path:
+    """Write report.json, report.md and report.png to `out_dir`; returns the directory."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
+    (out / "report.md").write_text(to_markdown(summary) + "\n")
+    plot(summary, out / "report.png")
+    return out

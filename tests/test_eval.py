@@ -1,0 +1,140 @@
+"""`python -m eval` end to end on a tiny recipe, prompt rendering, report files.
+
+TRITON_INTERPRET=1 .venv/bin/pytest tests/test_eval.py -q
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import yaml
+
+from eval.__main__ import EvalError, load_prompts, main, prompt_token_ids
+from eval.report import summarize, to_markdown
+from models.eagle import EagleConfig, EagleDrafter
+from models.io import save_native
+from models.medusa import MedusaConfig, MedusaHeads
+from models.target import load_target
+
+TOKENIZER = "recipes/pocket/target"
+TARGET = {
+    "model_type": "llama",
+    "vocab_size": 8192,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "initializer_range": 0.1,
+}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models: thread start-up dominates, and the machine's cores are shared."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return load_target(random_init=TARGET, tokenizer=TOKENIZER, dtype="float32")
+
+
+def _recipe(tmp_path, method: str, drafter: dict, eval_section: dict) -> str:
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(
+        "\n".join(
+            [
+                json.dumps({"id": "chat", "messages": [{"role": "user", "content": "Count to five."}]}),
+                json.dumps(
+                    {"conversations": [{"from": "human", "value": "Name a river."}, {"from": "gpt", "value": "x"}]}
+                ),
+                json.dumps({"prompt": "def add(a, b):\n    return"}),
+            ]
+        )
+        + "\n"
+    )
+    recipe = {
+        "target": {"random_init": TARGET, "tokenizer": TOKENIZER, "dtype": "float32"},
+        "data": {"train_files": ["tests/fixtures/tiny-chat.jsonl"]},
+        "drafter": {"method": method, **drafter},
+        "train": {"output_dir": str(tmp_path / "run")},
+        "eval": {"prompts": str(prompts), "max_new_tokens": 10, "kernels": "reference", **eval_section},
+    }
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "method,tree",
+    [("eagle2", "dynamic"), ("medusa1", "calibrated")],
+)
+def test_eval_cli_end_to_end(tmp_path, target, method, tree, capsys):
+    torch.manual_seed(0)
+    if method == "eagle2":
+        drafter = EagleDrafter(EagleConfig(), target.parts([-1]))
+        section = {}
+    else:
+        drafter = MedusaHeads(MedusaConfig(num_heads=3), target.parts([-1]))
+        section = {"num_heads": 3}
+    save_native(tmp_path / "run" / "export", drafter, target)
+    recipe = _recipe(
+        tmp_path, method, section, {"tree": tree, "tree_depth": 3, "tree_top_k": 2, "tree_total_tokens": 6}
+    )
+    main([recipe])
+    out = tmp_path / "run" / "eval"
+    report = json.loads((out / "report.json").read_text())
+    assert report["num_prompts"] == 3 and report["lossless"] is True and report["lossless_prompts"] == "3/3"
+    assert report["accept_len"] >= 1.0 and report["rounds"] == sum(
+        len(r["speculative"]["accepted"]) for r in report["per_prompt"]
+    )
+    assert report["speedup_vs_plain"] > 0 and report["speedup_vs_prompt_lookup"] > 0
+    assert all(r["prompt_lookup"]["new_tokens"] == r["plain"]["new_tokens"] for r in report["per_prompt"])
+    assert (out / "report.png").stat().st_size > 1000
+    assert "| method | tree | τ |" in (out / "report.md").read_text()
+    assert "eval/accept_len" in capsys.readouterr().out
+
+
+def test_prompt_rendering(target):
+    tok = target.tokenizer
+    chat = prompt_token_ids(
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}, tok, "x"
+    )
+    text = tok.decode(chat)
+    assert text.endswith("<|assistant|>\n") and "yo" not in text  # generation prompt, answer dropped
+    plain = prompt_token_ids({"prompt": "hello"}, tok, "x")
+    assert plain[0] == tok.bos_token_id and tok.decode(plain[1:]) == "hello"
+    with pytest.raises(EvalError, match="f.jsonl:3"):
+        prompt_token_ids({"text": "?"}, tok, "f.jsonl:3")
+
+
+def test_bad_prompts_file(tmp_path, target):
+    bad = tmp_path / "p.jsonl"
+    bad.write_text('{"prompt": "a"}\n{not json\n')
+    with pytest.raises(EvalError, match="p.jsonl:2"):
+        load_prompts(str(bad), target.tokenizer, None)
+    assert len(load_prompts(str(bad), target.tokenizer, 1)) == 1
+
+
+def test_summary_pools_rounds():
+    def rec(i, accepted, depth, lossless):
+        spec = {"accepted": accepted, "tree_depth": depth, "new_tokens": 10, "wall_s": 1.0, "target_forwards": 4}
+        plain = {"new_tokens": 10, "wall_s": 2.0}
+        return {"index": i, "speculative": spec, "plain": plain, "prompt_lookup": {"new_tokens": 10, "wall_s": 1.5},
+                "lossless": lossless}  # fmt: skip
+
+    meta = {k: "x" for k in ("method", "tree", "target", "prompts", "acceptance", "kernels", "device")}
+    meta |= {"max_new_tokens": 10, "temperature": 0.0}
+    s = summarize([rec(1, [3, 1], [3, 3], True), rec(0, [0], [3], False)], meta)
+    assert s["accept_len"] == pytest.approx((4 + 2 + 1) / 3)
+    assert s["speedup_vs_plain"] == pytest.approx(2.0) and s["speedup_vs_prompt_lookup"] == pytest.approx(1.5)
+    assert s["lossless"] is False and s["lossless_prompts"] == "1/2"
+    assert s["forwards_per_token"] == pytest.approx(8 / 20)
+    assert [r["index"] for r in s["per_prompt"]] == [0, 1]
+    assert "✗" in to_markdown(s)
