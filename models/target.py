@@ -170,6 +170,8 @@ class Target:
         finally:
             for handle in handles:
                 handle.remove()
+        if len(wanted) == 1:  # EAGLE-1/2 and Medusa: a view, no copy
+            return captured[wanted[0]].unsqueeze(2)  # (B, T, 1, d)
         return torch.stack([captured[i] for i in wanted], dim=2)  # (B, T, n, d)
 
 
