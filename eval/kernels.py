@@ -388,8 +388,9 @@ def verify_typical(
 def _kv_commit_kernel(
     CACHE, NODES, PREFIX, s_b, s_h, s_s, s_nb, D, HKV: tl.constexpr, WIDTH: tl.constexpr, BLOCK_D: tl.constexpr
 ):
-    """Program (b * HKV + head, D tile). Steps run in order and each thread keeps its columns across steps: step s
-    reads row prefix + node[s] >= prefix + s, which no earlier step wrote, so the in-place copy is safe."""
+    """Program (b * HKV + head, D tile), one warp. Steps run in order: step s reads row prefix + node[s] >= prefix + s,
+    which no earlier step wrote, and a row read at step s is overwritten only at a later step. Program order makes
+    that safe within one warp (a D tile smaller than the warp replicates columns over lanes of that warp only)."""
     pid = tl.program_id(0)
     b = pid // HKV
     base = CACHE + b.to(tl.int64) * s_b + (pid % HKV).to(tl.int64) * s_h
@@ -422,7 +423,7 @@ def kv_commit(
         block_d = _pow2(d, 16, 128)
         _kv_commit_kernel[(bsz * hkv, triton.cdiv(d, block_d))](
             cache, nodes, prefix, cache.stride(0), cache.stride(1), cache.stride(2), nodes.stride(0), d,
-            HKV=hkv, WIDTH=width, BLOCK_D=block_d,
+            HKV=hkv, WIDTH=width, BLOCK_D=block_d, num_warps=1,
         )  # fmt: skip
     return prefix + (nodes >= 0).sum(-1)
 

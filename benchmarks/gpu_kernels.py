@@ -1,0 +1,167 @@
+"""Check the tree kernels against their PyTorch twins on a GPU and time tree attention against masked SDPA.
+
+    bash benchmarks/gpu_kernels.sh            # lent NVIDIA GPU, under 8 minutes, installs nothing
+    bash benchmarks/gpu_kernels.sh --smoke    # CPU, Triton interpreter, tiny shapes
+
+Prints `check …: ok|FAIL` lines, then `tree_attention/sdpa …: X (goal <= 1.0)` time ratios for N = 64 tree tokens
+(our MEDUSA_63 tree) over a 4k-token prefix, 32 heads x 128 head dim, GQA with 8 kv heads, B = 1 and 8. SDPA gets
+a dense float mask over prefix + tree and K/V already repeated to 32 heads (repeat outside the timed region).
+Exit status 1 if any check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch.nn.functional as F  # noqa: E402
+
+from eval import kernels, reference  # noqa: E402
+from eval.trees import MEDUSA_63, Tree, medusa_tree, stack_trees  # noqa: E402
+
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
+FAILURES: list[str] = []
+
+
+def check(name: str, ok: bool, detail: str = "") -> None:
+    print(f"check {name}: {'ok' if ok else 'FAIL'} {detail}".rstrip(), flush=True)
+    if not ok:
+        FAILURES.append(name)
+
+
+def random_tree(n: int, gen: torch.Generator) -> Tree:
+    return Tree.from_parents([-1] + [int(torch.randint(0, i, (), generator=gen)) for i in range(1, n)])
+
+
+def attention_inputs(b, h, hkv, p, n, d, dtype, device, gen):
+    rnd = lambda *shape: torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
+    return rnd(b, h, n, d), rnd(b, hkv, p, d), rnd(b, hkv, p, d), rnd(b, hkv, n, d), rnd(b, hkv, n, d)
+
+
+def check_attention(dtypes, shapes, device, gen) -> None:
+    for dtype in dtypes:
+        for b, h, hkv, p, n, d in shapes:
+            trees = stack_trees([random_tree(n, gen) for _ in range(b)]).to(device)
+            q, kp, vp, kt, vt = attention_inputs(b, h, hkv, p, n, d, dtype, device, gen)
+            want = reference.tree_attention(q, kp, vp, kt, vt, trees.mask_bits, d**-0.5).float()
+            for splits in (None, 1, 3):
+                got = kernels.tree_attention(q, kp, vp, kt, vt, trees.mask_bits, d**-0.5, num_splits=splits).float()
+                err = (got - want).abs().max().item()
+                name = f"tree_attention {str(dtype)[6:]} B={b} H={h}/{hkv} P={p} N={n} D={d} splits={splits}"
+                check(name, err <= TOLERANCE[dtype], f"max abs err {err:.2e}")
+
+
+def check_verify(b: int, n: int, vocab: int, device, gen) -> None:
+    tree = stack_trees([random_tree(n, gen) for _ in range(b)]).to(device)
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = (3 * torch.randn(b, n, vocab, generator=gen)).to(device=device, dtype=dtype)
+        argmax = logits.argmax(-1)
+        parents = tree.parents.clamp(min=0)
+        earlier = (tree.parents[:, None, :] == tree.parents[:, :, None]) & torch.ones(
+            n, n, dtype=torch.bool, device=device
+        ).tril(-1)
+        shift = torch.where(torch.rand(b, n, generator=gen) < 0.7, 0, torch.randint(1, vocab, (b, n), generator=gen))
+        tokens = (argmax.gather(1, parents) + earlier.sum(-1) + shift.to(device).gather(1, parents)) % vocab
+        ref, tri = kernels.get_ops("reference"), kernels.get_ops("triton")
+        cases = {
+            "verify_greedy": (ref.verify_greedy(tokens, logits, tree), tri.verify_greedy(tokens, logits, tree)),
+            "verify_greedy(argmax)": (ref.verify_greedy(tokens, argmax, tree), tri.verify_greedy(tokens, argmax, tree)),
+            "verify_typical": (
+                ref.verify_typical(tokens, logits, tree, temperature=0.7),
+                tri.verify_typical(tokens, logits, tree, temperature=0.7),
+            ),
+        }
+        for name, (want, got) in cases.items():
+            same = all(torch.equal(w, g) for w, g in zip(want, got))
+            check(f"{name} {str(dtype)[6:]} B={b} N={n} V={vocab}", same, f"mean accept {want[0].float().mean():.2f}")
+
+
+def check_kv_commit(device, gen) -> None:
+    caches = [torch.randn(4, 8, 300, 128, generator=gen).to(device, torch.bfloat16) for _ in range(4)]
+    twins = [c.clone() for c in caches]
+    prefix = torch.tensor([3, 90, 200, 17], device=device)
+    accepted = torch.tensor([[0, 4, 6, 11, -1], [0, 1, 2, 3, 4], [0, -1, -1, -1, -1], [0, 2, 5, 7, 30]], device=device)
+    want = reference.kv_commit(twins[:2], twins[2:], prefix, accepted)
+    got = kernels.kv_commit(caches[:2], caches[2:], prefix, accepted)
+    check("kv_commit bf16", torch.equal(want, got) and all(torch.equal(a, b) for a, b in zip(caches, twins)))
+
+
+def bench(fn: Callable[[], object], device) -> float:
+    """Median milliseconds of fn."""
+    if device.type == "cuda":
+        import triton.testing
+
+        return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+    fn()
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return 1e3 * sorted(times)[1]
+
+
+def time_attention(batches, h, hkv, p, d, dtypes, device, gen) -> None:
+    tree = medusa_tree(MEDUSA_63, num_heads=4).to(device) if p > 64 else random_tree(16, gen).to(device)
+    n = tree.num_nodes
+    for dtype in dtypes:
+        for b in batches:
+            q, kp, vp, kt, vt = attention_inputs(b, h, hkv, p, n, d, dtype, device, gen)
+            bits = tree.mask_bits.expand(b, -1, -1)
+            group = h // hkv
+            k_all = torch.cat([kp, kt], 2).repeat_interleave(group, 1)  # (B, H, P+N, D)
+            v_all = torch.cat([vp, vt], 2).repeat_interleave(group, 1)
+            mask = torch.zeros(b, 1, n, p + n, device=device, dtype=dtype)
+            mask[..., p:] = torch.where(tree.dense_mask(), 0.0, float("-inf")).to(dtype)
+            sdpa = functools.partial(F.scaled_dot_product_attention, q, k_all, v_all, attn_mask=mask, scale=d**-0.5)
+            err = (sdpa().float() - reference.tree_attention(q, kp, vp, kt, vt, bits, d**-0.5).float()).abs().max()
+            check(f"sdpa baseline {str(dtype)[6:]} B={b}", err.item() <= TOLERANCE[dtype], f"max abs err {err:.2e}")
+            t_sdpa = bench(sdpa, device)
+            tag = f"B={b} H={h}/{hkv} P={p} N={n} D={d} {str(dtype)[6:]}"
+            for splits in (None, 1, 4, 8) if device.type == "cuda" else (None,):
+                tree_attention = functools.partial(kernels.tree_attention, q, kp, vp, kt, vt, bits, d**-0.5, splits)
+                t_tree = bench(tree_attention, device)
+                label = "auto" if splits is None else splits
+                print(
+                    f"tree_attention/sdpa {tag} splits={label}: {t_tree / t_sdpa:.3f} (goal <= 1.0)"
+                    f"  [{t_tree * 1e3:.1f} us vs {t_sdpa * 1e3:.1f} us]",
+                    flush=True,
+                )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU under the Triton interpreter")
+    args = parser.parse_args()
+    gen = torch.Generator().manual_seed(0)
+    if args.smoke:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        check_attention([torch.float32, torch.float16], [(2, 4, 2, 37, 20, 32)], device, gen)
+        check_verify(2, 20, 64, device, gen)
+        time_attention([1], 4, 2, 40, 32, [torch.float32], device, gen)
+    else:
+        if not torch.cuda.is_available():
+            sys.exit("no CUDA device: run with --smoke for the CPU interpreter check")
+        device = torch.device("cuda")
+        print(f"device {torch.cuda.get_device_name()} torch {torch.__version__}", flush=True)
+        shapes = [(2, 4, 2, 37, 20, 32), (2, 8, 2, 300, 64, 128), (3, 32, 8, 1000, 64, 128), (1, 4, 4, 0, 7, 64)]
+        check_attention([torch.bfloat16, torch.float16, torch.float32], shapes, device, gen)
+        check_verify(8, 64, 32000, device, gen)
+        check_verify(3, 20, 1000, device, gen)
+        check_kv_commit(device, gen)
+        time_attention([1, 8], 32, 8, 4096, 128, [torch.bfloat16, torch.float16], device, gen)
+    print(f"{len(FAILURES)} failed checks" + (": " + ", ".join(FAILURES) if FAILURES else ""), flush=True)
+    sys.exit(1 if FAILURES else 0)
+
+
+if __name__ == "__main__":
+    main()
