@@ -139,16 +139,21 @@ def _to_device(batch: dict, device: torch.device) -> DraftBatch:
     return {k: v.to(device, non_blocking=True) for k, v in batch.items() if isinstance(v, torch.Tensor)}
 
 
-def _block_mask(batch: DraftBatch, dtype: torch.dtype) -> torch.Tensor:
-    """(B, 1, T, T) additive mask: causal within each packed sample, padding never attended."""
+def target_hidden(target: Target, batch: DraftBatch, layers: list[int]) -> torch.Tensor:
+    """(B, T, n, d) target hidden states of a (packed, padded) token batch, as extraction stores them.
+
+    A 4D additive mask keeps packed samples apart (a 2D mask would let them attend to each other).
+    """
     pos, real = batch["position_ids"], batch["attention_mask"].bool()
     seg = torch.cumsum((pos == 0).long(), dim=-1)  # (B, T)
     T = pos.shape[1]
     causal = torch.ones(T, T, dtype=torch.bool, device=pos.device).tril()
     allowed = causal & (seg[:, :, None] == seg[:, None, :]) & real[:, None, :]
     allowed |= torch.eye(T, dtype=torch.bool, device=pos.device)  # padding rows: no all-masked softmax
-    zero = torch.zeros((), dtype=dtype, device=pos.device)
-    return torch.where(allowed, zero, torch.finfo(dtype).min)[:, None]  # (B, 1, T, T)
+    mask = torch.zeros(allowed.shape, dtype=target.dtype, device=pos.device)
+    mask.masked_fill_(~allowed, torch.finfo(target.dtype).min)
+    with torch.no_grad():
+        return target.hidden_states(batch["input_ids"], mask[:, None], pos, layers=layers)  # (B, T, n, d)
 
 
 class Stepper:
@@ -163,11 +168,7 @@ class Stepper:
     def prepare(self, batch: dict) -> DraftBatch:
         batch = _to_device(batch, self.accelerator.device)
         if self.needs_hidden:
-            with torch.no_grad():
-                mask = _block_mask(batch, self.target.dtype)
-                batch["hidden"] = self.target.hidden_states(
-                    batch["input_ids"], mask, batch["position_ids"], layers=self.layers
-                )  # (B, T, n, d)
+            batch["hidden"] = target_hidden(self.target, batch, self.layers)
         return batch
 
     def _reduce(self, sums: dict[str, torch.Tensor], n_total: torch.Tensor) -> dict[str, float]:
@@ -311,6 +312,8 @@ def train(recipe: Recipe, stop_after: int | None = None) -> Path:
         while step < cfg.max_steps:
             t0 = time.perf_counter()
             lr = scheduler.get_last_lr()[0]
+            if hasattr(drafter, "set_step"):  # losses that depend on training progress (Medusa-2's α warm-up)
+                drafter.set_step(step)
             metrics, tokens = stepper.train_step([next(batches) for _ in range(cfg.grad_accum)])
             if not math.isfinite(metrics["loss"]):
                 raise TrainingError(

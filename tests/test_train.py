@@ -1,0 +1,233 @@
+"""The training loop end to end on tiny random targets: `pytest tests/test_train.py`.
+
+Features come from `data.extract` on the tiny recipes' fixture conversations. In-process runs call
+`train.loop.train`; the DDP and DeepSpeed tests launch 2 CPU processes with `accelerate launch`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from accelerate.state import AcceleratorState, GradientState
+from accelerate.utils import set_seed
+from safetensors.torch import load_file
+
+from data.extract import main as extract_main
+from data.loader import BatchLoader
+from data.prepare import prepare_dataset
+from data.shards import FeatureDataset
+from models import DRAFTERS
+from models.target import load_target
+from train import loop
+from train.checkpoint import DRAFTER_FILE, METRICS_FILE, latest_checkpoint, list_checkpoints
+from train.config import load_recipe
+from train.loop import TrainingError, build_target, target_hidden, train
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = {"eagle2": ROOT / "recipes/tiny/eagle2.yaml", "medusa1": ROOT / "recipes/tiny/medusa1.yaml"}
+QUIET = ["train.eval_every=0", "train.save_every=0", "train.log_every=1", "logging.tracker=none"]
+
+
+def reset_accelerate() -> None:
+    """Each in-process run builds its own Accelerator (accelerate keeps process-wide singletons)."""
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerate(monkeypatch):
+    monkeypatch.chdir(ROOT)  # the tiny recipes name repository-relative files
+    reset_accelerate()
+    yield
+    reset_accelerate()
+
+
+def extract(features: Path, *overrides: str) -> Path:
+    extract_main([str(RECIPES["eagle2"]), f"data.features_dir={features}", *overrides])
+    reset_accelerate()
+    return features
+
+
+@pytest.fixture(scope="module")
+def features(tmp_path_factory) -> Path:
+    """Features of the tiny fixture data (both tiny recipes share target, layers and data)."""
+    return extract(tmp_path_factory.mktemp("train") / "features")
+
+
+def recipe(method: str, features: Path, out: Path, *overrides: str):
+    return load_recipe(
+        RECIPES[method],
+        [f"data.features_dir={features}", f"train.output_dir={out}", *QUIET, *overrides],
+    )
+
+
+def losses(out: Path) -> list[float]:
+    return [json.loads(line)["train/loss"] for line in (out / METRICS_FILE).read_text().splitlines()]
+
+
+def trained(out: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(latest_checkpoint(out) / DRAFTER_FILE))
+
+
+def initial_drafter(r):
+    """The drafter exactly as `train` initialises it (seeded before construction)."""
+    target = load_target(**vars(r.target))
+    set_seed(r.train.seed)
+    return DRAFTERS[r.drafter.method][1](r.drafter, target.parts(r.data.layers)), target
+
+
+@pytest.mark.parametrize("method,online", [("eagle2", False), ("medusa1", False), ("eagle2", True)])
+def test_step_changes_every_trainable_param_and_keeps_target(method, online, features, tmp_path, monkeypatch):
+    r = recipe(
+        method, features, tmp_path / "run", "train.max_steps=1", "train.lr=0.01", "train.warmup_steps=0",
+        f"train.online={str(online).lower()}",
+    )  # fmt: skip
+    used = []
+    monkeypatch.setattr(loop, "build_target", lambda *args: used.append(build_target(*args)) or used[-1])
+    train(r)
+    before, fresh = initial_drafter(r)
+    after = trained(tmp_path / "run")
+    assert after.keys() == before.trainable_state_dict().keys()
+    for name, tensor in before.trainable_state_dict().items():
+        assert not torch.equal(after[name], tensor), f"{name} did not change"
+    state = used[0].model.state_dict()
+    for name, tensor in fresh.model.state_dict().items():
+        assert torch.equal(state[name], tensor), f"target tensor {name} changed"
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_online_hidden_states_equal_extracted_features(packing, features):
+    """Online steps compute, inside the step, the hidden states that extraction stored (packed or padded)."""
+    r = recipe("eagle2", features, Path("unused"), "train.online=true")
+    target = load_target(**vars(r.target))
+    stored = FeatureDataset(features)
+    by_id = {s["id"]: s for s in prepare_dataset(r.data, target.tokenizer).samples}
+    picked = [by_id[stored.sample_ids[i]] for i in (0, 40, 95)]
+    loader = BatchLoader(picked, batch_size=3, packing=packing, max_len=1024, shuffle=False)
+    batch = next(loader.batches())
+    hidden = target_hidden(target, batch, r.data.layers)  # (B, T, 1, d)
+    rows = [[0, 1, 2]] if packing else [[0], [1], [2]]
+    for b, row in enumerate(rows):
+        t = 0
+        for k in row:
+            want = stored[(0, 40, 95)[k]]["hidden"]  # (T_k, 1, d)
+            torch.testing.assert_close(hidden[b, t : t + len(want)], want, rtol=1e-4, atol=1e-5)
+            t += len(want)
+
+
+@pytest.fixture(scope="module")
+def four_samples(tmp_path_factory) -> Path:
+    return extract(tmp_path_factory.mktemp("few") / "features", "data.max_samples=4")
+
+
+# EAGLE's soft CE against a random target's near-uniform distribution has an entropy floor; its
+# feature regression (like Medusa's hard-label CE) can go to ~0 on one batch.
+@pytest.mark.parametrize("method,key", [("eagle2", "train/loss_feat"), ("medusa1", "train/loss")])
+def test_overfits_one_batch(method, key, four_samples, tmp_path):
+    r = recipe(
+        method, four_samples, tmp_path / "run", "data.heldout_fraction=0", "train.batch_size=4",
+        "train.max_steps=25", "train.lr=0.01", "train.warmup_steps=0",
+    )  # fmt: skip
+    train(r)
+    curve = [json.loads(line)[key] for line in (tmp_path / "run" / METRICS_FILE).read_text().splitlines()]
+    assert curve[-1] < 0.3 * curve[0], curve
+
+
+@pytest.mark.parametrize("method", ["eagle2", "medusa1"])
+def test_grad_accum_4x1_equals_1x4(method, features, tmp_path):
+    common = ["train.max_steps=2", "train.warmup_steps=0", "train.lr=0.01"]
+    train(recipe(method, features, tmp_path / "a", "train.batch_size=4", "train.grad_accum=1", *common))
+    reset_accelerate()
+    train(recipe(method, features, tmp_path / "b", "train.batch_size=1", "train.grad_accum=4", *common))
+    torch.testing.assert_close(losses(tmp_path / "a"), losses(tmp_path / "b"), rtol=1e-5, atol=1e-6)
+    a, b = trained(tmp_path / "a"), trained(tmp_path / "b")
+    for name in a:  # Adam turns float-noise gradient differences into updates of up to ~1e-3 lr
+        torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_stop_and_resume_reproduces_the_uninterrupted_run(features, tmp_path):
+    # input noise draws from the torch RNG; held-out evaluation in between must not disturb anything
+    common = ["train.max_steps=6", "train.save_every=3", "train.eval_every=2", "drafter.input_noise=0.05"]
+    train(recipe("eagle2", features, tmp_path / "a", *common))
+    reset_accelerate()
+    r = recipe("eagle2", features, tmp_path / "b", *common)
+    assert train(r, stop_after=3).name == "step-000003"
+    assert len(losses(tmp_path / "b")) == 3
+    with pytest.raises(TrainingError, match="already holds checkpoints"):
+        train(r)
+    reset_accelerate()
+    train(recipe("eagle2", features, tmp_path / "b", *common, "train.resume=auto"))
+    assert losses(tmp_path / "a") == losses(tmp_path / "b")
+    a, b = trained(tmp_path / "a"), trained(tmp_path / "b")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert [p.name for p in list_checkpoints(tmp_path / "b")] == ["step-000003", "step-000006"]
+
+
+def test_nan_loss_stops_naming_step_and_checkpoint(features, tmp_path, monkeypatch):
+    train(recipe("eagle2", features, tmp_path / "run", "train.max_steps=2"))
+    reset_accelerate()
+    getitem = FeatureDataset.__getitem__
+
+    def poisoned(self, i):
+        item = getitem(self, i)
+        return {**item, "hidden": item["hidden"] * float("nan")}
+
+    monkeypatch.setattr(FeatureDataset, "__getitem__", poisoned)
+    r = recipe("eagle2", features, tmp_path / "run", "train.max_steps=4", "train.resume=auto")
+    with pytest.raises(
+        TrainingError, match=r"non-finite training loss \(nan\) at step 3; last good checkpoint: .*step-0+2"
+    ):
+        train(r)
+
+
+# --------------------------------------------------------------------------------------------
+# Multi-process runs (2 CPU processes) against the single-process run with the same global batch
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(args: list[str], env: dict[str, str], timeout: int = 240) -> None:
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", str(_free_port()), *args]
+    # ACCELERATE_USE_CPU would silently turn a DeepSpeed launch into plain DDP: only set where asked.
+    full_env = {k: v for k, v in os.environ.items() if k != "ACCELERATE_USE_CPU"} | {"OMP_NUM_THREADS": "1", **env}
+    proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+@pytest.fixture(scope="module")
+def single_process_run(features, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("single") / "run"
+    reset_accelerate()
+    train(recipe("eagle2", features, out, "train.max_steps=3", "train.batch_size=4", "train.lr=0.01"))
+    return out
+
+
+@pytest.mark.parametrize(
+    "backend,launch_args,env",
+    [
+        ("ddp", ["--multi_gpu", "--num_processes", "2"], {"ACCELERATE_USE_CPU": "true"}),
+        ("zero2", ["--use_deepspeed", "--zero_stage", "2", "--num_processes", "2"], {}),
+    ],
+)
+def test_two_processes_match_one(backend, launch_args, env, features, single_process_run, tmp_path):
+    out = tmp_path / backend
+    overrides = [
+        f"data.features_dir={features}", f"train.output_dir={out}", *QUIET,
+        "train.max_steps=3", "train.batch_size=2", "train.lr=0.01",
+    ]  # fmt: skip
+    launch([*launch_args, "-m", "train", str(RECIPES["eagle2"]), *overrides], env)
+    torch.testing.assert_close(losses(out), losses(single_process_run), rtol=1e-4, atol=1e-5)
+    one, two = trained(single_process_run), trained(out)
+    for name in one:
+        torch.testing.assert_close(two[name], one[name], rtol=1e-4, atol=1e-5, msg=name)
