@@ -80,6 +80,15 @@ def check_verify(b: int, n: int, vocab: int, device, gen) -> None:
                 tri.verify_typical(tokens, logits, tree, temperature=0.7),
             ),
         }
+        q = torch.softmax(logits.float() + torch.randn(b, n, vocab, generator=gen).to(device), -1)
+        sampled = torch.multinomial(q.view(-1, vocab), 1, generator=None).view(b, n)
+        coins = reference.draw_coins(tree, b).to(device)
+        for draft, children in ((q, sampled), (None, tokens)):
+            mode = "sampled" if draft is not None else "top-k"
+            cases[f"verify_sampled({mode})"] = (
+                ref.verify_sampled(children, logits, tree, coins, draft, temperature=0.8, top_p=0.95),
+                tri.verify_sampled(children, logits, tree, coins, draft, temperature=0.8, top_p=0.95),
+            )
         for name, (want, got) in cases.items():
             same = all(torch.equal(w, g) for w, g in zip(want, got))
             check(f"{name} {str(dtype)[6:]} B={b} N={n} V={vocab}", same, f"mean accept {want[0].float().mean():.2f}")
@@ -138,6 +147,27 @@ def time_attention(batches, h, hkv, p, d, dtypes, device, gen) -> None:
                 )
 
 
+def time_verify(b: int, vocab: int, device, gen) -> None:
+    """Per-round verification cost on the MEDUSA_63 tree: fused kernels vs the torch twins."""
+    tree = medusa_tree(MEDUSA_63, num_heads=4).to(device)
+    n = tree.num_nodes
+    logits = (3 * torch.randn(b, n, vocab, generator=gen)).to(device=device, dtype=torch.bfloat16)
+    tokens = torch.randint(0, vocab, (b, n), generator=gen).to(device)
+    coins = reference.draw_coins(tree, b).to(device)
+    draft = torch.softmax(logits.float(), -1)
+    for name in ("verify_greedy", "verify_typical", "verify_sampled"):
+        args = (tokens, logits, tree) + ((coins, draft) if name == "verify_sampled" else ())
+        times = {
+            kind: bench(functools.partial(getattr(kernels.get_ops(kind), name), *args), device)
+            for kind in ("triton", "reference")
+        }
+        print(
+            f"{name} triton/reference B={b} N={n} V={vocab}: {times['triton'] / times['reference']:.3f}"
+            f"  [{times['triton'] * 1e3:.1f} us vs {times['reference'] * 1e3:.1f} us]",
+            flush=True,
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU under the Triton interpreter")
@@ -159,6 +189,7 @@ def main() -> None:
         check_verify(3, 20, 1000, device, gen)
         check_kv_commit(device, gen)
         time_attention([1, 8], 32, 8, 4096, 128, [torch.bfloat16, torch.float16], device, gen)
+        time_verify(1, 32000, device, gen)
     print(f"{len(FAILURES)} failed checks" + (": " + ", ".join(FAILURES) if FAILURES else ""), flush=True)
     sys.exit(1 if FAILURES else 0)
 

@@ -14,8 +14,10 @@ Tested by `TRITON_INTERPRET=1 .venv/bin/pytest tests/test_kernels.py -q`; timed 
 
 What is fused: tree attention (prefix read once per query block, split-KV over the prefix, tree block under the
 bitmask, log-sum-exp merge), greedy and typical verification (per-row argmax / log-sum-exp / entropy over the vocab,
-then one program per request picks the longest accepted path from the ancestor bitmask) and the KV commit copy.
-Sampled verification (`verify_sampled`) runs the torch walk of `eval.reference` in both op sets.
+then one program per request picks the longest accepted path from the ancestor bitmask), sampled verification (one
+program per request walks first-child / next-sibling: acceptance tests, residual updates and inverse-CDF draws; only
+the temperature / top-p processing of the target logits stays in torch) and the KV commit copy. Exact ties (two
+siblings with the same token) and float-rounding boundary cases may be resolved differently from the twins.
 
 Without CUDA the kernels run under the Triton interpreter: this module sets TRITON_INTERPRET=1 (unless already set)
 before defining them. The interpreter has no bf16 arithmetic, so inputs are cast to fp32 after loading there.
@@ -53,6 +55,7 @@ __all__ = [
     "tree_attention",
     "tree_context",
     "verify_greedy",
+    "verify_sampled",
     "verify_typical",
 ]
 
@@ -381,6 +384,128 @@ def verify_typical(
     return _verify_longest_path(tree_tokens, target_logits, tree, True, epsilon, delta, temperature)
 
 
+@triton.jit
+def _row_total(ROW, V, BLOCK_V: tl.constexpr):
+    total = tl.zeros([], tl.float32)
+    for start in range(0, V, BLOCK_V):
+        cols = start + tl.arange(0, BLOCK_V)
+        total += tl.sum(tl.load(ROW + cols, cols < V, 0.0), 0)
+    return total
+
+
+@triton.jit
+def _draw(ROW, total, u, V, BLOCK_V: tl.constexpr):
+    """Inverse-CDF draw from an unnormalised row: the first index whose running sum exceeds u * total (the last
+    index if rounding leaves none), as `eval.reference.sample_from`."""
+    target = u * total
+    carry = tl.zeros([], tl.float32)
+    found = tl.full([], V, tl.int32)
+    for start in range(0, V, BLOCK_V):
+        cols = start + tl.arange(0, BLOCK_V)
+        x = tl.load(ROW + cols, cols < V, 0.0)
+        cdf = tl.cumsum(x, 0) + carry
+        first = tl.min(tl.where((cdf > target) & (cols < V), cols, V), 0)
+        found = tl.minimum(found, first)
+        carry += tl.sum(x, 0)
+    return tl.minimum(found, V - 1).to(tl.int64)
+
+
+@triton.jit
+def _sampled_walk_kernel(
+    P, Q, RES, TOKENS, FIRST_CHILD, NEXT_SIBLING, COINS, ACCEPT_LEN, ACCEPTED, BONUS,
+    N, V, s_tok, s_fc, s_ns, s_cb, s_cd, s_acc,
+    SAMPLED: tl.constexpr, BLOCK_V: tl.constexpr,
+):  # fmt: skip
+    """One program per request walks the tree like `eval.reference.verify_sampled`. P holds the processed target
+    probabilities (B, N, V); in SAMPLED mode the current residual lives unnormalised in RES (B, V) with its total
+    `z`, and every pass that writes RES ends with a barrier (later scalar reads come from other threads)."""
+    b = tl.program_id(0).to(tl.int64)
+    res = RES + b * V
+    cur = tl.zeros([], tl.int64)
+    depth = tl.zeros([], tl.int32)
+    stop = tl.zeros([], tl.int32)
+    while stop == 0:
+        p_row = P + (b * N + cur) * V
+        q_row = Q + (b * N + cur) * V
+        coins = COINS + b * s_cb + depth * s_cd
+        child = tl.load(FIRST_CHILD + b * s_fc + cur)
+        nxt = tl.full([], -1, tl.int64)
+        if SAMPLED:
+            z = tl.zeros([], tl.float32)
+            for start in range(0, V, BLOCK_V):
+                cols = start + tl.arange(0, BLOCK_V)
+                row = tl.load(p_row + cols, cols < V, 0.0)
+                tl.store(res + cols, row, cols < V)
+                z += tl.sum(row, 0)
+            tl.debug_barrier()
+            k = tl.full([], 1, tl.int32)
+            while (child >= 0) & (nxt < 0):
+                x = tl.load(TOKENS + b * s_tok + child)
+                px = tl.load(res + x) / z
+                qx = tl.load(q_row + x).to(tl.float32)
+                if tl.load(coins + k) * qx < px:
+                    nxt = child
+                else:  # p <- norm(max(p - q, 0)), kept unnormalised
+                    z_new = tl.zeros([], tl.float32)
+                    for start in range(0, V, BLOCK_V):
+                        cols = start + tl.arange(0, BLOCK_V)
+                        r = tl.load(res + cols, cols < V, 0.0) / z
+                        r = tl.maximum(r - tl.load(q_row + cols, cols < V, 0.0).to(tl.float32), 0.0)
+                        tl.store(res + cols, r, cols < V)
+                        z_new += tl.sum(r, 0)
+                    tl.debug_barrier()
+                    z = z_new
+                child = tl.load(NEXT_SIBLING + b * s_ns + child)
+                k += 1
+            y = _draw(res, z, tl.load(coins), V, BLOCK_V)
+        else:
+            y = _draw(p_row, _row_total(p_row, V, BLOCK_V), tl.load(coins), V, BLOCK_V)
+            while (child >= 0) & (nxt < 0):
+                if tl.load(TOKENS + b * s_tok + child) == y:
+                    nxt = child
+                child = tl.load(NEXT_SIBLING + b * s_ns + child)
+        if nxt >= 0:
+            depth += 1
+            tl.store(ACCEPTED + b * s_acc + depth, nxt)
+            cur = nxt
+        else:
+            tl.store(BONUS + b, y)
+            tl.store(ACCEPT_LEN + b, depth.to(tl.int64))
+            stop += 1
+
+
+def verify_sampled(
+    tree_tokens: torch.Tensor,
+    target_logits: torch.Tensor,
+    tree: Tree,
+    coins: torch.Tensor,
+    draft_probs: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Triton twin of `eval.reference.verify_sampled`: the target distribution is processed in torch
+    (`reference.target_probs`), the whole walk (acceptance tests, residuals, draws) is one program per request."""
+    bsz, n = tree_tokens.shape
+    tree = tree.batched(bsz)
+    probs = reference.target_probs(target_logits, temperature, top_p).contiguous()  # (B, N, V) fp32
+    vocab = probs.shape[-1]
+    tokens, first_child, next_sibling = (x.contiguous() for x in (tree_tokens, tree.first_child, tree.next_sibling))
+    coins = coins.float().contiguous()
+    sampled = draft_probs is not None
+    draft = draft_probs.contiguous() if sampled else probs
+    residual = torch.empty(bsz, vocab, device=probs.device, dtype=torch.float32) if sampled else probs
+    accept_len = torch.empty(bsz, dtype=torch.long, device=probs.device)
+    accepted = torch.full((bsz, tree.max_depth + 1), -1, dtype=torch.long, device=probs.device)
+    accepted[:, 0] = 0
+    bonus = torch.empty_like(accept_len)
+    _sampled_walk_kernel[(bsz,)](
+        probs, draft, residual, tokens, first_child, next_sibling, coins, accept_len, accepted, bonus,
+        n, vocab, tokens.stride(0), first_child.stride(0), next_sibling.stride(0), coins.stride(0), coins.stride(1),
+        accepted.stride(0), SAMPLED=sampled, BLOCK_V=64 if INTERPRET else 2048, num_warps=1 if INTERPRET else 8,
+    )  # fmt: skip
+    return accept_len, accepted, bonus
+
+
 # ------------------------------------------------------------------------------------------------------- KV commit
 
 
@@ -444,9 +569,7 @@ class TreeOps:
 
 
 _OPS = {
-    "triton": TreeOps(
-        tree_attention, verify_greedy, verify_typical, reference.verify_sampled, kv_commit, reference.draw_coins
-    ),
+    "triton": TreeOps(tree_attention, verify_greedy, verify_typical, verify_sampled, kv_commit, reference.draw_coins),
     "reference": TreeOps(
         reference.tree_attention,
         reference.verify_greedy,

@@ -114,7 +114,7 @@ def verify_typical(
     log p along the path (then lowest node index). Bonus = target argmax at the last accepted node."""
     bsz = tree_tokens.shape[0]
     tree = tree.batched(bsz)
-    logp = torch.log_softmax(target_logits.float() / temperature, dim=-1)  # (B, N, V)
+    logp = torch.log_softmax(target_logits.float() * (1.0 / temperature), dim=-1)  # (B, N, V); * 1/T as the kernel
     entropy = torch.special.entr(logp.exp()).sum(-1)  # (B, N); 0 * log 0 = 0 for -inf logits
     log_thr = torch.clamp(math.log(delta) - entropy, max=math.log(epsilon))  # (B, N)
     parents = tree.parents.clamp(min=0)

@@ -209,6 +209,22 @@ def test_sampled_verification_respects_top_p():
     assert set(first.tolist()) <= {0, 1}  # p = (.40, .24, .09, .05, .03, .15): top-p 0.5 keeps tokens 0 and 1
 
 
+@pytest.mark.parametrize("n,vocab", [(1, 6), (7, 100), (20, 6), (20, 100)])
+def test_sampled_kernel_matches_twin(n, vocab):
+    gen = torch.Generator().manual_seed(n * vocab)
+    b = 8
+    tree = stack_trees([random_tree(n, gen) for _ in range(b)])
+    logits = torch.randn(b, n, vocab, generator=gen)
+    q = torch.softmax(logits + torch.randn(b, n, vocab, generator=gen), -1)  # drafter close to the target
+    tokens = torch.multinomial(q.view(-1, vocab), 1, generator=gen).view(b, n)
+    coins = reference.draw_coins(tree, b, gen)
+    for draft in (q, None):
+        want = reference.verify_sampled(tokens, logits, tree, coins, draft, temperature=0.8, top_p=0.9)
+        got = kernels.verify_sampled(tokens, logits, tree, coins, draft, temperature=0.8, top_p=0.9)
+        for w, g in zip(want, got):
+            assert torch.equal(w, g)
+
+
 # ------------------------------------------------------------------------------------------------------- KV commit
 
 
@@ -319,6 +335,10 @@ compile_sm90(K._row_stats_kernel, stats, dict(TYPICAL=True, BLOCK_V=1024))
 path = {a: "*i64" for a in ("TOKENS", "PARENTS", "DEPTH", "ARGMAX", "ACCEPT_LEN", "ACCEPTED", "BONUS")}
 path.update(BITS="*i32", LOGITS="*bf16", LSE="*fp32", LOG_THR="*fp32", inv_temp="fp32")
 compile_sm90(K._longest_path_kernel, path, dict(WIDTH=5, TYPICAL=True, BLOCK_N=64, BLOCK_W=16))
+walk = {a: "*i64" for a in ("TOKENS", "FIRST_CHILD", "NEXT_SIBLING", "ACCEPT_LEN", "ACCEPTED", "BONUS")}
+walk.update(P="*fp32", Q="*bf16", RES="*fp32", COINS="*fp32")
+for sampled in (True, False):
+    compile_sm90(K._sampled_walk_kernel, walk, dict(SAMPLED=sampled, BLOCK_V=2048), num_warps=8)
 print("compiled")
 """
 
