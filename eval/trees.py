@@ -68,9 +68,13 @@ class Tree:
 
     @classmethod
     def from_parents(
-        cls, parents: Sequence[int] | torch.Tensor, tokens: torch.Tensor | None = None, head_rank=None
+        cls,
+        parents: Sequence[int] | torch.Tensor,
+        tokens: Sequence[int] | torch.Tensor | None = None,
+        head_rank: Sequence[int] | None = None,
     ) -> Tree:
-        """Build every table from the parent list (topological order, node 0 the only root)."""
+        """Build every table from the parent list (topological order, node 0 the only root). Runs on the host in
+        O(N * depth); move the tree with `.to(device)`."""
         par = [int(p) for p in parents]
         n = len(par)
         if n == 0 or par[0] != -1:
@@ -78,31 +82,29 @@ class Tree:
         if any(not 0 <= p < i for i, p in enumerate(par) if i > 0):
             raise ValueError(f"parents must come before children and only node 0 is a root: {par}")
         depth = [0] * n
+        row_bits = [1] * n  # ancestor-or-self set of node i as a Python int bitmask
         first_child, next_sibling, last_child = [-1] * n, [-1] * n, [-1] * n
         for i in range(1, n):
             p = par[i]
             depth[i] = depth[p] + 1
+            row_bits[i] = row_bits[p] | (1 << i)
             if first_child[p] < 0:
                 first_child[p] = i
             else:
                 next_sibling[last_child[p]] = i
             last_child[p] = i
-        ancestors = [[0] for _ in range(n)]
-        for i in range(1, n):
-            ancestors[i] = ancestors[par[i]] + [i]  # root..i
-        dense = torch.zeros(n, n, dtype=torch.bool)
-        for i, path in enumerate(ancestors):
-            dense[i, path] = True
-        max_depth = max(depth)
-        leaves = [ancestors[i] for i in range(n) if first_child[i] < 0]
-        leaf_paths = torch.full((len(leaves), max_depth + 1), -1, dtype=torch.long)
-        for row, path in enumerate(leaves):
-            leaf_paths[row, : len(path)] = torch.tensor(path)
+        words = torch.tensor([[(bits >> (32 * w)) & 0xFFFFFFFF for w in range((n + 31) // 32)] for bits in row_bits])
+        leaf_paths = torch.full((n - sum(c >= 0 for c in first_child), max(depth) + 1), -1, dtype=torch.long)
+        for row, leaf in enumerate(i for i in range(n) if first_child[i] < 0):
+            node = leaf
+            while node >= 0:
+                leaf_paths[row, depth[node]] = node
+                node = par[node]
         as_long = lambda x: torch.as_tensor(x, dtype=torch.long)
         return cls(
             parents=as_long(par),
             depth=as_long(depth),
-            mask_bits=pack_mask(dense),
+            mask_bits=torch.where(words >= 2**31, words - 2**32, words).to(torch.int32),
             first_child=as_long(first_child),
             next_sibling=as_long(next_sibling),
             leaf_paths=leaf_paths,
@@ -221,7 +223,9 @@ def medusa_tokens(tree: Tree, root_tokens: torch.Tensor, head_topk: torch.Tensor
     return tokens
 
 
-def medusa_rank_acc(head_top1: Sequence[float] = VICUNA_7B_HEAD_ACC, top_k: int = 10, decay: float = 0.5):
+def medusa_rank_acc(
+    head_top1: Sequence[float] = VICUNA_7B_HEAD_ACC, top_k: int = 10, decay: float = 0.5
+) -> torch.Tensor:
     """Modelled accuracy of rank r of head k: head_top1[k] * decay**r, shape (K, top_k)."""
     top1 = torch.tensor(head_top1, dtype=torch.float64)[:, None]
     return top1 * decay ** torch.arange(top_k, dtype=torch.float64)[None, :]
@@ -274,7 +278,8 @@ def dynamic_tree(expand_fn: ExpandFn, root_token: int, depth: int, top_k: int, t
 
     `expand_fn(tokens (F,), parent_rows (F,), step) -> log_probs (F, V)` runs the drafter on the F frontier nodes of
     round `step` (0 … depth-1); `parent_rows[f]` is the row of the node's parent in the previous call (-1 for the
-    root in round 0), so a drafter can keep its per-row hidden states. Each round expands the top_k children of every
+    root in round 0), so a drafter can keep its per-row hidden states. Inputs are CPU tensors; the log-probs may
+    live on any device (only their top_k per row comes back to the host). Each round expands the top_k children of every
     frontier node (score = cumulative draft log-probability) and the next frontier is the top_k of those children.
     Finally the global top (total_tokens - 1) candidates are kept with the root; since scores never increase along a
     path (and ties rank parents first) the kept set is connected. Nodes are returned in creation order.
@@ -290,8 +295,8 @@ def dynamic_tree(expand_fn: ExpandFn, root_token: int, depth: int, top_k: int, t
     parent_rows = torch.tensor([-1])
     n_cand = 0
     for step in range(depth):
-        logp = expand_fn(frontier_tokens, parent_rows, step).double().cpu()  # (F, V)
-        child_logp, child_tok = logp.topk(top_k, dim=-1)  # (F, k)
+        child_logp, child_tok = expand_fn(frontier_tokens, parent_rows, step).topk(top_k, dim=-1)  # (F, k)
+        child_logp, child_tok = child_logp.double().cpu(), child_tok.cpu()
         scores = (frontier_scores[:, None] + child_logp).reshape(-1)  # (F*k,)
         cand_tokens.append(child_tok.reshape(-1))
         cand_parents.append(frontier_cand.repeat_interleave(top_k))
