@@ -82,8 +82,10 @@ def read_config(export_dir: str | Path) -> dict[str, Any]:
 
 
 def check_target(config: dict[str, Any], target: Target, where: str) -> None:
+    """Refuse a target other than the training one (weights compared when loaded in the same dtype)."""
     have = target.identity()
-    for key in _IDENTITY_KEYS:
+    same_dtype = config["target"].get("dtype") == have["dtype"]
+    for key in _IDENTITY_KEYS + (("weights_sha256",) if same_dtype else ()):
         if config["target"].get(key) != have[key]:
             raise ExportError(
                 f"{where}: target.{key}: drafter trained for {config['target'].get(key)!r} "

@@ -1,0 +1,97 @@
+"""Every shipped recipe loads; bad recipes fail with one line naming the file and the key.
+
+pytest tests/test_recipes.py
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from accelerate.commands.config.config_args import load_config_from_file
+
+from models import DRAFTERS
+from train.__main__ import main as train_main
+from train.config import RecipeError, load_recipe
+
+ROOT = Path(__file__).resolve().parents[1]
+ALL_YAML = sorted((ROOT / "recipes").rglob("*.yaml"))
+SPECDRAFT = [p for p in ALL_YAML if "drafter" in (yaml.safe_load(p.read_text()) or {})]
+ACCELERATE = sorted((ROOT / "recipes/accelerate").glob("*.yaml"))
+
+
+def test_recipes_are_found():
+    assert {"eagle2.yaml", "medusa1.yaml"} <= {p.name for p in SPECDRAFT if p.parent.name == "tiny"}
+    assert len(SPECDRAFT) >= 5 and len(ACCELERATE) == 6
+
+
+@pytest.mark.parametrize("path", SPECDRAFT, ids=lambda p: str(p.relative_to(ROOT)))
+def test_shipped_recipe_loads(path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    recipe = load_recipe(path.relative_to(ROOT))
+    assert recipe.drafter.method in DRAFTERS
+
+
+@pytest.mark.parametrize("path", SPECDRAFT + ACCELERATE, ids=lambda p: str(p.relative_to(ROOT)))
+def test_header_is_the_command_that_runs_it(path):
+    first = path.read_text().splitlines()[0]
+    assert first.startswith("# "), first
+    command = first[2:]
+    assert str(path.relative_to(ROOT)) in command, f"{path}: header does not name the file: {first}"
+    assert any(word in command for word in ("-m train", "-m data.extract", "-m eval")), first
+
+
+@pytest.mark.parametrize("path", ACCELERATE, ids=lambda p: p.name)
+def test_accelerate_config_loads(path):
+    config = load_config_from_file(str(path))
+    assert config.num_processes >= 1
+
+
+# --------------------------------------------------------------------------------------------
+# Bad recipes: one line, naming the file and the key
+
+TINY = ROOT / "recipes/tiny/medusa1.yaml"
+BAD = {
+    "unknown key": (["train.learning_rate=0.1"], "train.learning_rate", "unknown key"),
+    "unknown section": (["optimizer.lr=0.1"], "optimizer", "unknown section"),
+    "wrong type": (["train.max_steps=ten"], "train.max_steps", "expected int"),
+    "wrong list type": (["data.layers=last"], "data.layers", "expected a list"),
+    "impossible value": (["train.batch_size=0"], "train.batch_size", "must be >= 1"),
+    "warmup past the end": (["train.warmup_steps=1000"], "train.warmup_steps", "must be in"),
+    "layer out of range": (["data.layers=[5]"], "data.layers[0]", "out of range"),
+    "unknown method": (["drafter.method=medusa3"], "drafter.method", "unknown method"),
+    "tree deeper than heads": (["eval.tree=chain", "eval.tree_depth=9"], "eval.tree_depth", "exceeds"),
+    "missing dataset": (["data.train_files=[]"], "data.train_files", "no dataset"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_recipe_names_file_and_key(case, tmp_path):
+    overrides, key, phrase = BAD[case]
+    path = tmp_path / "bad.yaml"
+    path.write_text(TINY.read_text())
+    with pytest.raises(RecipeError) as info:
+        load_recipe(path, overrides)
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith(f"{path}: {key}:"), message
+    assert phrase in message, message
+
+
+def test_bad_recipe_file_content(tmp_path):
+    """Errors in the file itself (not overrides) name it too."""
+    raw = yaml.safe_load(TINY.read_text())
+    raw["train"]["lr"] = "fast"
+    path = tmp_path / "typed.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(RecipeError, match=rf"^{path}: train\.lr: expected float"):
+        load_recipe(path)
+
+
+def test_cli_prints_one_line_and_exits(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text(TINY.read_text())
+    with pytest.raises(SystemExit) as info:
+        train_main([str(path), "drafter.num_heads=0"])
+    assert info.value.code == f"error: {path}: drafter.num_heads: must be >= 1, got 0"
