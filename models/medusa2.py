@@ -6,8 +6,8 @@
 
 `Medusa2Model(cfg, target.parts(...))(batch)` takes token batches (`consumes = "tokens"`) and returns
 `L_base + α(step)·head_loss_coef·Σ_k λ_k CE_k` with metrics; `set_step(step)` tells it the optimizer step
-(the α warm-up). `load_medusa2(export_dir, target)` is the evaluation entry point: it adapts the target with
-the exported LoRA and returns it with the heads, to be used exactly like Medusa-1 heads on that target.
+(the α warm-up). For evaluation, `drafter.adapt_target(target)` merges the LoRA into the target and returns
+the heads, used exactly like Medusa-1 heads on it (`load_medusa2(export_dir, target)` does both).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
-from peft import LoraConfig, PeftModel, get_peft_model
+from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file
 from torch import nn
 
@@ -51,7 +51,7 @@ class Medusa2Config:
     """Module names that get LoRA adapters (defaults: every linear layer of a Llama-style decoder)."""
     self_distill: bool = False
     """L_base = KL(p_target ‖ p_adapted) (teacher = the same weights with adapters off) instead of next-token CE:
-    for self-distilled data, where CE on the target's own samples would pull the backbone off its distribution."""
+    for self-distilled data, where the paper finds hard-label CE degrades the model; the KL keeps its distribution."""
     head_loss_coef: float = 0.2
     """Weight of the head losses against L_base. The Medusa paper uses 0.2, and 0.01 under self-distillation
     (the KL term is much smaller than a CE, so the heads would otherwise dominate the backbone's updates)."""
@@ -227,6 +227,17 @@ class Medusa2Model(nn.Module):
             if target.tokenizer is not None:
                 target.tokenizer.save_pretrained(str(out / MERGED_DIR))
 
+    def adapt_target(self, target) -> MedusaHeads:
+        """For evaluation: merge the adapters into `target.model`'s own weights (in place) and return the heads.
+
+        Everything that then runs `target` (verification, tree calibration, plain-decoding baselines) runs the
+        Medusa-2 model, on which the heads are used exactly like Medusa-1 heads. This module is spent afterwards.
+        """
+        if self.adapted.get_input_embeddings().weight is not target.model.get_input_embeddings().weight:
+            raise ValueError("adapt_target: this Medusa2Model was not built on this target")
+        self.peft_model.merge_and_unload()  # writes W + BA·scale into the shared tensors: target.model's
+        return self.heads.eval()
+
     def merged_model(self) -> nn.Module:
         """A standalone HF model with the adapters merged into (a full copy of) the weights."""
         return copy.deepcopy(self.peft_model).merge_and_unload().eval()
@@ -294,17 +305,16 @@ def load_stage1_heads(heads: MedusaHeads, path: str | Path) -> None:
 
 
 def load_medusa2(export_dir: str | Path, target, merge: bool = True) -> tuple[nn.Module, MedusaHeads]:
-    """(verifying model, heads) of a Medusa-2 export, for evaluation: use them as Medusa-1 heads on that model.
+    """(verifying model, heads) of a Medusa-2 native export, for evaluation: Medusa-1 heads on the adapted target.
 
-    The verifier is `target.model` itself, adapted in place by the export's LoRA (`adapter/`) and merged into its
-    weights when `merge` (faster): plain-decoding baselines on `target.model` then decode the same adapted model.
+    `merge`: the adapters are merged into `target.model` in place (`Medusa2Model.adapt_target`) and the verifier
+    is `target.model`; else the verifier is a weight-sharing copy with the adapters attached, `target` untouched.
     """
-    from models.io import load_drafter
+    from models.io import load_drafter  # models.io imports DRAFTERS, which imports this module
 
-    export_dir = Path(export_dir)
-    if not (export_dir / ADAPTER_DIR / "adapter_config.json").is_file():
-        raise ValueError(f"{export_dir}: no {ADAPTER_DIR}/adapter_config.json (not a Medusa-2 export)")
-    heads = load_drafter(export_dir / HEADS_DIR, target)
-    model = PeftModel.from_pretrained(target.model, str(export_dir / ADAPTER_DIR))
-    model = model.merge_and_unload() if merge else model.get_base_model()  # the same object as target.model
-    return model.eval(), heads
+    drafter = load_drafter(export_dir, target)
+    if not isinstance(drafter, Medusa2Model):
+        raise ValueError(f"{export_dir}: a {type(drafter).__name__} export, not Medusa-2")
+    if not merge:
+        return drafter.adapted.eval(), drafter.heads
+    return target.model, drafter.adapt_target(target)

@@ -252,11 +252,14 @@ def test_export_and_eval_loader(target, tmp_path):
     # merged/: a plain HF model
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
     torch.testing.assert_close(merged(ids).logits, want, rtol=1e-4, atol=1e-5)
-    # eval's entry point: the verifier is the fresh target adapted in place
+    # eval's entry point: LoRA attached (target untouched) or merged into the fresh target in place
     fresh = Target(tiny_target(), None, "tiny")
+    attached, _ = load_medusa2(tmp_path, fresh, merge=False)
+    torch.testing.assert_close(attached(ids).logits, want, rtol=0, atol=0)
+    assert torch.equal(fresh.model(ids).logits, target(ids).logits)
     verifier, eval_heads = load_medusa2(tmp_path, fresh)
     assert verifier is fresh.model
-    torch.testing.assert_close(verifier(ids).logits, want, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(fresh.model(ids).logits, want, rtol=1e-4, atol=1e-5)
     hidden = torch.randn(1, 4, 64)
     assert torch.equal(eval_heads.head_logits(hidden), model.head_logits(hidden))
 
