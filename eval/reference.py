@@ -156,6 +156,7 @@ def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 
 def max_children(tree: Tree) -> int:
+    """The largest number of children of one node (over the batch for stacked trees)."""
     parents = tree.parents.reshape(-1, tree.num_nodes)[:, 1:]
     counts = torch.zeros(parents.shape[0], tree.num_nodes, dtype=torch.long, device=parents.device)
     counts.scatter_add_(1, parents, torch.ones_like(parents))
@@ -166,7 +167,7 @@ def draw_coins(tree: Tree, batch_size: int, generator: torch.Generator | None = 
     """Fresh uniforms for one sampled verification round: (B, D+1, max children + 1) on the tree's device."""
     shape = (batch_size, tree.max_depth + 1, max_children(tree) + 1)
     device = tree.parents.device
-    return torch.rand(shape, generator=generator, device="cpu" if generator is None else generator.device).to(device)
+    return torch.rand(shape, generator=generator, device=device if generator is None else generator.device).to(device)
 
 
 def verify_sampled(
