@@ -285,15 +285,16 @@ def test_hf_tree_attention_matches_per_path_and_masked_eager():
     tokens = torch.randint(0, 256, (1, tree.num_nodes), generator=gen)
     positions = tree.positions(prefix.shape[1])[None]
 
-    def tree_logits(attn: str, mask=None) -> torch.Tensor:
+    def tree_logits(attn: str, mask=None, **kwargs) -> torch.Tensor:
         model.set_attn_implementation(attn)
         cache = DynamicCache(config=model.config)
         model(input_ids=prefix, cache=cache, use_cache=True)  # prefill: causal SDPA fallback for `name`
         assert cache.get_seq_length() == prefix.shape[1]
-        return model(input_ids=tokens, position_ids=positions, attention_mask=mask, cache=cache).logits[0]
+        return model(input_ids=tokens, position_ids=positions, attention_mask=mask, cache=cache, **kwargs).logits[0]
 
     with kernels.tree_context(tree.mask_bits):
         got = tree_logits(name)
+    torch.testing.assert_close(tree_logits(name, tree_mask_bits=tree.mask_bits), got)  # bits as a forward kwarg
     model.set_attn_implementation("sdpa")
     for i in range(tree.num_nodes):
         path = tree.dense_mask()[i].nonzero().squeeze(-1)
