@@ -10,14 +10,15 @@ Tested by `TRITON_INTERPRET=1 .venv/bin/pytest tests/test_kernels.py -q`; timed 
 
     register_tree_attention()          # HF models: model.set_attn_implementation("specdraft_tree")
     with tree_context(tree.mask_bits):
-        logits = model(input_ids=tree_tokens, position_ids=tree.positions(prefix_len), cache=cache).logits
+        logits = model(input_ids=tree_tokens, position_ids=tree.positions(prefix_len)[None], cache=cache).logits
 
 What is fused: tree attention (prefix read once per query block, split-KV over the prefix, tree block under the
 bitmask, log-sum-exp merge), greedy and typical verification (per-row argmax / log-sum-exp / entropy over the vocab,
 then one program per request picks the longest accepted path from the ancestor bitmask), sampled verification (one
 program per request walks first-child / next-sibling: acceptance tests, residual updates and inverse-CDF draws; only
-the temperature / top-p processing of the target logits stays in torch) and the KV commit copy. Exact ties (two
-siblings with the same token) and float-rounding boundary cases may be resolved differently from the twins.
+the temperature / top-p processing of the target logits stays in torch) and the KV commit copy. Exact ties of
+typical-acceptance path log-likelihoods (siblings with the same token) and float-rounding boundary cases (sums taken in
+another order) may be resolved differently from the twins; everything else matches them exactly.
 
 Without CUDA the kernels run under the Triton interpreter: this module sets TRITON_INTERPRET=1 (unless already set)
 before defining them. The interpreter has no bf16 arithmetic, so inputs are cast to fp32 after loading there.
