@@ -22,6 +22,7 @@ from accelerate.state import AcceleratorState, GradientState
 from peft import PeftModel
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers.models.llama.modeling_llama import LlamaMLP
 
 from models.common import DraftBatch, TargetParts
 from models.io import load_drafter, save_native
@@ -184,6 +185,27 @@ def test_only_lora_and_heads_train(target):
     assert [n for n, v in frozen.items() if not torch.equal(params[n], v)] == []
     assert model.trainable_state_dict().keys() == trainable.keys()
     assert {n for n in trainable if model.is_head_param(n)} == {n for n in trainable if n.startswith("heads.")}
+
+
+def test_gradient_checkpointing_gives_the_same_loss_and_gradients(target, monkeypatch):
+    calls = []
+    mlp_forward = LlamaMLP.forward
+    monkeypatch.setattr(LlamaMLP, "forward", lambda self, x: calls.append(1) or mlp_forward(self, x))
+    batch = make_batch([[10, 6], [14]], 16)
+    results = []
+    for checkpointing in (False, True):
+        torch.manual_seed(0)  # same LoRA A initialisation
+        model = Medusa2Model(config(gradient_checkpointing=checkpointing), parts(target))
+        randomise_adapters(model)
+        calls.clear()
+        loss = model(batch)["loss"]
+        loss.backward()
+        assert len(calls) == 2 * (2 if checkpointing else 1)  # 2 layers, recomputed in backward
+        results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}))
+    (loss0, grads0), (loss1, grads1) = results
+    torch.testing.assert_close(loss1, loss0)
+    for name, grad in grads0.items():
+        torch.testing.assert_close(grads1[name], grad, msg=name)
 
 
 def test_alpha_schedules():
