@@ -187,7 +187,9 @@ def main() -> None:
         state = saved
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     n_params = sum(p.numel() for p in model.parameters())
-    accelerator.print(f"params {n_params / 1e6:.2f}M, train tokens {len(train_stream) / 1e6:.2f}M, from step {state['step']}")
+    accelerator.print(
+        f"params {n_params / 1e6:.2f}M, train tokens {len(train_stream) / 1e6:.2f}M, from step {state['step']}"
+    )
 
     bar = tqdm(range(state["step"], cfg.max_steps), initial=state["step"], total=cfg.max_steps, mininterval=10)
     for step in bar:
