@@ -147,7 +147,7 @@ def tree_attention_mask(tree: Tree, prefix_len: int, dtype: torch.dtype) -> torc
 
 
 class TargetRunner:
-    """The frozen target with its KV cache: prefill, tree forwards, commits; times every forward."""
+    """The frozen target with its KV cache: prefill, tree forwards, commits; `seconds` = time in forwards."""
 
     def __init__(
         self,
@@ -199,14 +199,12 @@ class TargetRunner:
 
     def commit(self, prefix_len: int, accepted_nodes: torch.Tensor) -> None:
         """Move the KV rows of `accepted_nodes` ((1, D+1), root first, -1 padded) to positions prefix_len.. in
-        place (`ops.kv_commit`), then drop the rest of the tree block."""
-        start = time.perf_counter()
+        place (`ops.kv_commit`), then drop the rest of the tree block. Not timed as target time: it is the loop's."""
         layers = self.cache.layers
         keys, values = [x.keys for x in layers], [x.values for x in layers]
         new_len = int(self.ops.kv_commit(keys, values, prefix_len, accepted_nodes))
         for layer in layers:
             layer.keys, layer.values = layer.keys[:, :, :new_len], layer.values[:, :, :new_len]
-        self.seconds += time.perf_counter() - start
 
 
 # --------------------------------------------------------------------------------------------

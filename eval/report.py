@@ -102,7 +102,7 @@ def markdown_table(header: list[str], rows: list[list[str]]) -> str:
 def to_markdown(s: dict[str, Any]) -> str:
     depth_header = ["depth"] + [str(d + 1) for d in range(len(s["accept_rate_by_depth"]))]
     depth_rows = [
-        ["P(accept | reached)"] + [_fmt(x) for x in s["accept_rate_by_depth"]],
+        ["accept rate (given reached)"] + [_fmt(x) for x in s["accept_rate_by_depth"]],
         ["rounds reaching it"] + [str(n) for n in s["reached_by_depth"]],
     ]
     prompt_rows = [

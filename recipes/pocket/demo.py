@@ -1,0 +1,155 @@
+"""The whole pipeline on the bundled pocket target, on CPU, in under 15 minutes: `make demo`.
+
+    python recipes/pocket/demo.py [--target recipes/pocket/target] [--out artifacts/demo] [--threads 1]
+
+Steps, each a subprocess with its log under OUT/logs/, skipped when its output is complete (re-run to resume):
+  1. self-distil: the pocket target continues training prompts greedily   (python -m data.selfdistill)
+  2. extract: the target's last hidden state over those samples            (python -m data.extract)
+  3. train + export an EAGLE-2 drafter and Medusa-1 heads                  (python -m train, python -m train.export)
+  4. evaluate both on held-out prompts: plain vs speculative vs prompt lookup (python -m eval)
+then one table: method, tree, τ, speedup vs plain and vs transformers' prompt lookup, lossless ✓/✗.
+
+Recipes: recipes/pocket/eagle2.yaml and recipes/pocket/medusa1.yaml (data sizes, steps, trees). Trees are
+small on purpose: on a CPU verifying a token costs nearly as much as generating one, so a big tree does not
+pay for itself as it does on a GPU. Decoding runs single-threaded by default: for batch-1 decoding of a
+10M-parameter model a second thread mostly adds synchronisation (and the timings get noisier).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from eval.report import lossless_mark, markdown_table  # noqa: E402
+
+RECIPES = {"eagle2": "recipes/pocket/eagle2.yaml", "medusa1": "recipes/pocket/medusa1.yaml"}
+SELFDISTILL_PROMPTS = 256
+SELFDISTILL_TOKENS = 96
+
+
+def banner(text: str) -> None:
+    print(f"\n=== {text} " + "=" * max(0, 100 - len(text)), flush=True)
+
+
+def run_step(name: str, cmd: list[str], log_dir: Path, env: dict[str, str]) -> None:
+    """Run one step as a subprocess, its output to a log file; on failure show the log's tail and stop."""
+    log = log_dir / f"{name}.log"
+    print(f"$ {' '.join(cmd)}\n  (log: {log.relative_to(ROOT) if log.is_relative_to(ROOT) else log})", flush=True)
+    start = time.perf_counter()
+    with open(log, "w") as f:
+        code = subprocess.call(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
+    if code != 0:
+        tail = log.read_text().replace("\r", "\n").splitlines()[-25:]
+        sys.exit("\n".join([*tail, f"demo: step {name!r} failed (exit {code}); full log: {log}"]))
+    last = [line for line in log.read_text().replace("\r", "\n").splitlines() if line.strip()][-1:]
+    print(f"  done in {time.perf_counter() - start:.0f}s" + (f": {last[0][:150]}" if last else ""), flush=True)
+
+
+def skip(what: str) -> None:
+    print(f"  skipped: {what} is complete", flush=True)
+
+
+def selfdistill_done(out: Path, n: int) -> bool:
+    return out.is_file() and sum(1 for line in out.read_text().splitlines() if line.strip()) >= n
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target", default="recipes/pocket/target", help="pocket target directory (HF format)")
+    parser.add_argument("--out", default="artifacts/demo", help="where every output goes (gitignored)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads for every step")
+    parser.add_argument("--prompts", type=int, default=SELFDISTILL_PROMPTS, help="self-distillation prompts")
+    args = parser.parse_args()
+
+    target, out = Path(args.target), Path(args.out)
+    if not (ROOT / target / "config.json").is_file():
+        sys.exit(
+            f"demo: no pocket target at {target} (config.json missing): pretrain it with recipes/pocket/pretrain.py"
+        )
+    out_abs = ROOT / out
+    log_dir = out_abs / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false"}
+    py = sys.executable
+
+    # The recipes' paths point at the defaults; other --target / --out values reach every step as overrides.
+    def overrides(method: str) -> list[str]:
+        return [
+            f"target.path={target}",
+            f"data.train_files=[{out}/selfdistill.jsonl]",
+            f"data.features_dir={out}/features",
+            f"train.output_dir={out}/{method}",
+            f"eval.output_dir={out}/{method}/eval",
+        ]
+
+    start = time.perf_counter()
+    banner(f"1/4 self-distillation: the target continues {args.prompts} training prompts ({SELFDISTILL_TOKENS} tokens)")
+    distilled = out_abs / "selfdistill.jsonl"
+    if selfdistill_done(distilled, args.prompts):
+        skip(str(distilled))
+    else:
+        cmd = [py, "-m", "data.selfdistill", "--target", str(target), "--prompts", "recipes/pocket/prompts/train.jsonl"]
+        cmd += ["--out", str(out / "selfdistill.jsonl"), "--limit", str(args.prompts), "--seed", "0"]
+        cmd += ["--max-new-tokens", str(SELFDISTILL_TOKENS), "--batch-size", "32", "--dtype", "float32"]
+        run_step("selfdistill", cmd, log_dir, env)
+
+    banner("2/4 feature extraction (shared by both drafters: same target, data and layers)")
+    if (out_abs / "features" / "manifest.json").is_file():
+        skip(f"{out}/features")
+    else:
+        run_step("extract", [py, "-m", "data.extract", RECIPES["eagle2"], *overrides("eagle2")], log_dir, env)
+
+    for method, recipe in RECIPES.items():
+        banner(f"3/4 train + export {method} ({recipe})")
+        run_dir = out / method
+        if (ROOT / run_dir / "export" / "config.json").is_file():
+            skip(f"{run_dir}/export")
+            continue
+        resume = ["train.resume=auto"]  # continues an interrupted run from its last checkpoint
+        run_step(f"train-{method}", [py, "-m", "train", recipe, *overrides(method), *resume], log_dir, env)
+        run_step(f"export-{method}", [py, "-m", "train.export", str(run_dir)], log_dir, env)
+
+    for method, recipe in RECIPES.items():
+        banner(f"4/4 eval {method}: plain vs speculative vs prompt lookup on held-out prompts")
+        if (ROOT / out / method / "eval" / "report.json").is_file():
+            skip(f"{out}/{method}/eval/report.json")
+            continue
+        run_step(f"eval-{method}", [py, "-m", "eval", recipe, *overrides(method)], log_dir, env)
+
+    rows, reports = [], {}
+    for method in RECIPES:
+        r = json.loads((out_abs / method / "eval" / "report.json").read_text())
+        reports[method] = r
+        rows.append(
+            [
+                method,
+                r["tree"],
+                f"{r['accept_len']:.2f}",
+                f"{r['speedup_vs_plain']:.2f}×",
+                f"{r['speedup_vs_prompt_lookup']:.2f}×",
+                f"{lossless_mark(r['lossless'])} ({r['lossless_prompts']})",
+            ]
+        )
+    any_report = next(iter(reports.values()))
+    banner(
+        f"pocket demo: {any_report['num_prompts']} held-out prompts, {any_report['max_new_tokens']} new tokens, greedy"
+    )
+    header = ["method", "tree", "τ", "speedup vs plain", "vs prompt lookup", "lossless"]
+    print(markdown_table(header, rows))
+    print(
+        f"\nplain decoding {any_report['tokens_per_s']['plain']:.1f} tok/s; transformers prompt lookup "
+        f"{any_report['prompt_lookup_vs_plain']:.2f}× plain. Reports: {out}/<method>/eval/report.md (+ .png). "
+        f"Total {time.perf_counter() - start:.0f}s."
+    )
+
+
+if __name__ == "__main__":
+    main()
