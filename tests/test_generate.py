@@ -212,6 +212,21 @@ def test_eagle_drafts_what_it_would_draft_alone(target):
     assert torch.equal(again.tokens, tree.tokens) and torch.equal(again.parents, tree.parents)
 
 
+@pytest.mark.parametrize("acceptance", ["exact", "typical"])
+def test_sampled_real_drafters_run(target, acceptance):
+    """Sampling (lossless rejection or lossy typical acceptance) with real drafters: the round bookkeeping holds."""
+    settings = DecodeSettings(max_new_tokens=16, temperature=0.8, top_p=0.9, acceptance=acceptance, seed=1)
+    for proposer in (
+        EagleProposer(_eagle(target), depth=3, top_k=2, total_tokens=6),
+        MedusaProposer(_medusa(target), medusa_tree([(0,), (1,), (0, 0)], 3)),
+    ):
+        out = speculative_generate(target.model, proposer, PROMPT, settings)
+        assert len(out.tokens) == 16 and all(0 <= t < target.config.vocab_size for t in out.tokens)
+        assert 1 + sum(a + 1 for a in out.accepted) >= 16 > sum(a + 1 for a in out.accepted[:-1])
+        again = speculative_generate(target.model, proposer, PROMPT, settings)
+        assert again.tokens == out.tokens  # seeded
+
+
 def test_round_stats_scripted():
     stats = round_stats(accepted=[0, 2, 3, 1], tree_depth=[3, 3, 3, 2])
     assert stats["accept_len"] == pytest.approx((1 + 3 + 4 + 2) / 4)
