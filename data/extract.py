@@ -260,6 +260,10 @@ def main(argv: list[str] | None = None) -> None:
         raise RecipeError(f"{recipe.source}: data.features_dir: is required for extraction")
     state = Accelerator()  # not PartialState(): only Accelerator honours ACCELERATE_USE_CPU (multi-process CPU)
     target = load_target(**dataclasses.asdict(recipe.target))
+    try:
+        target.parts(recipe.data.layers)  # checks the layer indices before any heavy work
+    except ValueError as exc:
+        raise RecipeError(f"{recipe.source}: data.layers: {exc}") from None
     if target.tokenizer is None:
         raise RecipeError(f"{recipe.source}: target.tokenizer: no tokenizer found for {target.name}")
     target.model.to(state.device)

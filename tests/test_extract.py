@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +22,7 @@ from data.extract import STOP_AFTER_ENV, length_batches, main, plan_shards
 from data.prepare import prepare_dataset
 from data.shards import MANIFEST, FeatureDataset, FeatureMismatchError
 from models.target import load_target
-from train.config import load_recipe
+from train.config import RecipeError, load_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = "the cat sat on a mat while every model learns to draft tokens quickly and well from its target".split()
@@ -152,6 +153,25 @@ def test_mismatched_rerun_is_refused(recipe_path: Path, reference: Path, overrid
     with pytest.raises(FeatureMismatchError, match=rf"built with ({field})="):
         run_inprocess(recipe_path, reference, override)
     assert shard_bytes(reference) == before
+
+
+def test_other_template_is_refused(recipe_path: Path, reference: Path, tmp_path: Path) -> None:
+    tokenizer = tmp_path / "tokenizer"
+    shutil.copytree(ROOT / "recipes/pocket/target", tokenizer)
+    template = tokenizer / "chat_template.jinja"
+    template.write_text(template.read_text().replace("<|end|>", "<|end|> "))
+    with pytest.raises(FeatureMismatchError, match="built with template="):
+        run_inprocess(recipe_path, reference, f"target.tokenizer={tokenizer}")
+
+
+def test_layer_out_of_range_fails_before_work(recipe_path: Path, tmp_path: Path) -> None:
+    # a target loaded from a path: only loading it tells its depth (random_init ones fail at recipe load)
+    recipe = load_recipe(recipe_path)
+    load_target(**vars(recipe.target)).model.save_pretrained(tmp_path / "model")
+    path_target = ["target.random_init=", f"target.path={tmp_path / 'model'}"]
+    with pytest.raises(RecipeError, match=r"data.layers: hidden-state index 4 out of range"):
+        run_inprocess(recipe_path, tmp_path / "never", *path_target, "data.layers=[4,-1]")
+    assert not (tmp_path / "never").exists()
 
 
 def test_two_processes_write_disjoint_shards_equal_to_one(recipe_path: Path, reference: Path) -> None:
