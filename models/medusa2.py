@@ -108,11 +108,13 @@ class Medusa2Model(nn.Module):
     L_base keeps the backbone a good next-token model: CE on the next token, or under self-distillation
     `KL(p_teacher ‖ p_student)` of the base head, the teacher being the same weights with adapters disabled
     (one extra no-grad forward, no second copy of the model). Two stages: heads alone (Medusa-1), then joint
-    training starting from them (`stage1_heads`), with α warming up and the heads' learning rate multiplied
-    (`train.head_lr_mult`, 4 in the paper) so that fresh heads do not push large gradients into the backbone.
+    training starting from them (`stage1_heads`); α warms up so that the heads' large early losses do not
+    disturb the backbone, and the heads' learning rate is multiplied (`train.head_lr_mult`, 4 in the Medusa-2
+    trainer) so that they keep learning while the backbone moves slowly.
 
     The target's weights are shared, never copied: the adapters go into a copy of the target's module tree
-    whose parameters are the target's own tensors, so the loop's target (and eval baselines) stay untouched.
+    whose parameters are the target's own tensors, so the loop's target stays the original model (until
+    `adapt_target` merges the adapters into it for evaluation).
     """
 
     consumes = "tokens"
