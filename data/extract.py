@@ -195,6 +195,9 @@ def extract_features(
         else:
             todo.append(k)
     write_json_atomic(directory / part_name(rank), {"header": header, "shards": done})
+    barrier()  # the parts now hold every finished shard: an old manifest must not look complete meanwhile
+    if rank == 0:
+        (directory / MANIFEST).unlink(missing_ok=True)
 
     stop_after = int(os.environ.get(STOP_AFTER_ENV, "0"))
     bar = tqdm(

@@ -135,6 +135,11 @@ def test_killed_then_resumed_equals_uninterrupted(recipe_path: Path, reference: 
     # a damaged shard (wrong size) is not trusted: it is extracted again, identically
     victim = features / "shard-00002.safetensors"
     victim.write_bytes(victim.read_bytes()[:100])
+    monkeypatch.setenv(STOP_AFTER_ENV, "1")
+    with pytest.raises(SystemExit):
+        run_inprocess(recipe_path, features)
+    assert not (features / MANIFEST).exists()  # the old manifest no longer claims a complete directory
+    monkeypatch.delenv(STOP_AFTER_ENV)
     run_inprocess(recipe_path, features)
     assert shard_bytes(features) == shard_bytes(reference)
 
