@@ -218,6 +218,7 @@ def single_process_run(features, tmp_path_factory) -> Path:
     [
         ("ddp", ["--multi_gpu", "--num_processes", "2"], {"ACCELERATE_USE_CPU": "true"}),
         ("zero2", ["--use_deepspeed", "--zero_stage", "2", "--num_processes", "2"], {}),
+        ("zero3", ["--use_deepspeed", "--zero_stage", "3", "--num_processes", "2"], {}),
     ],
 )
 def test_two_processes_match_one(backend, launch_args, env, features, single_process_run, tmp_path):

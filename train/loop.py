@@ -24,8 +24,9 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import InitProcessGroupKwargs, set_seed
+from accelerate.utils import DistributedType, InitProcessGroupKwargs, set_seed
 from tqdm import tqdm
+from transformers.integrations import set_hf_deepspeed_config, unset_hf_deepspeed_config
 
 from data.loader import BatchLoader
 from data.prepare import prepare_dataset, template_fingerprint
@@ -68,26 +69,46 @@ def make_accelerator(recipe: Recipe) -> Accelerator:
         project_dir=cfg.output_dir,
         kwargs_handlers=handlers,
     )
+    if accelerator.num_processes > 1 and accelerator.distributed_type == DistributedType.NO:
+        raise TrainingError(
+            f"{accelerator.num_processes} processes but accelerate set up no distributed backend "
+            "(FSDP needs GPUs; on CPU use DDP: ACCELERATE_USE_CPU=true accelerate launch --multi_gpu ...)"
+        )
     plugin = accelerator.state.deepspeed_plugin
     if plugin is not None:  # DeepSpeed owns batch size, accumulation and clipping: give it the recipe's
-        plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = cfg.batch_size
-        plugin.deepspeed_config["gradient_accumulation_steps"] = cfg.grad_accum
-        plugin.deepspeed_config["gradient_clipping"] = cfg.clip_grad_norm or 0.0
+        ds = plugin.deepspeed_config
+        ds["train_micro_batch_size_per_gpu"] = cfg.batch_size
+        ds["gradient_accumulation_steps"] = cfg.grad_accum
+        ds["gradient_clipping"] = cfg.clip_grad_norm or 0.0
+        # ZeRO-3: checkpoints gather the full drafter tensors (drafter.safetensors, read by train.export)
+        ds.setdefault("zero_optimization", {})["stage3_gather_16bit_weights_on_model_save"] = True
     return accelerator
 
 
-def build_target(recipe: Recipe, device: torch.device) -> Target:
+def build_target(recipe: Recipe, accelerator: Accelerator) -> Target:
+    """The frozen target, whole on every process, on the device.
+
+    Under ZeRO-3, transformers would partition any model built while accelerate's DeepSpeed config
+    is registered (`zero.Init`), so the target is loaded with it unregistered.
+    """
+    plugin = accelerator.state.deepspeed_plugin
     t = recipe.target
-    target = load_target(
-        path=t.path,
-        random_init=t.random_init,
-        tokenizer=t.tokenizer,
-        dtype=t.dtype,
-        seed=t.seed,
-        trust_remote_code=t.trust_remote_code,
-        attn_implementation=t.attn_implementation,
-    )
-    target.model.to(device)
+    if plugin is not None:
+        unset_hf_deepspeed_config()
+    try:
+        target = load_target(
+            path=t.path,
+            random_init=t.random_init,
+            tokenizer=t.tokenizer,
+            dtype=t.dtype,
+            seed=t.seed,
+            trust_remote_code=t.trust_remote_code,
+            attn_implementation=t.attn_implementation,
+        )
+    finally:
+        if plugin is not None and plugin.dschf is not None:
+            set_hf_deepspeed_config(plugin.dschf)
+    target.model.to(accelerator.device)
     return target
 
 
@@ -276,7 +297,7 @@ def train(recipe: Recipe, stop_after: int | None = None) -> Path:
     out_dir = Path(cfg.output_dir)
     resume = _resume_from(recipe)
     set_seed(cfg.seed)
-    target = build_target(recipe, accelerator.device)
+    target = build_target(recipe, accelerator)
     drafter = DRAFTERS[recipe.drafter.method][1](recipe.drafter, target.parts(recipe.data.layers))
     train_loader, heldout_loader = build_loaders(recipe, target, accelerator)
     optimizer = build_optimizer(drafter, cfg)
