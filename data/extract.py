@@ -30,6 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -77,7 +78,9 @@ def plan_sha256(samples: list[TokenSample], plan: list[list[int]]) -> str:
     for shard in plan:
         for i in shard:
             s = samples[i]
-            digest.update(json.dumps([s["id"], s["input_ids"], s["loss_mask"]]).encode())
+            digest.update(np.array([s["id"], len(s["input_ids"])], dtype=np.int64).tobytes())
+            digest.update(np.array(s["input_ids"], dtype=np.int64).tobytes())
+            digest.update(np.array(s["loss_mask"], dtype=np.uint8).tobytes())
         digest.update(b"|")
     return digest.hexdigest()[:16]
 

@@ -155,6 +155,7 @@ class FeatureShardWriter:
         self.shard_tokens = shard_tokens
         self.entries: list[dict[str, Any]] = []
         self._pending: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self._pending_tokens = 0
 
     def add(self, sample_id: int, input_ids: torch.Tensor, loss_mask: torch.Tensor, hidden: torch.Tensor) -> None:
         """One sample: input_ids, loss_mask (T,); hidden (T, n_layers, d)."""
@@ -162,7 +163,8 @@ class FeatureShardWriter:
         if n != len(self.header["layers"]) or d != self.header["hidden_size"] or input_ids.shape != (T,):
             raise ValueError(f"sample {sample_id}: hidden {tuple(hidden.shape)} does not match the header")
         self._pending.append((sample_id, input_ids, loss_mask, hidden.reshape(T, n * d).to(self.dtype)))
-        if sum(len(p[1]) for p in self._pending) >= self.shard_tokens:
+        self._pending_tokens += T
+        if self._pending_tokens >= self.shard_tokens:
             self.flush()
 
     def flush(self) -> None:
@@ -179,7 +181,7 @@ class FeatureShardWriter:
             torch.cat(hiddens),
         )
         self.entries.append(entry)
-        self._pending = []
+        self._pending, self._pending_tokens = [], 0
 
     def close(self, extra: dict | None = None) -> dict[str, Any]:
         """Write the last shard and the manifest; return the manifest."""
