@@ -67,8 +67,11 @@ def test_forward_stops_after_deepest_layer_and_skips_lm_head() -> None:
         calls.clear()
         target.hidden_states(ids, mask, layers=[-1])
         assert calls == ["layer1", "layer2"]
-    # hooks are removed afterwards: a plain forward is unaffected
+    # hooks are removed and the aborted forward left no state behind: a plain forward is unaffected
     assert not target.base.layers[0]._forward_pre_hooks
+    with torch.inference_mode():
+        out = target.model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+    assert len(out.hidden_states) == 4 and out.logits.shape == (2, 5, 8192)
 
 
 def test_load_is_frozen_seeded_and_identity_tracks_weights() -> None:
