@@ -228,6 +228,8 @@ def run(recipe: Recipe) -> dict[str, Any] | None:
     if target.tokenizer is None:
         raise EvalError(f"{recipe.source}: target.tokenizer: the target has no tokenizer to render prompts")
     drafter = load_drafter(drafter_dir, target)
+    if hasattr(drafter, "adapt_target"):  # Medusa-2: its LoRA is merged into the target, its heads draft
+        drafter = drafter.adapt_target(target)
     prompts = load_prompts(ev.prompts, target.tokenizer, ev.max_prompts)
     eos = target.model.generation_config.eos_token_id
     eos = [eos] if isinstance(eos, int) else list(eos or [])

@@ -28,7 +28,7 @@ from models.common import DraftBatch, TargetParts
 from models.io import load_drafter, save_native
 from models.medusa import MedusaConfig, MedusaHeads
 from models.medusa2 import Medusa2Config, Medusa2Model, load_medusa2
-from models.target import Target, load_target
+from models.target import Target
 from train.checkpoint import DRAFTER_FILE, METRICS_FILE, latest_checkpoint
 from train.config import RecipeError, TrainConfig, load_recipe
 from train.optim import build_optimizer
@@ -325,8 +325,7 @@ def metrics(out: Path) -> list[dict]:
 
 
 def test_two_stages_train_export_and_decode(in_repo, tmp_path):
-    from eval.generate import DecodeSettings, MedusaProposer, plain_generate, speculative_generate
-    from eval.trees import chain
+    from eval.__main__ import run as run_eval
     from train.export import export
     from train.loop import train
 
@@ -347,14 +346,13 @@ def test_two_stages_train_export_and_decode(in_repo, tmp_path):
     out = export(stage2, merge_lora=True)
     assert {p.name for p in out.iterdir()} >= {"config.json", "model.safetensors", "heads", "adapter", "merged"}
 
-    # evaluation: Medusa heads on the adapted target; greedy speculative output = plain greedy of that model
-    target = load_target(random_init=r.target.random_init, tokenizer=r.target.tokenizer, dtype="float32")
-    verifier, heads = load_medusa2(out, target)
-    prompt = torch.randint(0, 8192, (1, 12), generator=torch.Generator().manual_seed(0))
-    settings = DecodeSettings(max_new_tokens=12)
-    plain = plain_generate(verifier, prompt, settings)
-    spec = speculative_generate(verifier, MedusaProposer(heads, chain(3)), prompt, settings)
-    assert spec.tokens == plain.tokens
+    # `python -m eval`: the LoRA merged into the target verifies, the heads draft; greedy output = plain greedy
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "def add(a, b):\n    return"}) + "\n")
+    ev = [f"eval.drafter={out}", f"eval.prompts={prompts}", f"eval.output_dir={tmp_path / 'eval'}"]
+    ev += ["eval.max_new_tokens=10", "eval.kernels=reference", "eval.baselines=[plain]"]
+    summary = run_eval(load_recipe(TINY["medusa2"], [*overrides, *ev]))
+    assert summary["lossless"] is True and summary["accept_len"] >= 1.0
 
 
 def _free_port() -> int:
