@@ -213,19 +213,20 @@ def single_process_run(features, tmp_path_factory) -> Path:
     return out
 
 
+# Global batch 4 = 1 process x 4 = 2 processes x 2 (x 1 accumulation) = 2 x 1 x 2 (ZeRO-2 accumulates).
 @pytest.mark.parametrize(
-    "backend,launch_args,env",
+    "backend,launch_args,env,batch",
     [
-        ("ddp", ["--multi_gpu", "--num_processes", "2"], {"ACCELERATE_USE_CPU": "true"}),
-        ("zero2", ["--use_deepspeed", "--zero_stage", "2", "--num_processes", "2"], {}),
-        ("zero3", ["--use_deepspeed", "--zero_stage", "3", "--num_processes", "2"], {}),
+        ("ddp", ["--multi_gpu", "--num_processes", "2"], {"ACCELERATE_USE_CPU": "true"}, [2, 1]),
+        ("zero2", ["--use_deepspeed", "--zero_stage", "2", "--num_processes", "2"], {}, [1, 2]),
+        ("zero3", ["--use_deepspeed", "--zero_stage", "3", "--num_processes", "2"], {}, [2, 1]),
     ],
 )
-def test_two_processes_match_one(backend, launch_args, env, features, single_process_run, tmp_path):
+def test_two_processes_match_one(backend, launch_args, env, batch, features, single_process_run, tmp_path):
     out = tmp_path / backend
     overrides = [
         f"data.features_dir={features}", f"train.output_dir={out}", *QUIET,
-        "train.max_steps=3", "train.batch_size=2", "train.lr=0.01",
+        "train.max_steps=3", f"train.batch_size={batch[0]}", f"train.grad_accum={batch[1]}", "train.lr=0.01",
     ]  # fmt: skip
     launch([*launch_args, "-m", "train", str(RECIPES["eagle2"]), *overrides], env)
     torch.testing.assert_close(losses(out), losses(single_process_run), rtol=1e-4, atol=1e-5)

@@ -193,27 +193,31 @@ class Stepper:
         return batch
 
     def _reduce(self, sums: dict[str, torch.Tensor], n_total: torch.Tensor) -> dict[str, float]:
-        """Token-weighted means over every micro-batch of every process."""
+        """Token-weighted means over every micro-batch of every process (one collective, one sync)."""
         keys = sorted(sums)
         total = self.accelerator.reduce(torch.stack([sums[k] for k in keys]), reduction="sum")
-        return {k: (v / n_total).item() for k, v in zip(keys, total)}
+        return dict(zip(keys, (total / n_total).tolist()))
 
     def train_step(self, micro_batches: list[dict]) -> tuple[dict[str, float], float]:
-        """Forward/backward of one step (no optimizer step); returns (token-weighted metrics, global tokens)."""
+        """Forward/backward of one step (no optimizer step); returns (token-weighted metrics, global tokens).
+
+        Loss tokens are counted on the host batches first; each micro-batch then goes to the device
+        (and through the target, online) only when its turn comes.
+        """
         acc = self.accelerator
-        batches = [self.prepare(b) for b in micro_batches]
-        n_local = torch.stack([b["loss_mask"].sum().float() for b in batches])  # (grad_accum,)
-        tokens_local = sum(b["attention_mask"].sum().float() for b in batches)
-        counts = acc.reduce(torch.stack([n_local.sum(), tokens_local]), reduction="sum")
+        n_local = [b["loss_mask"].sum().float() for b in micro_batches]
+        tokens_local = sum(b["attention_mask"].sum().float() for b in micro_batches)
+        counts = acc.reduce(torch.stack([sum(n_local), tokens_local]).to(acc.device), reduction="sum")
         n_total = counts[0].clamp_min(1.0)
         scale = acc.num_processes * acc.gradient_accumulation_steps / n_total
         sums: dict[str, torch.Tensor] = {}
-        for batch, n in zip(batches, n_local):
+        for raw, n in zip(micro_batches, n_local):
+            batch = self.prepare(raw)
             with acc.accumulate(self.model):
                 out = self.model(batch)
-                acc.backward(out["loss"] * n * scale)
+                acc.backward(out["loss"] * n.to(acc.device) * scale)
             for key, value in out.items():
-                sums[key] = sums.get(key, 0.0) + value.detach().float() * n
+                sums[key] = sums.get(key, 0.0) + value.detach().float() * n.to(acc.device)
         return self._reduce(sums, n_total), counts[1].item()
 
     @torch.no_grad()
