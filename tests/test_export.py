@@ -17,10 +17,11 @@ from safetensors.torch import load_file, save_file
 from data.extract import main as extract_main
 from data.loader import BatchLoader
 from data.shards import FeatureDataset
+from models import DRAFTERS
 from models.io import CONFIG_FILE, WEIGHTS_FILE, ExportError, load_drafter
 from models.target import load_target
 from train.config import load_recipe
-from train.export import export, load_run
+from train.export import ENGINE_WEIGHTS, MEDUSA_WEIGHTS, export, load_run, medusa_names
 from train.export import main as export_main
 from train.loop import train
 
@@ -41,10 +42,15 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     features = root / "features"
     extract_main(["recipes/tiny/eagle2.yaml", f"data.features_dir={features}"])
     out = {}
-    for method in ("eagle2", "medusa1"):
+    plain = ["drafter.fc_norm=false", "drafter.post_norm=false"]  # EAGLE-1/2 as upstream: engine layouts
+    for name, method, extra in [
+        ("eagle2", "eagle2", []),
+        ("medusa1", "medusa1", []),
+        ("eagle2-plain", "eagle2", plain),
+    ]:
         reset_accelerate()
-        out[method] = root / method
-        overrides = [f"data.features_dir={features}", f"train.output_dir={out[method]}", "train.max_steps=2"]
+        out[name] = root / name
+        overrides = [f"data.features_dir={features}", f"train.output_dir={out[name]}", "train.max_steps=2", *extra]
         train(load_recipe(f"recipes/tiny/{method}.yaml", overrides))
     reset_accelerate()
     yield out
@@ -130,3 +136,57 @@ def test_cli(runs, tmp_path, capsys):
     assert (tmp_path / "cli" / WEIGHTS_FILE).is_file()
     with pytest.raises(SystemExit, match="no such recipe file"):
         export_main([str(tmp_path / "cli"), "--out", str(tmp_path / "x")])
+
+
+# --------------------------------------------------------------------------------------------
+# Engine formats: export, read back into our modules with the inverse key map, identical outputs
+
+
+def test_medusa_format_round_trip(runs, tmp_path):
+    out = export(runs["medusa1"], tmp_path / "medusa", fmt="medusa")
+    config = json.loads((out / "config.json").read_text())
+    assert config["medusa_num_heads"] == 3 and config["medusa_num_layers"] == 1
+    assert config["base_model_name_or_path"] == "random_init:llama"
+    recipe, target, trained = load_run(runs["medusa1"])
+    theirs = load_file(str(out / MEDUSA_WEIGHTS))
+    assert sorted(theirs) == sorted(["0.0.linear.weight", "0.0.linear.bias", "0.1.weight"] + [
+        f"{h}.{k}" for h in (1, 2) for k in ("0.linear.weight", "0.linear.bias", "1.weight")
+    ])  # fmt: skip
+    fresh = DRAFTERS["medusa1"][1](recipe.drafter, target.parts(recipe.data.layers)).eval()
+    fresh.load_state_dict({ours: theirs[name] for ours, name in medusa_names(fresh).items()}, strict=False)
+    hidden = a_batch(runs["medusa1"])["hidden"][:, :, 0]
+    with torch.no_grad():
+        assert torch.equal(fresh.head_logits(hidden), trained.head_logits(hidden))
+
+
+@pytest.mark.parametrize("fmt,arch", [("eagle", "LlamaForCausalLM"), ("sglang", "LlamaForCausalLMEagle")])
+def test_eagle_formats_round_trip(fmt, arch, runs, tmp_path):
+    out = export(runs["eagle2-plain"], tmp_path / fmt, fmt=fmt)
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == [arch] and config["num_hidden_layers"] == 1 and config["bias"] is True
+    assert config["hidden_size"] == 64 and config["vocab_size"] == 8192
+    theirs = load_file(str(out / ENGINE_WEIGHTS))
+    assert {
+        "fc.weight",
+        "fc.bias",
+        "layers.0.self_attn.q_proj.weight",
+        "layers.0.post_attention_layernorm.weight",
+    } <= set(theirs)
+    assert not any("input_layernorm" in k or k.startswith(("norm.", "fc_norm", "embed_tokens")) for k in theirs)
+    assert theirs["fc.weight"].shape == (64, 128)  # cat(embedding(x_{t+1}), f_t) -> d
+    recipe, target, trained = load_run(runs["eagle2-plain"])
+    fresh = DRAFTERS["eagle2"][1](recipe.drafter, target.parts(recipe.data.layers)).eval()
+    missing, unexpected = fresh.load_state_dict(theirs, strict=False)
+    assert not unexpected and set(missing) == {"embed_tokens.weight", "lm_head.weight"}
+    batch = a_batch(runs["eagle2-plain"])
+    with torch.no_grad():
+        assert torch.equal(fresh.logits(fresh.predict_features(batch)), trained.logits(trained.predict_features(batch)))
+
+
+def test_engine_formats_refuse_what_they_cannot_hold(runs, tmp_path):
+    with pytest.raises(ExportError, match="no FC-Norm, post-norm"):
+        export(runs["eagle2"], tmp_path / "a", fmt="eagle")
+    with pytest.raises(ExportError, match="holds Medusa heads"):
+        export(runs["eagle2"], tmp_path / "b", fmt="medusa")
+    with pytest.raises(ExportError, match="holds EAGLE drafters"):
+        export(runs["medusa1"], tmp_path / "c", fmt="sglang")

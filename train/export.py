@@ -1,7 +1,7 @@
 """Export a trained drafter from a run directory.
 
-    python -m train.export RUN_DIR [--out DIR] [--format native] [--checkpoint DIR] [--include-target-weights]
-                                   [--merge-lora]
+    python -m train.export RUN_DIR [--out DIR] [--format native|medusa|eagle|sglang] [--checkpoint DIR]
+                                   [--include-target-weights] [--merge-lora]
 
 Reads the run's resolved recipe (`RUN_DIR/recipe.yaml`) and the newest checkpoint's gathered drafter
 tensors (`drafter.safetensors`, written by every checkpoint whatever the parallelism), rebuilds the
@@ -9,24 +9,38 @@ drafter on the recipe's target and writes `config.json` + `model.safetensors` (n
 `--out` (default `export.out`, else `RUN_DIR/export`). The export is then reloaded strictly
 (`models.io.load_drafter`) before the command reports success. Drafters with an `export_extra` hook add
 their method-specific files next to it (Medusa-2: `heads/`, the LoRA `adapter/`, `merged/` with --merge-lora).
+
+Engine formats (REFERENCE.md), each a `config.json` + safetensors file:
+- `medusa`: FasterDecoding Medusa, `medusa_lm_head.safetensors` with `{h}.{l}.linear.weight|bias` and
+  `{h}.{L}.weight`; config `medusa_num_heads`, `medusa_num_layers`, `base_model_name_or_path`.
+- `eagle` (SafeAILab EAGLE-1/2) and `sglang` (`LlamaForCausalLMEagle`): a one-layer Llama config plus
+  `fc.weight`, `fc.bias`, `layers.0.*` (no input_layernorm). These layouts have no FC-Norm, post-norm
+  or multi-layer fusion, so only drafters trained with `fc_norm: false`, `post_norm: false` and
+  `feature_layers: [-1]` export to them; the others are refused rather than exported silently wrong.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from models import DRAFTERS
+from models.eagle import EagleDrafter
 from models.io import ExportError, load_drafter, save_native
+from models.medusa import MedusaHeads
 from models.target import Target, load_target
 from train.checkpoint import DRAFTER_FILE, RECIPE_FILE, latest_checkpoint, read_state
 from train.config import Recipe, RecipeError, load_recipe
 
-FORMATS = ("native",)
+MEDUSA_WEIGHTS = "medusa_lm_head.safetensors"
+ENGINE_WEIGHTS = "model.safetensors"
+# Target config keys that describe the loading call, not the architecture (left out of engine configs).
+_VOLATILE = {"_name_or_path", "transformers_version", "dtype", "torch_dtype", "_attn_implementation_autoset"}
 
 
 def load_run(run_dir: str | Path, checkpoint: str | Path | None = None) -> tuple[Recipe, Target, nn.Module]:
@@ -60,6 +74,67 @@ def load_run(run_dir: str | Path, checkpoint: str | Path | None = None) -> tuple
     return recipe, target, drafter.eval()
 
 
+# --------------------------------------------------------------------------------------------
+# Engine formats
+
+
+def medusa_names(drafter: MedusaHeads) -> dict[str, str]:
+    """Our MedusaHeads tensor names -> FasterDecoding Medusa names (head h, block l, projection L)."""
+    K, L = drafter.cfg.num_heads, drafter.cfg.num_layers
+    names = {}
+    for h in range(K):
+        for l in range(L):
+            names[f"blocks.{h}.layers.{l}.weight"] = f"{h}.{l}.linear.weight"
+            names[f"blocks.{h}.layers.{l}.bias"] = f"{h}.{l}.linear.bias"
+        names[f"lm_heads.{h}.weight"] = f"{h}.{L}.weight"
+    return names
+
+
+def write_medusa(out: Path, recipe: Recipe, target: Target, drafter: nn.Module, include_target_weights: bool) -> None:
+    if not isinstance(drafter, MedusaHeads):
+        raise ExportError(f"export.format: medusa holds Medusa heads, not a {type(drafter).__name__}")
+    state = drafter.state_dict()
+    shared = drafter.lm_head.weight if drafter.lm_heads is None else None  # share_lm_head: every head gets a copy
+    tensors = {theirs: state.get(ours, shared) for ours, theirs in medusa_names(drafter).items()}
+    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(out / MEDUSA_WEIGHTS))
+    config = {
+        "medusa_num_heads": drafter.cfg.num_heads,
+        "medusa_num_layers": drafter.cfg.num_layers,
+        "base_model_name_or_path": recipe.target.path or target.name,
+    }
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def _write_eagle(out: Path, target: Target, drafter: nn.Module, include_target_weights: bool, arch: str) -> None:
+    cfg = drafter.cfg
+    if not isinstance(drafter, EagleDrafter):
+        raise ExportError(f"export.format: this layout holds EAGLE drafters, not a {type(drafter).__name__}")
+    if cfg.fc_norm or cfg.post_norm or cfg.feature_layers != [-1]:
+        raise ExportError(
+            "export.format: the EAGLE-1/2 layout has no FC-Norm, post-norm or feature fusion; train with "
+            "drafter.fc_norm=false drafter.post_norm=false drafter.feature_layers=[-1], or export --format native"
+        )
+    tensors = dict(drafter.trainable_state_dict())
+    if include_target_weights:  # engines then use this copy instead of the target's embedding
+        tensors["embed_tokens.weight"] = drafter.embed_tokens.weight
+    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(out / ENGINE_WEIGHTS))
+    config = {k: v for k, v in target.config.to_dict().items() if k not in _VOLATILE}
+    config.update(architectures=[arch], num_hidden_layers=cfg.num_layers, bias=cfg.fc_bias, tie_word_embeddings=False)
+    (out / "config.json").write_text(json.dumps(config, indent=2, default=str) + "\n")
+
+
+def write_eagle(out: Path, recipe: Recipe, target: Target, drafter: nn.Module, include_target_weights: bool) -> None:
+    _write_eagle(out, target, drafter, include_target_weights, "LlamaForCausalLM")  # SafeAILab EAGLE
+
+
+def write_sglang(out: Path, recipe: Recipe, target: Target, drafter: nn.Module, include_target_weights: bool) -> None:
+    _write_eagle(out, target, drafter, include_target_weights, "LlamaForCausalLMEagle")
+
+
+ENGINE_FORMATS = {"medusa": write_medusa, "eagle": write_eagle, "sglang": write_sglang}
+FORMATS = ("native", *ENGINE_FORMATS)
+
+
 def export(
     run_dir: str | Path,
     out: str | Path | None = None,
@@ -76,6 +151,10 @@ def export(
     out = Path(out or recipe.export.out or Path(run_dir) / "export")
     if include_target_weights is None:
         include_target_weights = recipe.export.include_target_weights
+    if fmt in ENGINE_FORMATS:
+        out.mkdir(parents=True, exist_ok=True)
+        ENGINE_FORMATS[fmt](out, recipe, target, drafter, include_target_weights)
+        return out
     save_native(out, drafter, target, recipe.to_dict(), include_target_weights)
     if hasattr(drafter, "export_extra"):
         drafter.export_extra(out, target, merge_lora=recipe.export.merge_lora if merge_lora is None else merge_lora)
