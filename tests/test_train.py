@@ -187,6 +187,32 @@ def test_nan_loss_stops_naming_step_and_checkpoint(features, tmp_path, monkeypat
         train(r)
 
 
+def test_refuses_features_of_another_target_or_layers(features, tmp_path):
+    with pytest.raises(TrainingError, match=r"target\.weights_sha256.*python -m data\.extract"):
+        train(recipe("eagle2", features, tmp_path / "a", "target.seed=1"))
+    reset_accelerate()
+    with pytest.raises(TrainingError, match=r"built with layers=\[-1\], expected \[1, -1\]"):
+        train(recipe("eagle2", features, tmp_path / "b", "data.layers=[1, -1]"))
+
+
+def test_resume_refuses_another_recipe(features, tmp_path):
+    train(recipe("eagle2", features, tmp_path / "run", "train.max_steps=2"))
+    reset_accelerate()
+    other = recipe("eagle2", features, tmp_path / "run", "train.max_steps=3", "train.resume=auto", "drafter.w_ce=0.5")
+    with pytest.raises(TrainingError, match="different target/data/drafter settings"):
+        train(other)
+
+
+@pytest.mark.parametrize("tracker,where,pattern", [("tensorboard", "run", "*tfevents*"), ("wandb", "wandb", "*.wandb")])
+def test_trackers_log_offline(tracker, where, pattern, features, tmp_path, monkeypatch):
+    for var in ("WANDB_API_KEY", "WANDB_MODE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    train(recipe("eagle2", features, tmp_path / "run", "train.max_steps=2", f"logging.tracker={tracker}"))
+    assert list((tmp_path / where).rglob(pattern)), f"no {pattern} under {tmp_path / where}"
+    assert os.environ.get("WANDB_MODE") == ("offline" if tracker == "wandb" else None)
+
+
 # --------------------------------------------------------------------------------------------
 # Multi-process runs (2 CPU processes) against the single-process run with the same global batch
 
