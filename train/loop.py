@@ -112,6 +112,20 @@ def build_target(recipe: Recipe, accelerator: Accelerator) -> Target:
     return target
 
 
+def _check_zero3_sharing(accelerator: Accelerator, recipe: Recipe, target: Target, drafter: torch.nn.Module) -> None:
+    """ZeRO-3 partitions every drafter tensor, including the ones it shares with the target (embedding,
+    lm_head, a LoRA backbone): fine offline, where the target does not run, but not online."""
+    plugin = accelerator.state.deepspeed_plugin
+    if not recipe.train.online or plugin is None or plugin.zero_stage != 3:
+        return
+    shared = {p.data_ptr() for p in target.model.parameters()} & {p.data_ptr() for p in drafter.parameters()}
+    if shared:
+        raise TrainingError(
+            f"{recipe.source}: train.online: the drafter shares {len(shared)} tensors with the target, which ZeRO-3 "
+            "would partition under the running target; use ZeRO-2 or DDP online, or train offline from features"
+        )
+
+
 def _template(target: Target) -> dict:
     return {} if target.tokenizer is None else {"template": template_fingerprint(target.tokenizer)}
 
@@ -303,6 +317,7 @@ def train(recipe: Recipe, stop_after: int | None = None) -> Path:
     set_seed(cfg.seed)
     target = build_target(recipe, accelerator)
     drafter = DRAFTERS[recipe.drafter.method][1](recipe.drafter, target.parts(recipe.data.layers))
+    _check_zero3_sharing(accelerator, recipe, target, drafter)
     train_loader, heldout_loader = build_loaders(recipe, target, accelerator)
     optimizer = build_optimizer(drafter, cfg)
     scheduler = build_scheduler(optimizer, cfg)
