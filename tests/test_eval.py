@@ -17,6 +17,7 @@ from models.eagle import EagleConfig, EagleDrafter
 from models.io import save_native
 from models.medusa import MedusaConfig, MedusaHeads
 from models.target import load_target
+from train.config import load_recipe
 
 TOKENIZER = "recipes/pocket/target"
 TARGET = {
@@ -99,6 +100,13 @@ def test_eval_cli_end_to_end(tmp_path, target, method, tree, capsys):
     assert (out / "report.png").stat().st_size > 1000
     assert "| method | tree | τ |" in (out / "report.md").read_text()
     assert "eval/accept_len" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("path", ["recipes/pocket/eagle2.yaml", "recipes/pocket/medusa1.yaml"])
+def test_pocket_recipes_load(path):
+    recipe = load_recipe(path)
+    assert recipe.eval.prompts == "recipes/pocket/prompts/heldout.jsonl" and recipe.data.layers == [-1]
+    assert recipe.eval.tree_depth <= 3 and recipe.eval.tree_total_tokens <= 8  # small trees: verification is not free
 
 
 def test_prompt_rendering(target):

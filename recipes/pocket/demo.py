@@ -31,6 +31,7 @@ sys.path.insert(0, str(ROOT))
 from eval.report import lossless_mark, markdown_table  # noqa: E402
 
 RECIPES = {"eagle2": "recipes/pocket/eagle2.yaml", "medusa1": "recipes/pocket/medusa1.yaml"}
+DEFAULT_TARGET, DEFAULT_OUT = "recipes/pocket/target", "artifacts/demo"
 SELFDISTILL_PROMPTS = 256
 SELFDISTILL_TOKENS = 96
 
@@ -63,8 +64,8 @@ def selfdistill_done(out: Path, n: int) -> bool:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--target", default="recipes/pocket/target", help="pocket target directory (HF format)")
-    parser.add_argument("--out", default="artifacts/demo", help="where every output goes (gitignored)")
+    parser.add_argument("--target", default=DEFAULT_TARGET, help="pocket target directory (HF format)")
+    parser.add_argument("--out", default=DEFAULT_OUT, help="where every output goes (gitignored)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads for every step")
     parser.add_argument("--prompts", type=int, default=SELFDISTILL_PROMPTS, help="self-distillation prompts")
     args = parser.parse_args()
@@ -80,15 +81,16 @@ def main() -> None:
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false"}
     py = sys.executable
 
-    # The recipes' paths point at the defaults; other --target / --out values reach every step as overrides.
+    # The recipes' paths are the defaults; other --target / --out values reach every step as overrides.
     def overrides(method: str) -> list[str]:
-        return [
-            f"target.path={target}",
+        out_keys = [
             f"data.train_files=[{out}/selfdistill.jsonl]",
             f"data.features_dir={out}/features",
             f"train.output_dir={out}/{method}",
             f"eval.output_dir={out}/{method}/eval",
         ]
+        default_target, default_out = target == Path(DEFAULT_TARGET), out == Path(DEFAULT_OUT)
+        return ([] if default_target else [f"target.path={target}"]) + ([] if default_out else out_keys)
 
     start = time.perf_counter()
     banner(f"1/4 self-distillation: the target continues {args.prompts} training prompts ({SELFDISTILL_TOKENS} tokens)")
