@@ -91,14 +91,12 @@ def read_state(path: str | Path) -> dict:
 
 
 def load_checkpoint(accelerator: Accelerator, path: str | Path) -> tuple[dict, dict]:
-    """Restore everything `save_checkpoint` saved (collective); return (trainer state, this rank's loader state)."""
+    """Restore everything `save_checkpoint` saved (collective); return (trainer state, this rank's loader state).
+
+    The caller checks `read_state(path)` first (same recipe, same number of processes).
+    """
     path = Path(path)
     state = read_state(path)
-    if state["world_size"] != accelerator.num_processes:
-        raise ValueError(
-            f"{path}: saved by {state['world_size']} processes, resuming with {accelerator.num_processes}; "
-            "the data position is per process, so resume with the same number of processes"
-        )
     accelerator.load_state(str(path))
     loader_state = json.loads((path / f"loader_state_{accelerator.process_index}.json").read_text())
     return state, loader_state

@@ -274,7 +274,8 @@ def _truncate_metrics(path: Path, step: int) -> None:
         path.write_text("".join(line + "\n" for line in lines))
 
 
-def _resume_from(recipe: Recipe) -> Path | None:
+def _resume_from(recipe: Recipe, accelerator: Accelerator) -> Path | None:
+    """The checkpoint to resume from, if any, checked before any heavy work."""
     cfg = recipe.train
     existing = list_checkpoints(cfg.output_dir)
     if cfg.resume is None:
@@ -285,10 +286,25 @@ def _resume_from(recipe: Recipe) -> Path | None:
             )
         return None
     if cfg.resume == "auto":
-        return latest_checkpoint(cfg.output_dir)
-    if not Path(cfg.resume).is_dir():
+        path = latest_checkpoint(cfg.output_dir)
+        if path is None:
+            return None
+    elif not Path(cfg.resume).is_dir():
         raise TrainingError(f"{recipe.source}: train.resume: no checkpoint directory {cfg.resume}")
-    return Path(cfg.resume)
+    else:
+        path = Path(cfg.resume)
+    saved = read_state(path)
+    if saved["recipe_hash"] != recipe.section_hash("target", "data", "drafter"):
+        raise TrainingError(
+            f"{path}: saved with different target/data/drafter settings than {recipe.source}; "
+            "resume with the recipe it was trained with (see its recipe.yaml)"
+        )
+    if saved["world_size"] != accelerator.num_processes:
+        raise TrainingError(
+            f"{path}: saved by {saved['world_size']} processes, resuming with {accelerator.num_processes}; "
+            "the data position is per process: resume with the same number of processes"
+        )
+    return path
 
 
 def _save(accelerator, model, recipe, step, loader, tokens_seen) -> Path:
@@ -313,7 +329,7 @@ def train(recipe: Recipe, stop_after: int | None = None) -> Path:
     cfg = recipe.train
     accelerator = make_accelerator(recipe)
     out_dir = Path(cfg.output_dir)
-    resume = _resume_from(recipe)
+    resume = _resume_from(recipe, accelerator)
     set_seed(cfg.seed)
     target = build_target(recipe, accelerator)
     drafter = DRAFTERS[recipe.drafter.method][1](recipe.drafter, target.parts(recipe.data.layers))
@@ -326,11 +342,6 @@ def train(recipe: Recipe, stop_after: int | None = None) -> Path:
 
     step, tokens_seen = 0, 0.0
     if resume is not None:
-        if read_state(resume)["recipe_hash"] != recipe.section_hash("target", "data", "drafter"):
-            raise TrainingError(
-                f"{resume}: saved with different target/data/drafter settings than {recipe.source}; "
-                "resume with the recipe it was trained with (see its recipe.yaml)"
-            )
         saved, loader_state = load_checkpoint(accelerator, resume)
         train_loader.load_state_dict(loader_state)
         step, tokens_seen = saved["step"], saved["tokens_seen"]
