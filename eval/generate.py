@@ -71,7 +71,7 @@ class DecodeState:
 
 
 class Proposer(Protocol):
-    """A drafter as the decoding loop uses it (EAGLE-2, Medusa, prompt lookup, test stubs)."""
+    """A drafter as the decoding loop uses it (EAGLE-2, Medusa heads, test stubs)."""
 
     feature_layers: list[int]
     """Target hidden-state indices (HF convention) the proposer reads from `DecodeState.new_hidden`."""

@@ -106,7 +106,7 @@ def test_eval_cli_end_to_end(tmp_path, target, method, tree, capsys):
 def test_pocket_recipes_load(path):
     recipe = load_recipe(path)
     assert recipe.eval.prompts == "recipes/pocket/prompts/heldout.jsonl" and recipe.data.layers == [-1]
-    assert recipe.eval.tree_depth <= 3 and recipe.eval.tree_total_tokens <= 8  # small trees: verification is not free
+    assert recipe.eval.tree_depth <= 3 and recipe.eval.tree_total_tokens <= 10  # small trees: verification is not free
 
 
 def test_prompt_rendering(target):

@@ -12,7 +12,8 @@ then one table: method, tree, τ, speedup vs plain and vs transformers' prompt l
 Recipes: recipes/pocket/eagle2.yaml and recipes/pocket/medusa1.yaml (data sizes, steps, trees). Trees are
 small on purpose: on a CPU verifying a token costs nearly as much as generating one, so a big tree does not
 pay for itself as it does on a GPU. Decoding runs single-threaded by default: for batch-1 decoding of a
-10M-parameter model a second thread mostly adds synchronisation (and the timings get noisier).
+10M-parameter model a second thread mostly adds synchronisation (and the timings get noisier); extraction
+and training use every core.
 """
 
 from __future__ import annotations
@@ -66,7 +67,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", default=DEFAULT_TARGET, help="pocket target directory (HF format)")
     parser.add_argument("--out", default=DEFAULT_OUT, help="where every output goes (gitignored)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads for every step")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads for decoding (self-distil, eval)")
+    parser.add_argument("--train-threads", type=int, default=os.cpu_count() or 1, help="for extraction and training")
     parser.add_argument("--prompts", type=int, default=SELFDISTILL_PROMPTS, help="self-distillation prompts")
     args = parser.parse_args()
 
@@ -79,6 +81,7 @@ def main() -> None:
     log_dir = out_abs / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false"}
+    train_env = {**env, "OMP_NUM_THREADS": str(args.train_threads)}
     py = sys.executable
 
     # The recipes' paths are the defaults; other --target / --out values reach every step as overrides.
@@ -107,7 +110,7 @@ def main() -> None:
     if (out_abs / "features" / "manifest.json").is_file():
         skip(f"{out}/features")
     else:
-        run_step("extract", [py, "-m", "data.extract", RECIPES["eagle2"], *overrides("eagle2")], log_dir, env)
+        run_step("extract", [py, "-m", "data.extract", RECIPES["eagle2"], *overrides("eagle2")], log_dir, train_env)
 
     for method, recipe in RECIPES.items():
         banner(f"3/4 train + export {method} ({recipe})")
@@ -116,7 +119,7 @@ def main() -> None:
             skip(f"{run_dir}/export")
             continue
         resume = ["train.resume=auto"]  # continues an interrupted run from its last checkpoint
-        run_step(f"train-{method}", [py, "-m", "train", recipe, *overrides(method), *resume], log_dir, env)
+        run_step(f"train-{method}", [py, "-m", "train", recipe, *overrides(method), *resume], log_dir, train_env)
         run_step(f"export-{method}", [py, "-m", "train.export", str(run_dir)], log_dir, env)
 
     for method, recipe in RECIPES.items():
