@@ -145,22 +145,22 @@ class Generator:
         if not self.stop_ids:
             raise SelfDistillError("the target has no EOS token to stop generation at")
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stop_ids[0]
-        self.config = GenerationConfig(
+        # Replacing the target's own generation config keeps its defaults (repetition penalty, sampling,
+        # ...) out: `generate` fills every field we leave unset from the model's config.
+        model.generation_config = GenerationConfig(
             max_new_tokens=settings.max_new_tokens, do_sample=False, eos_token_id=self.stop_ids, pad_token_id=pad
         )
 
     @torch.no_grad()
     def __call__(self, inputs: list[list[int]], seeds: list[int]) -> list[tuple[str, str]]:
         width = max(map(len, inputs))
-        pad = self.config.pad_token_id
+        pad = self.model.generation_config.pad_token_id
         ids = torch.tensor([[pad] * (width - len(x)) + x for x in inputs], device=self.model.device)  # (B, T)
         mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in inputs], device=self.model.device)
         processors = LogitsProcessorList()
         if self.settings.temperature > 0:
             processors.append(PerRowSampler(seeds, self.settings.temperature, self.settings.top_p))
-        out = self.model.generate(
-            input_ids=ids, attention_mask=mask, generation_config=self.config, logits_processor=processors
-        )
+        out = self.model.generate(input_ids=ids, attention_mask=mask, logits_processor=processors)
         results = []
         for row in out[:, width:].tolist():
             stop_at = next((k for k, t in enumerate(row) if t in self.stop_ids), None)

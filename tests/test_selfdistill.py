@@ -1,11 +1,12 @@
 """Self-distillation on a tiny random Llama with the pocket tokenizer: formats, resume, errors."""
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from data.selfdistill import SelfDistillError, main, read_done
 
@@ -121,3 +122,13 @@ def test_malformed_prompt_names_file_and_line(tiny_target, tmp_path, line, messa
     prompts.write_text('{"id": "a", "prompt": "x"}\n' + line + "\n")
     with pytest.raises(SelfDistillError, match=message):
         run(tiny_target, prompts, tmp_path / "out.jsonl")
+
+
+def test_target_generation_defaults_are_ignored(tiny_target, tmp_path):
+    """A target whose generation_config samples with a repetition penalty still decodes greedily here."""
+    noisy = tmp_path / "noisy-target"
+    shutil.copytree(tiny_target, noisy)
+    GenerationConfig(do_sample=True, temperature=0.7, top_k=5, repetition_penalty=3.0).save_pretrained(noisy)
+    prompts = write_jsonl(tmp_path / "p.jsonl", PLAIN[:3])
+    plain = run(tiny_target, prompts, tmp_path / "a.jsonl")
+    assert [r["completion"] for r in run(noisy, prompts, tmp_path / "b.jsonl")] == [r["completion"] for r in plain]
