@@ -239,16 +239,27 @@ def distill_batch(batch: list[tuple[str, dict[str, Any]]], generate: Generator) 
     return outputs
 
 
+IDENTITY_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "tokenizer.model",
+)
+
+
 def target_identity(target: str) -> dict[str, Any]:
-    """Path plus hashes of the small files and sizes of the weight files (hashing GBs is too slow)."""
+    """Path, hashes of the config and tokenizer files, sizes of the weight files (hashing GBs is too slow)."""
     path = Path(target)
     if not path.is_dir():
         return {"name": target}
     files = {}
     for f in sorted(path.iterdir()):
-        if f.suffix in (".json", ".jinja", ".model", ".txt") and f.stat().st_size < 50_000_000:
+        if f.name in IDENTITY_FILES:
             files[f.name] = "sha256:" + hashlib.sha256(f.read_bytes()).hexdigest()
-        elif f.suffix in (".safetensors", ".bin", ".pt"):
+        elif f.suffix in (".safetensors", ".bin"):
             files[f.name] = f"bytes:{f.stat().st_size}"
     return {"path": str(path.resolve()), "files": files}
 
