@@ -169,12 +169,11 @@ class TargetRunner:
         self.seconds = 0.0
 
     def forward(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor, tree: Tree | None = None
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, tree: Tree | None = None, last_only: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(B, N) tokens at (B, N) positions -> logits (B, N, V), hidden (B, N, S, d) or None.
-
-        Without a tree the block is causal (prefill, plain decoding); with one, tree attention.
-        """
+        """(B, N) tokens at (B, N) positions -> logits (B, N, V) (or (B, 1, V) with `last_only`, e.g. a prefill),
+        hidden (B, N, S, d) or None. Without a tree the block is causal (prefill, plain decoding); with one, tree
+        attention."""
         start = time.perf_counter()
         mask, context = None, contextlib.nullcontext()
         if tree is not None and self.kernels == "reference":
@@ -189,6 +188,7 @@ class TargetRunner:
                 cache=self.cache,
                 use_cache=True,
                 output_hidden_states=bool(self.feature_layers),
+                logits_to_keep=1 if last_only else 0,
             )
         hidden = None
         if self.feature_layers:
@@ -236,7 +236,7 @@ def plain_generate(model: torch.nn.Module, prompt_ids: torch.Tensor, settings: D
     start = time.perf_counter()
     target = TargetRunner(model, [])
     L = prompt_ids.shape[1]
-    logits, _ = target.forward(prompt_ids, torch.arange(L, device=prompt_ids.device)[None])
+    logits, _ = target.forward(prompt_ids, torch.arange(L, device=prompt_ids.device)[None], last_only=True)
     generated: list[int] = []
     while True:
         tok = _first_token(logits[:, -1], settings, gen)
@@ -295,7 +295,7 @@ def speculative_generate(
     proposer.reset()
 
     L = prompt_ids.shape[1]
-    logits, hidden = target.forward(prompt_ids, torch.arange(L, device=device)[None])
+    logits, hidden = target.forward(prompt_ids, torch.arange(L, device=device)[None], last_only=True)
     root = _first_token(logits[:, -1], settings, gen)
     tokens = torch.cat([prompt_ids, root[:, None]], dim=1)
     done = _finish(result.tokens, [int(root)], settings)
