@@ -95,3 +95,9 @@ def test_cli_prints_one_line_and_exits(tmp_path):
     with pytest.raises(SystemExit) as info:
         train_main([str(path), "drafter.num_heads=0"])
     assert info.value.code == f"error: {path}: drafter.num_heads: must be >= 1, got 0"
+
+
+def test_exponent_without_dot_is_a_float():
+    """YAML 1.1 reads `1e-2` as a string; the schema still takes it as the number a user meant."""
+    recipe = load_recipe(TINY, ["train.lr=1e-2", "train.weight_decay=0"])
+    assert recipe.train.lr == 0.01 and isinstance(recipe.train.weight_decay, float)

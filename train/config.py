@@ -284,6 +284,12 @@ def _coerce(value: Any, tp: Any, key: str, err) -> Any:
         return value
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if tp is float and isinstance(value, str):
+        # YAML 1.1 reads `1e-3` (no dot) as a string; accept what Python reads as a number.
+        try:
+            return float(value)
+        except ValueError:
+            pass
     if tp in (int, float, str, bool):
         if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
             err(key, f"expected {tp.__name__}, got {type(value).__name__} {value!r}")
@@ -316,7 +322,8 @@ def build_dataclass(cls: type, raw: Any, prefix: str, err) -> Any:
     for name, value in raw.items():
         kwargs[name] = _coerce(value, hints[name], f"{prefix}.{name}", err)
     missing = [
-        n for n, f in fields.items()
+        n
+        for n, f in fields.items()
         if n not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
     ]
     if missing:
