@@ -214,7 +214,7 @@ def evaluate_prompt(
 def run(recipe: Recipe) -> dict[str, Any] | None:
     """Evaluate; returns the summary on the main process (None on the others)."""
     from accelerate import PartialState
-    from accelerate.utils import gather_object
+    from accelerate.utils import gather_object, parse_flag_from_env
     from tqdm import tqdm
 
     ev = recipe.eval
@@ -222,7 +222,8 @@ def run(recipe: Recipe) -> dict[str, Any] | None:
         raise EvalError(f"{recipe.source}: eval.prompts: is required (a JSONL file of prompts)")
     drafter_dir = ev.drafter or recipe.export.out or str(Path(recipe.train.output_dir) / "export")
     out_dir = ev.output_dir or str(Path(recipe.train.output_dir) / "eval")
-    state = PartialState()
+    # on CPU-only machines (or ACCELERATE_USE_CPU) processes talk gloo: `accelerate launch --multi_gpu` there
+    state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU") or not torch.cuda.is_available())
     target = load_target(**dataclasses.asdict(recipe.target))
     target.model.to(state.device)
     if target.tokenizer is None:

@@ -6,6 +6,9 @@ TRITON_INTERPRET=1 .venv/bin/pytest tests/test_eval.py -q
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -100,6 +103,20 @@ def test_eval_cli_end_to_end(tmp_path, target, method, tree, capsys):
     assert (out / "report.png").stat().st_size > 1000
     assert "| method | tree | τ |" in (out / "report.md").read_text()
     assert "eval/accept_len" in capsys.readouterr().out
+
+
+def test_eval_two_processes_split_and_gather(tmp_path, target):
+    """`accelerate launch` with 2 CPU processes (gloo): prompts are split, records gathered into one report."""
+    torch.manual_seed(0)
+    save_native(tmp_path / "run" / "export", EagleDrafter(EagleConfig(), target.parts([-1])), target)
+    recipe = _recipe(tmp_path, "eagle2", {}, {"tree_depth": 2, "tree_top_k": 2, "tree_total_tokens": 4})
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
+    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([*launch, "-m", "eval", recipe], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads((tmp_path / "run" / "eval" / "report.json").read_text())
+    assert report["num_processes"] == 2 and [r["index"] for r in report["per_prompt"]] == [0, 1, 2]
+    assert report["lossless"] is True
 
 
 @pytest.mark.parametrize("path", ["recipes/pocket/eagle2.yaml", "recipes/pocket/medusa1.yaml"])

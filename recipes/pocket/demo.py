@@ -99,7 +99,7 @@ def main() -> None:
     banner(f"1/4 self-distillation: the target continues {args.prompts} training prompts ({SELFDISTILL_TOKENS} tokens)")
     distilled = out_abs / "selfdistill.jsonl"
     if selfdistill_done(distilled, args.prompts):
-        skip(str(distilled))
+        skip(f"{out}/selfdistill.jsonl")
     else:
         cmd = [py, "-m", "data.selfdistill", "--target", str(target), "--prompts", "recipes/pocket/prompts/train.jsonl"]
         cmd += ["--out", str(out / "selfdistill.jsonl"), "--limit", str(args.prompts), "--seed", "0"]
