@@ -141,9 +141,11 @@ def plot(s: dict[str, Any], path: Path) -> None:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.5))
     rates = [x or 0.0 for x in s["accept_rate_by_depth"]]
     ax1.bar(range(1, len(rates) + 1), rates, color="tab:blue")
+    ax1.set_xticks(range(1, len(rates) + 1))
     ax1.set(xlabel="draft depth", ylabel="P(accepted | parent accepted)", ylim=(0, 1), title="acceptance by depth")
     hist = s["tokens_per_round_histogram"]
     ax2.bar([int(k) for k in hist], list(hist.values()), color="tab:green")
+    ax2.set_xticks([int(k) for k in hist])
     if s["accept_len"] is not None:
         ax2.axvline(s["accept_len"], color="k", linestyle="--", label=f"τ = {s['accept_len']:.2f}")
         ax2.legend()
