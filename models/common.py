@@ -27,6 +27,9 @@ class DraftBatch(TypedDict, total=False):
 class TargetParts:
     """The frozen pieces of the target a drafter reuses (never trained, never exported by default).
 
+    Drafters hold `embed_tokens` / `lm_head` through `FrozenRef`, never as registered submodules, so that
+    checkpoints, `.to()`, optimizers, DDP and ZeRO-3 only ever see the drafter's own tensors.
+
     `config` is the target's transformers config (hidden_size, vocab_size, rope, heads...);
     `stored_layers` lists the hidden-state indices present in `DraftBatch.hidden`, in order;
     `model` is the whole frozen HF model, for drafters that run the target themselves (Medusa-2).
@@ -43,6 +46,33 @@ class TargetParts:
         if layer not in self.stored_layers:
             raise ValueError(f"hidden-state layer {layer} not among stored layers {self.stored_layers}")
         return self.stored_layers.index(layer)
+
+
+class FrozenRef:
+    """A module borrowed from the frozen target, hidden from nn.Module registration: not in state_dict(),
+    parameters(), .to(), .train(), DDP/ZeRO partitioning or checkpoints. The target owns (and places) it.
+
+    A drafter stores it as `self._name = FrozenRef(module)` (with a `name` property returning `.module`);
+    `borrowed_state_dict` then names its tensors `name.*`, as if it were registered.
+    """
+
+    def __init__(self, module: nn.Module):
+        self.module = module.requires_grad_(False)
+
+    def __call__(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+
+def borrowed_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors of every FrozenRef held in `module`'s tree, under the names they would have if registered
+    (attribute `_lm_head` of submodule `heads` -> `heads.lm_head.weight`): exports that include target weights."""
+    out: dict[str, torch.Tensor] = {}
+    for prefix, sub in module.named_modules():
+        for attr, ref in vars(sub).items():
+            if isinstance(ref, FrozenRef):
+                name = f"{prefix}.{attr.lstrip('_')}" if prefix else attr.lstrip("_")
+                out.update({f"{name}.{k}": v for k, v in ref.module.state_dict().items()})
+    return out
 
 
 def segment_ids(position_ids: torch.Tensor) -> torch.Tensor:

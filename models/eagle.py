@@ -17,7 +17,15 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from models.common import DraftBatch, DrafterOutput, TargetParts, num_loss_tokens, segment_ids, shifted_valid
+from models.common import (
+    DraftBatch,
+    DrafterOutput,
+    FrozenRef,
+    TargetParts,
+    num_loss_tokens,
+    segment_ids,
+    shifted_valid,
+)
 
 
 @dataclass
@@ -218,14 +226,25 @@ class EagleDrafter(nn.Module):
         self.stored_layers = list(target.stored_layers)
         config = target.config
         d, eps, n_feat = config.hidden_size, config.rms_norm_eps, len(cfg.feature_layers)
-        self.embed_tokens = target.embed_tokens.requires_grad_(False)  # frozen, shared by reference
-        self.lm_head = target.lm_head.requires_grad_(False)  # frozen, shared by reference
+        # Frozen target modules, borrowed by reference and not registered (not in state_dict, .to(), ZeRO).
+        self._embed_tokens = FrozenRef(target.embed_tokens)
+        self._lm_head = FrozenRef(target.lm_head)
         self.fc_norm = nn.ModuleList(RMSNorm(d, eps) for _ in range(n_feat)) if cfg.fc_norm else None
         self.fuse = nn.Linear(n_feat * d, d, bias=False) if n_feat > 1 else None
         self.fc = nn.Linear(2 * d, d, bias=cfg.fc_bias)
         self.layers = nn.ModuleList(DecoderLayer(config, input_norm=i > 0) for i in range(cfg.num_layers))
         self.norm = RMSNorm(d, eps) if cfg.post_norm else None
         self.rotary_emb = LlamaRotaryEmbedding(config)  # honours the target's rope_theta and rope scaling
+
+    @property
+    def embed_tokens(self) -> nn.Embedding:
+        """The target's frozen input embedding (borrowed, not a submodule of the drafter)."""
+        return self._embed_tokens.module
+
+    @property
+    def lm_head(self) -> nn.Linear:
+        """The target's frozen lm_head (borrowed, not a submodule of the drafter)."""
+        return self._lm_head.module
 
     @property
     def compute_dtype(self) -> torch.dtype:

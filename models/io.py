@@ -24,6 +24,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from models import DRAFTERS
+from models.common import borrowed_state_dict
 from models.target import Target
 
 FORMAT = "specdraft"
@@ -51,7 +52,8 @@ def save_native(
     out.mkdir(parents=True, exist_ok=True)
     tensors = dict(drafter.trainable_state_dict())
     if include_target_weights:
-        tensors.update({k: v for k, v in drafter.state_dict().items() if k not in tensors})
+        frozen = {**drafter.state_dict(), **borrowed_state_dict(drafter)}  # registered + borrowed target tensors
+        tensors.update({k: v for k, v in frozen.items() if k not in tensors})
     config = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -112,7 +114,7 @@ def load_drafter(export_dir: str | Path, target: Target, check_identity: bool = 
     module = module_cls(cfg, target.parts(config["stored_layers"]))
     weights = str(Path(export_dir) / WEIGHTS_FILE)
     state = load_file(weights)
-    expected, full = module.trainable_state_dict(), module.state_dict()
+    expected, full = module.trainable_state_dict(), {**module.state_dict(), **borrowed_state_dict(module)}
     missing = sorted(expected.keys() - state.keys())
     unexpected = sorted(state.keys() - full.keys())
     if missing or unexpected:

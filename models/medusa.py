@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.common import DraftBatch, DrafterOutput, TargetParts, num_loss_tokens, shifted_valid
+from models.common import DraftBatch, DrafterOutput, FrozenRef, TargetParts, num_loss_tokens, shifted_valid
 
 
 @dataclass
@@ -94,10 +94,11 @@ class MedusaHeads(nn.Module):
         d = target.config.hidden_size
         self.blocks = nn.ModuleList(ResidualStack(d, cfg.num_layers) for _ in range(cfg.num_heads))
         if cfg.share_lm_head:
-            self.lm_head = target.lm_head.requires_grad_(False)  # frozen, shared by reference
+            # The target's frozen lm_head, borrowed by reference and not registered (not in state_dict, .to(), ZeRO).
+            self._lm_head = FrozenRef(target.lm_head)
             self.lm_heads = None
         else:
-            self.lm_head = None
+            self._lm_head = None
             self.lm_heads = nn.ModuleList(_copy_linear(target.lm_head) for _ in range(cfg.num_heads))
 
     # ---------------------------------------------------------------------------------------
@@ -113,6 +114,11 @@ class MedusaHeads(nn.Module):
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """All heads on last hidden states (B, T, d) -> (K, B, T, V); head k predicts token t+k+1."""
         return torch.stack([self.head(k, hidden) for k in range(1, self.cfg.num_heads + 1)])
+
+    @property
+    def lm_head(self) -> nn.Linear | None:
+        """share_lm_head: the target's frozen lm_head (borrowed, not a submodule); else None."""
+        return None if self._lm_head is None else self._lm_head.module
 
     @property
     def compute_dtype(self) -> torch.dtype:

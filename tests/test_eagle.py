@@ -233,6 +233,20 @@ def test_gradients_and_frozen_target(setup):
     assert not any(drafter.is_head_param(name) for name in names)
 
 
+def test_target_modules_are_borrowed_not_owned(setup):
+    """embed_tokens / lm_head are the target's, by reference: out of state_dict, parameters and `.to()`."""
+    model, _, padded, _ = setup
+    drafter = drafter_for(model)
+    assert drafter.embed_tokens is model.model.embed_tokens and drafter.lm_head is model.lm_head
+    assert not any(k.startswith(("embed_tokens", "lm_head")) for k in drafter.state_dict())
+    target_ptrs = {p.data_ptr() for p in model.parameters()}
+    assert not target_ptrs & {p.data_ptr() for p in drafter.parameters()}
+    drafter.to(torch.float64)
+    assert model.lm_head.weight.dtype == model.model.embed_tokens.weight.dtype == torch.float32
+    assert drafter.fc.weight.dtype == torch.float64
+    assert torch.isfinite(drafter(padded)["loss"])  # float64 drafter on the float32 target's embedding and lm_head
+
+
 def test_overfits_one_batch(setup):
     model, _, padded, _ = setup
     drafter = drafter_for(model).train()

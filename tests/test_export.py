@@ -177,7 +177,7 @@ def test_eagle_formats_round_trip(fmt, arch, runs, tmp_path):
     recipe, target, trained = load_run(runs["eagle2-plain"])
     fresh = DRAFTERS["eagle2"][1](recipe.drafter, target.parts(recipe.data.layers)).eval()
     missing, unexpected = fresh.load_state_dict(theirs, strict=False)
-    assert not unexpected and set(missing) == {"embed_tokens.weight", "lm_head.weight"}
+    assert not unexpected and not missing  # the target's embedding and lm_head are borrowed, not registered
     batch = a_batch(runs["eagle2-plain"])
     with torch.no_grad():
         assert torch.equal(fresh.logits(fresh.predict_features(batch)), trained.logits(trained.predict_features(batch)))

@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -25,12 +26,14 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaMLP
 
 from models.common import DraftBatch, TargetParts
+from models.eagle import EagleConfig, EagleDrafter
 from models.io import load_drafter, save_native
 from models.medusa import MedusaConfig, MedusaHeads
 from models.medusa2 import Medusa2Config, Medusa2Model, load_medusa2
 from models.target import Target
 from train.checkpoint import DRAFTER_FILE, METRICS_FILE, latest_checkpoint
 from train.config import RecipeError, TrainConfig, load_recipe
+from train.loop import TrainingError, _check_zero3_sharing
 from train.optim import build_optimizer
 
 torch.set_num_threads(1)
@@ -385,3 +388,17 @@ def test_deepspeed_zero2_two_processes_match_one(in_repo, tmp_path):
     assert a.keys() == b.keys() and any("lora_A" in k for k in a)
     for name in a:
         torch.testing.assert_close(b[name], a[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_online_zero3_refused_only_when_the_drafter_shares_target_tensors():
+    """EAGLE and shared-lm_head Medusa heads borrow target modules unregistered (ZeRO-3 never sees them);
+    Medusa-2's LoRA backbone is made of the target's tensors and must not be partitioned under the running target."""
+    model = tiny_target()
+    zero3 = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=3)))
+    online = SimpleNamespace(train=SimpleNamespace(online=True), source="recipe.yaml")
+    target = SimpleNamespace(model=model)
+    _check_zero3_sharing(zero3, online, target, EagleDrafter(EagleConfig(), parts(model)))
+    shared_head = MedusaHeads(MedusaConfig(num_heads=2, share_lm_head=True), parts(model))
+    _check_zero3_sharing(zero3, online, target, shared_head)
+    with pytest.raises(TrainingError, match="shares .* tensors with the target"):
+        _check_zero3_sharing(zero3, online, target, Medusa2Model(config(), parts(model)))

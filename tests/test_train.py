@@ -259,3 +259,21 @@ def test_two_processes_match_one(backend, launch_args, env, batch, features, sin
     one, two = trained(single_process_run), trained(out)
     for name in one:
         torch.testing.assert_close(two[name], one[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_zero3_online_matches_one_process(features, tmp_path):
+    """Online under ZeRO-3: the target runs in the step while ZeRO-3 partitions the drafter, which borrows the
+    target's embedding and lm_head unregistered (so they are never partitioned, and the run is not refused)."""
+    common = [*QUIET, "train.online=true", "train.max_steps=3", "train.lr=0.01"]
+    single = tmp_path / "single"
+    train(recipe("eagle2", features, single, *common, "train.batch_size=4"))
+    out = tmp_path / "zero3"
+    launch(
+        ["--use_deepspeed", "--zero_stage", "3", "--num_processes", "2", "-m", "train", str(RECIPES["eagle2"])]
+        + [f"data.features_dir={features}", f"train.output_dir={out}", *common, "train.batch_size=2"],
+        {},
+    )
+    torch.testing.assert_close(losses(out), losses(single), rtol=1e-4, atol=1e-5)
+    one, two = trained(single), trained(out)
+    for name in one:
+        torch.testing.assert_close(two[name], one[name], rtol=1e-4, atol=1e-5, msg=name)

@@ -113,8 +113,10 @@ def build_target(recipe: Recipe, accelerator: Accelerator) -> Target:
 
 
 def _check_zero3_sharing(accelerator: Accelerator, recipe: Recipe, target: Target, drafter: torch.nn.Module) -> None:
-    """ZeRO-3 partitions every drafter tensor, including the ones it shares with the target (embedding,
-    lm_head, a LoRA backbone): fine offline, where the target does not run, but not online."""
+    """ZeRO-3 partitions every drafter tensor, including any it shares with the target: fine offline, where
+    the target does not run, but not online. EAGLE and Medusa-1 borrow the target's embedding / lm_head
+    unregistered (`models.common.FrozenRef`), so they share none and run online under ZeRO-3; Medusa-2's
+    LoRA backbone is the target's own tensors, registered because it trains, and is refused here."""
     plugin = accelerator.state.deepspeed_plugin
     if not recipe.train.online or plugin is None or plugin.zero_stage != 3:
         return
