@@ -229,6 +229,10 @@ def run(recipe: Recipe) -> dict[str, Any] | None:
     if target.tokenizer is None:
         raise EvalError(f"{recipe.source}: target.tokenizer: the target has no tokenizer to render prompts")
     drafter = load_drafter(drafter_dir, target)
+    target_desc = target.name
+    if hasattr(drafter, "adapt_target"):  # Medusa-2: the LoRA-merged target verifies, and is the baseline too
+        drafter = drafter.adapt_target(target)
+        target_desc += f" + {recipe.drafter.method} LoRA (merged)"
     if hasattr(drafter, "adapt_target"):  # Medusa-2: its LoRA is merged into the target, its heads draft
         drafter = drafter.adapt_target(target)
     prompts = load_prompts(ev.prompts, target.tokenizer, ev.max_prompts)
@@ -268,7 +272,7 @@ def run(recipe: Recipe) -> dict[str, Any] | None:
     meta = {
         "method": recipe.drafter.method,
         "tree": tree_desc,
-        "target": target.name,
+        "target": target_desc,
         "drafter": drafter_dir,
         "prompts": ev.prompts,
         "max_new_tokens": ev.max_new_tokens,

@@ -19,6 +19,7 @@ from eval.report import summarize, to_markdown
 from models.eagle import EagleConfig, EagleDrafter
 from models.io import save_native
 from models.medusa import MedusaConfig, MedusaHeads
+from models.medusa2 import Medusa2Config, Medusa2Model
 from models.target import load_target
 from train.config import load_recipe
 
@@ -49,7 +50,7 @@ def target():
     return load_target(random_init=TARGET, tokenizer=TOKENIZER, dtype="float32")
 
 
-def _recipe(tmp_path, method: str, drafter: dict, eval_section: dict) -> str:
+def _recipe(tmp_path, method: str, drafter: dict, eval_section: dict, online: bool = False) -> str:
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(
         "\n".join(
@@ -67,7 +68,7 @@ def _recipe(tmp_path, method: str, drafter: dict, eval_section: dict) -> str:
         "target": {"random_init": TARGET, "tokenizer": TOKENIZER, "dtype": "float32"},
         "data": {"train_files": ["tests/fixtures/tiny-chat.jsonl"]},
         "drafter": {"method": method, **drafter},
-        "train": {"output_dir": str(tmp_path / "run")},
+        "train": {"output_dir": str(tmp_path / "run"), "online": online},
         "eval": {"prompts": str(prompts), "max_new_tokens": 10, "kernels": "reference", **eval_section},
     }
     path = tmp_path / "recipe.yaml"
@@ -77,20 +78,26 @@ def _recipe(tmp_path, method: str, drafter: dict, eval_section: dict) -> str:
 
 @pytest.mark.parametrize(
     "method,tree",
-    [("eagle2", "dynamic"), ("medusa1", "calibrated")],
+    [("eagle2", "dynamic"), ("medusa1", "calibrated"), ("medusa2", "chain")],
 )
 def test_eval_cli_end_to_end(tmp_path, target, method, tree, capsys):
     torch.manual_seed(0)
     if method == "eagle2":
         drafter = EagleDrafter(EagleConfig(), target.parts([-1]))
         section = {}
-    else:
+    elif method == "medusa1":
         drafter = MedusaHeads(MedusaConfig(num_heads=3), target.parts([-1]))
         section = {"num_heads": 3}
+    else:  # the LoRA-merged target verifies and is the plain baseline: losslessness is against it
+        section = {"num_heads": 3, "lora_r": 4, "lora_dropout": 0.0}
+        drafter = Medusa2Model(Medusa2Config(**section), target.parts([-1]))
+        with torch.no_grad():
+            for name, p in drafter.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.1)
     save_native(tmp_path / "run" / "export", drafter, target)
-    recipe = _recipe(
-        tmp_path, method, section, {"tree": tree, "tree_depth": 3, "tree_top_k": 2, "tree_total_tokens": 6}
-    )
+    eval_section = {"tree": tree, "tree_depth": 3, "tree_top_k": 2, "tree_total_tokens": 6}
+    recipe = _recipe(tmp_path, method, section, eval_section, online=method == "medusa2")
     main([recipe])
     out = tmp_path / "run" / "eval"
     report = json.loads((out / "report.json").read_text())
@@ -103,6 +110,7 @@ def test_eval_cli_end_to_end(tmp_path, target, method, tree, capsys):
     assert (out / "report.png").stat().st_size > 1000
     assert "| method | tree | τ |" in (out / "report.md").read_text()
     assert "eval/accept_len" in capsys.readouterr().out
+    assert ("LoRA (merged)" in report["target"]) == (method == "medusa2")
 
 
 def test_eval_two_processes_split_and_gather(tmp_path, target):
