@@ -12,8 +12,9 @@ then one table: method, tree, τ, speedup vs plain and vs transformers' prompt l
 Recipes: recipes/pocket/eagle2.yaml and recipes/pocket/medusa1.yaml (data sizes, steps, trees). Trees are
 small on purpose: on a CPU verifying a token costs nearly as much as generating one, so a big tree does not
 pay for itself as it does on a GPU. Decoding runs single-threaded by default: for batch-1 decoding of a
-10M-parameter model a second thread mostly adds synchronisation (and the timings get noisier); extraction
-and training use every core.
+10M-parameter model a second thread mostly adds synchronisation (and the timings get noisier). Training is
+single-threaded too by default: on a shared machine a second spinning thread can halve its speed; on an idle
+one `--train-threads 2` saves about a minute.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ def main() -> None:
     parser.add_argument("--target", default=DEFAULT_TARGET, help="pocket target directory (HF format)")
     parser.add_argument("--out", default=DEFAULT_OUT, help="where every output goes (gitignored)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads for decoding (self-distil, eval)")
-    parser.add_argument("--train-threads", type=int, default=os.cpu_count() or 1, help="for extraction and training")
+    parser.add_argument("--train-threads", type=int, default=1, help="for extraction and training")
     parser.add_argument("--prompts", type=int, default=SELFDISTILL_PROMPTS, help="self-distillation prompts")
     args = parser.parse_args()
 
