@@ -22,7 +22,7 @@ from eval.generate import (
     speculative_generate,
 )
 from eval.kernels import get_ops
-from eval.trees import Tree, chain, medusa_tree
+from eval.trees import MEDUSA_63, Tree, chain, medusa_tree
 from models.eagle import EagleConfig, EagleDrafter
 from models.medusa import MedusaConfig, MedusaHeads
 from models.target import load_target
@@ -158,7 +158,9 @@ def _medusa(target, num_heads=3, seed=0):
 
 
 @pytest.mark.parametrize(
-    "kind", ["eagle_dynamic", "eagle_chain", "medusa_tree", "medusa_chain"], ids=lambda k: k.replace("_", "-")
+    "kind",
+    ["eagle_dynamic", "eagle_chain", "medusa_tree", "medusa_chain", "medusa_63"],
+    ids=lambda k: k.replace("_", "-"),
 )
 def test_greedy_real_drafters_lossless(target, kind):
     settings = DecodeSettings(max_new_tokens=20)
@@ -168,8 +170,10 @@ def test_greedy_real_drafters_lossless(target, kind):
         proposer = EagleProposer(_eagle(target), depth=4, top_k=1, total_tokens=5)
     elif kind == "medusa_tree":
         proposer = MedusaProposer(_medusa(target), medusa_tree([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)], 3))
-    else:
+    elif kind == "medusa_chain":
         proposer = MedusaProposer(_medusa(target), chain(3))
+    else:
+        proposer = MedusaProposer(_medusa(target, num_heads=4), medusa_tree(MEDUSA_63, 4))
     plain = plain_generate(target.model, PROMPT, settings)
     out = speculative_generate(target.model, proposer, PROMPT, settings)
     assert out.tokens == plain.tokens
