@@ -11,8 +11,10 @@ them across processes and, for every prompt, decodes with
 - speculative decoding with the drafter (`eval/generate.py`; tree per `eval.tree`),
 - transformers' prompt-lookup decoding (`generate(prompt_lookup_num_tokens=10)`): what a user gets
   without training a drafter.
-Greedy speculative output is checked against plain greedy output token for token. Process 0 writes
-`report.json`, `report.md` and `report.png` to `eval.output_dir` (default `<train.output_dir>/eval`).
+Decoding stops at the target's EOS tokens (and `<|end|>` where the vocabulary has it) or after
+`eval.max_new_tokens`. Greedy speculative output is checked against plain greedy output token for token.
+Process 0 writes `report.json`, `report.md` and `report.png` to `eval.output_dir` (default
+`<train.output_dir>/eval`).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from train.config import EvalConfig, Recipe, RecipeError, load_recipe
 PROMPT_LOOKUP_TOKENS = 10
 CALIBRATION_PROMPTS = 4
 WARMUP_TOKENS = 4
+END_OF_TURN = "<|end|>"
 
 
 class EvalError(ValueError):
@@ -233,13 +236,13 @@ def run(recipe: Recipe) -> dict[str, Any] | None:
     if hasattr(drafter, "adapt_target"):  # Medusa-2: the LoRA-merged target verifies, and is the baseline too
         drafter = drafter.adapt_target(target)
         target_desc += f" + {recipe.drafter.method} LoRA (merged)"
-    if hasattr(drafter, "adapt_target"):  # Medusa-2: its LoRA is merged into the target, its heads draft
-        drafter = drafter.adapt_target(target)
     prompts = load_prompts(ev.prompts, target.tokenizer, ev.max_prompts)
     eos = target.model.generation_config.eos_token_id
     eos = [eos] if isinstance(eos, int) else list(eos or [])
-    if target.tokenizer.eos_token_id is not None and target.tokenizer.eos_token_id not in eos:
-        eos.append(target.tokenizer.eos_token_id)
+    stops = [target.tokenizer.eos_token_id]
+    if END_OF_TURN in target.tokenizer.get_vocab():  # chat turns end there (as in data.selfdistill)
+        stops.append(target.tokenizer.convert_tokens_to_ids(END_OF_TURN))
+    eos += [t for t in stops if t is not None and t not in eos]
     settings = DecodeSettings(
         max_new_tokens=ev.max_new_tokens,
         temperature=ev.temperature,
