@@ -125,15 +125,14 @@ def main() -> None:
 
     for method, recipe in RECIPES.items():
         banner(f"4/4 eval {method}: plain vs speculative vs prompt lookup on held-out prompts")
-        if (ROOT / out / method / "eval" / "report.json").is_file():
+        report, export = out_abs / method / "eval" / "report.json", out_abs / method / "export" / "config.json"
+        if report.is_file() and report.stat().st_mtime > export.stat().st_mtime:  # newer than the drafter
             skip(f"{out}/{method}/eval/report.json")
             continue
         run_step(f"eval-{method}", [py, "-m", "eval", recipe, *overrides(method)], log_dir, env)
 
-    rows, reports = [], {}
-    for method in RECIPES:
-        r = json.loads((out_abs / method / "eval" / "report.json").read_text())
-        reports[method] = r
+    rows, reports = [], [json.loads((out_abs / m / "eval" / "report.json").read_text()) for m in RECIPES]
+    for method, r in zip(RECIPES, reports):
         rows.append(
             [
                 method,
@@ -144,10 +143,9 @@ def main() -> None:
                 f"{lossless_mark(r['lossless'])} ({r['lossless_prompts']})",
             ]
         )
-    any_report = next(iter(reports.values()))
-    banner(
-        f"pocket demo: {any_report['num_prompts']} held-out prompts, {any_report['max_new_tokens']} new tokens, greedy"
-    )
+    any_report = reports[0]
+    n, tokens = any_report["num_prompts"], any_report["max_new_tokens"]
+    banner(f"pocket demo: {n} held-out prompts, up to {tokens} new tokens each, greedy decoding")
     header = ["method", "tree", "τ", "speedup vs plain", "vs prompt lookup", "lossless"]
     print(markdown_table(header, rows))
     print(
