@@ -44,6 +44,8 @@ class Medusa2Config:
     """L: residual blocks per head (as Medusa-1)."""
     decay: float = 0.8
     """λ_k = decay**k for head k = 1..K (as Medusa-1)."""
+    share_lm_head: bool = False
+    """True: the heads project with the target's frozen lm_head (as Medusa-1; must match the stage-1 heads)."""
     lora_r: int = 32
     lora_alpha: int = 16
     lora_dropout: float = 0.05
@@ -70,7 +72,9 @@ class Medusa2Config:
         return [-1]
 
     def heads_config(self) -> MedusaConfig:
-        return MedusaConfig(num_heads=self.num_heads, num_layers=self.num_layers, decay=self.decay)
+        return MedusaConfig(
+            num_heads=self.num_heads, num_layers=self.num_layers, decay=self.decay, share_lm_head=self.share_lm_head
+        )
 
     def alpha(self, step: int) -> float:
         """α(step) ∈ [0, 1] after `step` optimizer steps (the head-loss warm-up of the Medusa-2 trainer)."""
@@ -292,7 +296,7 @@ def load_stage1_heads(heads: MedusaHeads, path: str | Path) -> None:
     want = heads.state_dict()
     missing, unexpected = sorted(want.keys() - state.keys()), sorted(state.keys() - want.keys())
     cfg = heads.cfg
-    shape = f"num_heads={cfg.num_heads}, num_layers={cfg.num_layers}, share_lm_head=false"
+    shape = f"num_heads={cfg.num_heads}, num_layers={cfg.num_layers}, share_lm_head={str(cfg.share_lm_head).lower()}"
     if missing or unexpected:
         raise ValueError(
             f"{where}: {file.name} does not hold Medusa-1 heads with {shape}: "

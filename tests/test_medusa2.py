@@ -225,8 +225,8 @@ def test_alpha_schedules():
 # Stage 1 -> stage 2, export, eval
 
 
-def trained_heads(target, num_layers: int = 1) -> MedusaHeads:
-    heads = MedusaHeads(MedusaConfig(num_heads=3, num_layers=num_layers), parts(target))
+def trained_heads(target, num_layers: int = 1, share_lm_head: bool = False) -> MedusaHeads:
+    heads = MedusaHeads(MedusaConfig(num_heads=3, num_layers=num_layers, share_lm_head=share_lm_head), parts(target))
     g = torch.Generator().manual_seed(5)
     with torch.no_grad():
         for p in heads.parameters():
@@ -246,6 +246,14 @@ def test_stage2_loads_stage1_heads_exactly(target, tmp_path):
         assert got.keys() == heads.state_dict().keys()
         assert all(torch.equal(got[k], v) for k, v in heads.state_dict().items())
         assert model.cfg.stage1_heads is None  # rebuilding the module from its export does not re-read them
+
+    shared = trained_heads(target, share_lm_head=True)  # heads projecting with the frozen target lm_head
+    save_native(tmp_path / "shared", shared, t)
+    model = Medusa2Model(config(share_lm_head=True, stage1_heads=str(tmp_path / "shared")), parts(target))
+    assert all(torch.equal(model.heads.state_dict()[k], v) for k, v in shared.state_dict().items())
+    assert model.heads.lm_head is target.lm_head and not any("lm_head" in n for n in model.trainable_state_dict())
+    with pytest.raises(ValueError, match=r"share_lm_head=false: missing \['lm_heads.0.weight'"):
+        Medusa2Model(config(stage1_heads=str(tmp_path / "shared")), parts(target))
 
     save_native(tmp_path / "two-layers", trained_heads(target, num_layers=2), t)
     with pytest.raises(ValueError, match=r"stage1_heads: .*two-layers: model.safetensors does not hold Medusa-1 "):
