@@ -131,7 +131,8 @@ def test_eval_two_processes_split_and_gather(tmp_path, target):
 def test_pocket_recipes_load(path):
     recipe = load_recipe(path)
     assert recipe.eval.prompts == "recipes/pocket/prompts/heldout.jsonl" and recipe.data.layers == [-1]
-    assert recipe.eval.tree_depth <= 3 and recipe.eval.tree_total_tokens <= 10  # small trees: verification is not free
+    assert recipe.eval.tree_depth <= 3  # small trees on a CPU: verification is not free there
+    assert recipe.eval.tree == "chain" or recipe.eval.tree_total_tokens <= 10
 
 
 def test_prompt_rendering(target):
