@@ -22,6 +22,7 @@ Engine formats (REFERENCE.md), each a `config.json` + safetensors file:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -53,16 +54,7 @@ def load_run(run_dir: str | Path, checkpoint: str | Path | None = None) -> tuple
     state = read_state(ckpt)
     if state["recipe_hash"] != recipe.section_hash("target", "data", "drafter"):
         raise ExportError(f"{ckpt}: trained with other target/data/drafter settings than {run_dir / RECIPE_FILE}")
-    t = recipe.target
-    target = load_target(
-        path=t.path,
-        random_init=t.random_init,
-        tokenizer=t.tokenizer,
-        dtype=t.dtype,
-        seed=t.seed,
-        trust_remote_code=t.trust_remote_code,
-        attn_implementation=t.attn_implementation,
-    )
+    target = load_target(**dataclasses.asdict(recipe.target))
     drafter = DRAFTERS[recipe.drafter.method][1](recipe.drafter, target.parts(recipe.data.layers))
     tensors = load_file(str(ckpt / DRAFTER_FILE))
     expected = drafter.trainable_state_dict().keys()

@@ -16,6 +16,7 @@ Every step is appended to `<output_dir>/metrics.jsonl`; checkpoints allow exact 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -92,19 +93,10 @@ def build_target(recipe: Recipe, accelerator: Accelerator) -> Target:
     is registered (`zero.Init`), so the target is loaded with it unregistered.
     """
     plugin = accelerator.state.deepspeed_plugin
-    t = recipe.target
     if plugin is not None:
         unset_hf_deepspeed_config()
     try:
-        target = load_target(
-            path=t.path,
-            random_init=t.random_init,
-            tokenizer=t.tokenizer,
-            dtype=t.dtype,
-            seed=t.seed,
-            trust_remote_code=t.trust_remote_code,
-            attn_implementation=t.attn_implementation,
-        )
+        target = load_target(**dataclasses.asdict(recipe.target))
     finally:
         if plugin is not None and plugin.dschf is not None:
             set_hf_deepspeed_config(plugin.dschf)
