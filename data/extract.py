@@ -265,6 +265,10 @@ def main(argv: list[str] | None = None) -> None:
     if recipe.data.features_dir is None:
         raise RecipeError(f"{recipe.source}: data.features_dir: is required for extraction")
     state = Accelerator()  # not PartialState(): only Accelerator honours ACCELERATE_USE_CPU (multi-process CPU)
+    if recipe.target.device_map is not None:
+        raise RecipeError(
+            f"{recipe.source}: target.device_map: is for evaluation; extraction puts the target whole on each device"
+        )
     target = load_target(**dataclasses.asdict(recipe.target))
     try:
         target.parts(recipe.data.layers)  # checks the layer indices before any heavy work

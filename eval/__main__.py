@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -214,6 +215,22 @@ def evaluate_prompt(
 # Entry
 
 
+def process_gpus(local_index: int, num_local_processes: int, num_gpus: int) -> list[int]:
+    """The GPUs one eval process spreads a `device_map` target over: an equal, disjoint share of the node's.
+
+    No GPUs (CPU runs) gives []; fewer GPUs than processes is an error, since shares would overlap.
+    """
+    if num_gpus == 0:
+        return []
+    if num_gpus < num_local_processes:
+        raise EvalError(
+            f"target.device_map: {num_local_processes} processes on a node with {num_gpus} GPUs; "
+            "launch at most one process per GPU (`accelerate launch --num_processes N`)"
+        )
+    share = num_gpus // num_local_processes
+    return list(range(local_index * share, (local_index + 1) * share))
+
+
 def run(recipe: Recipe) -> dict[str, Any] | None:
     """Evaluate; returns the summary on the main process (None on the others)."""
     from accelerate import PartialState
@@ -227,8 +244,14 @@ def run(recipe: Recipe) -> dict[str, Any] | None:
     out_dir = ev.output_dir or str(Path(recipe.train.output_dir) / "eval")
     # on CPU-only machines (or ACCELERATE_USE_CPU) processes talk gloo: `accelerate launch --multi_gpu` there
     state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU") or not torch.cuda.is_available())
-    target = load_target(**dataclasses.asdict(recipe.target))
-    target.model.to(state.device)
+    if recipe.target.device_map is None:
+        target = load_target(**dataclasses.asdict(recipe.target))
+        target.model.to(state.device)
+    else:  # a target too large for one GPU: this process's share of the node's GPUs
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", state.num_processes))  # processes on this node
+        gpus = process_gpus(state.local_process_index, local, torch.cuda.device_count())
+        memory = {g: torch.cuda.get_device_properties(g).total_memory for g in gpus} if gpus else None
+        target = load_target(**dataclasses.asdict(recipe.target) | {"max_memory": memory})
     if target.tokenizer is None:
         raise EvalError(f"{recipe.source}: target.tokenizer: the target has no tokenizer to render prompts")
     drafter = load_drafter(drafter_dir, target)
@@ -257,9 +280,9 @@ def run(recipe: Recipe) -> dict[str, Any] | None:
     def calibrate(top_k: int) -> torch.Tensor:
         sequences = []
         for p in prompts[:CALIBRATION_PROMPTS]:  # the same on every process, so every process builds one tree
-            ids = torch.tensor([p["input_ids"]], device=state.device)
+            ids = torch.tensor([p["input_ids"]], device=target.device)
             greedy = plain_generate(target.model, ids, dataclasses.replace(settings, temperature=0.0))
-            sequences.append((torch.cat([ids, torch.tensor([greedy.tokens], device=state.device)], 1), ids.shape[1]))
+            sequences.append((torch.cat([ids, torch.tensor([greedy.tokens], device=target.device)], 1), ids.shape[1]))
         return medusa_rank_accuracy(drafter, target, sequences, top_k)
 
     proposer, tree_desc = build_proposer(drafter, ev, calibrate)
@@ -283,7 +306,7 @@ def run(recipe: Recipe) -> dict[str, Any] | None:
         "top_p": ev.top_p,
         "acceptance": ev.acceptance,
         "kernels": ev.kernels,
-        "device": str(state.device),
+        "device": str(target.device),
         "num_processes": state.num_processes,
         "prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS,
     }

@@ -190,12 +190,12 @@ class TargetRunner:
                 output_hidden_states=bool(self.feature_layers),
                 logits_to_keep=1 if last_only else 0,
             )
-        hidden = None
+        hidden, home = None, input_ids.device  # a device_map target ends on another GPU than it starts
         if self.feature_layers:
-            hidden = torch.stack([out.hidden_states[i] for i in self.feature_layers], dim=2)  # (B, N, S, d)
+            hidden = torch.stack([out.hidden_states[i].to(home) for i in self.feature_layers], dim=2)  # (B, N, S, d)
         self.forwards += 1
         self.seconds += time.perf_counter() - start
-        return out.logits, hidden
+        return out.logits.to(home), hidden
 
     def commit(self, prefix_len: int, accepted_nodes: torch.Tensor) -> None:
         """Move the KV rows of `accepted_nodes` ((1, D+1), root first, -1 padded) to positions prefix_len.. in

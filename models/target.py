@@ -193,19 +193,29 @@ def load_target(
     seed: int = 0,
     trust_remote_code: bool = False,
     attn_implementation: str = "sdpa",
+    device_map: str | dict | None = None,
+    max_memory: dict | None = None,
 ) -> Target:
     """Load an HF causal LM (from `path`, or randomly initialised from a config dict), frozen, in eval mode.
 
     Random weights are drawn in float32 under `seed` and then cast, so a bf16 target is the rounded
     float32 one. The tokenizer comes from `tokenizer` (default `path`); it is None when `path` has none.
+    `device_map` / `max_memory` go to `from_pretrained` (a target spread over several GPUs).
     """
     if (path is None) == (random_init is None):
         raise ValueError("load_target: pass exactly one of path and random_init")
+    if device_map is not None and path is None:
+        raise ValueError("load_target: device_map needs a path (random targets are built on one device)")
     if dtype not in DTYPES:
         raise ValueError(f"load_target: dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     if path is not None:
+        placement = {} if device_map is None else {"device_map": device_map, "max_memory": max_memory}
         model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code, attn_implementation=attn_implementation
+            path,
+            dtype=DTYPES[dtype],
+            trust_remote_code=trust_remote_code,
+            attn_implementation=attn_implementation,
+            **placement,
         )
         name = path
     else:

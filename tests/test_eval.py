@@ -9,12 +9,13 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 import yaml
 
-from eval.__main__ import EvalError, load_prompts, main, prompt_token_ids
+from eval.__main__ import EvalError, load_prompts, main, process_gpus, prompt_token_ids
 from eval.report import summarize, to_markdown
 from models.eagle import EagleConfig, EagleDrafter
 from models.io import save_native
@@ -172,3 +173,24 @@ def test_summary_pools_rounds():
     assert s["forwards_per_token"] == pytest.approx(8 / 20)
     assert [r["index"] for r in s["per_prompt"]] == [0, 1]
     assert "✗" in to_markdown(s)
+
+
+def test_device_map_target_evaluates_losslessly(tmp_path):
+    """`target.device_map` loads through from_pretrained's placement (here all on the CPU) and decodes as usual."""
+    torch.manual_seed(0)
+    pocket = load_target(path=TOKENIZER, dtype="float32", device_map="cpu")
+    save_native(tmp_path / "run" / "export", MedusaHeads(MedusaConfig(num_heads=2), pocket.parts([-1])), pocket)
+    recipe = yaml.safe_load(Path(_recipe(tmp_path, "medusa1", {"num_heads": 2}, {"tree": "chain", "tree_depth": 2}))
+        .read_text())  # fmt: skip
+    recipe["target"] = {"path": TOKENIZER, "dtype": "float32", "device_map": "cpu"}
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    main([str(tmp_path / "recipe.yaml")])
+    report = json.loads((tmp_path / "run" / "eval" / "report.json").read_text())
+    assert report["lossless"] is True and report["device"] == "cpu"
+
+
+def test_process_gpus_are_disjoint_equal_shares():
+    assert process_gpus(0, 2, 8) == [0, 1, 2, 3] and process_gpus(1, 2, 8) == [4, 5, 6, 7]
+    assert process_gpus(0, 1, 0) == []
+    with pytest.raises(EvalError, match="at most one process per GPU"):
+        process_gpus(0, 4, 2)

@@ -47,10 +47,16 @@ class TargetConfig:
     """Seed for `random_init` weights."""
     trust_remote_code: bool = False
     attn_implementation: str = "sdpa"
+    device_map: str | None = None
+    """Evaluation only: spread a target too large for one GPU over the GPUs of each eval process
+    (`auto`, `balanced`, `sequential`, as in transformers' `from_pretrained`). Training and
+    extraction place the whole target on each process's device."""
 
     def validate(self, err) -> None:
         if (self.path is None) == (self.random_init is None):
             err("target", "set exactly one of target.path and target.random_init")
+        if self.device_map is not None and self.path is None:
+            err("target.device_map", "needs target.path (a randomly initialised target is built on one device)")
         if self.random_init is not None:
             if "model_type" not in self.random_init:
                 err("target.random_init", "needs a model_type (e.g. llama, qwen2, mistral)")

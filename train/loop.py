@@ -92,6 +92,10 @@ def build_target(recipe: Recipe, accelerator: Accelerator) -> Target:
     Under ZeRO-3, transformers would partition any model built while accelerate's DeepSpeed config
     is registered (`zero.Init`), so the target is loaded with it unregistered.
     """
+    if recipe.target.device_map is not None:
+        raise TrainingError(
+            f"{recipe.source}: target.device_map: is for evaluation; training shards with DeepSpeed/FSDP"
+        )
     plugin = accelerator.state.deepspeed_plugin
     if plugin is not None:
         unset_hf_deepspeed_config()
