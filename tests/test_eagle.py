@@ -12,8 +12,9 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from tiny import make_batch, make_samples
+from tiny import tiny_llama as tiny_target
 from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
 from models.common import DraftBatch, TargetParts
@@ -22,56 +23,6 @@ from train.config import RecipeError, build_dataclass, recipe_from_dict
 
 torch.set_num_threads(1)
 LAYERS = [1, -1]  # stored hidden states in the test batches: a middle layer and the last one
-
-
-def tiny_target(seed: int = 0, **overrides) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    shape = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
-    config = LlamaConfig(**{**shape, "num_key_value_heads": 2, **overrides})
-    return LlamaForCausalLM(config).eval()
-
-
-def make_samples(lengths: list[int], seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(input_ids (T,), loss_mask (T,)): a short prompt without loss, then assistant tokens."""
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for T in lengths:
-        ids = torch.randint(0, 256, (T,), generator=g)
-        mask = torch.ones(T)
-        mask[: T // 3] = 0
-        out.append((ids, mask))
-    return out
-
-
-@torch.no_grad()
-def sample_hidden(model: LlamaForCausalLM, ids: torch.Tensor, layers: list[int]) -> torch.Tensor:
-    """(T, n_layers, d) hidden states of one sample run alone through the target."""
-    hs = model(ids[None], output_hidden_states=True).hidden_states
-    return torch.stack([hs[layer][0] for layer in layers], dim=1)
-
-
-def make_batch(model, samples, rows: list[list[int]], width: int) -> DraftBatch:
-    """Rows of packed samples (indices into `samples`), right-padded to `width`."""
-    B, d = len(rows), model.config.hidden_size
-    batch = DraftBatch(
-        input_ids=torch.zeros(B, width, dtype=torch.long),
-        loss_mask=torch.zeros(B, width),
-        attention_mask=torch.zeros(B, width, dtype=torch.long),
-        position_ids=torch.zeros(B, width, dtype=torch.long),
-        hidden=torch.zeros(B, width, len(LAYERS), d),
-    )
-    for b, row in enumerate(rows):
-        start = 0
-        for i in row:
-            ids, mask = samples[i]
-            sl = slice(start, start + ids.shape[0])
-            batch["input_ids"][b, sl] = ids
-            batch["loss_mask"][b, sl] = mask
-            batch["attention_mask"][b, sl] = 1
-            batch["position_ids"][b, sl] = torch.arange(ids.shape[0])
-            batch["hidden"][b, sl] = sample_hidden(model, ids, LAYERS)
-            start += ids.shape[0]
-    return batch
 
 
 def drafter_for(model, seed: int = 0, **kw) -> EagleDrafter:
@@ -91,8 +42,8 @@ def drafter_for(model, seed: int = 0, **kw) -> EagleDrafter:
 def setup():
     model = tiny_target()
     samples = make_samples([11, 8, 13])
-    padded = make_batch(model, samples, rows=[[0], [1], [2]], width=13)
-    packed = make_batch(model, samples, rows=[[0, 1], [2]], width=20)
+    padded = make_batch(model, samples, LAYERS, rows=[[0], [1], [2]], width=13)
+    packed = make_batch(model, samples, LAYERS, rows=[[0, 1], [2]], width=20)
     return model, samples, padded, packed
 
 
@@ -162,7 +113,7 @@ def test_follows_the_target_attention_shape_and_llama3_rope():
         rope_parameters={**rope, "original_max_position_embeddings": 8},
     )
     samples = make_samples([13, 9])
-    batch = make_batch(model, samples, rows=[[0, 1]], width=24)
+    batch = make_batch(model, samples, LAYERS, rows=[[0, 1]], width=24)
     drafter = drafter_for(model)
     assert drafter.layers[0].self_attn.q_proj.weight.shape == (128, 64)
     assert drafter.layers[0].self_attn.k_proj.weight.shape == (32, 64)

@@ -258,19 +258,9 @@ def test_kv_commit_kernel_matches_twin_per_request_prefix():
 
 
 def tiny_llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from tiny import tiny_llama as build
 
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-    )
-    return LlamaForCausalLM(config).eval()
+    return build(max_position_embeddings=128)
 
 
 @torch.inference_mode()

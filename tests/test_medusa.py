@@ -9,75 +9,19 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import LlamaConfig, LlamaForCausalLM
+from tiny import make_batch, make_samples, sample_hidden
+from tiny import tiny_llama as tiny_target
+from transformers import LlamaForCausalLM
 
-from models.common import DraftBatch, TargetParts
+from models.common import TargetParts
 from models.medusa import MedusaConfig, MedusaHeads
 from train.config import RecipeError, build_dataclass
 
 torch.set_num_threads(1)
 
 
-def tiny_target(seed: int = 0) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    return LlamaForCausalLM(config).eval()
-
-
 def target_parts(model: LlamaForCausalLM, layers: list[int]) -> TargetParts:
     return TargetParts(model.config, model.model.embed_tokens, model.lm_head, layers)
-
-
-def make_samples(lengths: list[int], seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(input_ids (T,), loss_mask (T,)): a short prompt without loss, then assistant tokens."""
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for T in lengths:
-        ids = torch.randint(0, 256, (T,), generator=g)
-        mask = torch.ones(T)
-        mask[: T // 3] = 0
-        out.append((ids, mask))
-    return out
-
-
-@torch.no_grad()
-def sample_hidden(model: LlamaForCausalLM, ids: torch.Tensor, layers: list[int]) -> torch.Tensor:
-    """(T, n_layers, d) hidden states of one sample run alone through the target."""
-    hs = model(ids[None], output_hidden_states=True).hidden_states
-    return torch.stack([hs[layer][0] for layer in layers], dim=1)
-
-
-def make_batch(model, samples, layers: list[int], rows: list[list[int]], width: int) -> DraftBatch:
-    """Rows of packed samples (indices into `samples`), right-padded to `width`."""
-    d = model.config.hidden_size
-    B = len(rows)
-    batch = DraftBatch(
-        input_ids=torch.zeros(B, width, dtype=torch.long),
-        loss_mask=torch.zeros(B, width),
-        attention_mask=torch.zeros(B, width, dtype=torch.long),
-        position_ids=torch.zeros(B, width, dtype=torch.long),
-        hidden=torch.zeros(B, width, len(layers), d),
-    )
-    for b, row in enumerate(rows):
-        start = 0
-        for i in row:
-            ids, mask = samples[i]
-            T = ids.shape[0]
-            sl = slice(start, start + T)
-            batch["input_ids"][b, sl] = ids
-            batch["loss_mask"][b, sl] = mask
-            batch["attention_mask"][b, sl] = 1
-            batch["position_ids"][b, sl] = torch.arange(T)
-            batch["hidden"][b, sl] = sample_hidden(model, ids, layers)
-            start += T
-    return batch
 
 
 @pytest.fixture(scope="module")

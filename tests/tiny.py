@@ -1,0 +1,59 @@
+"""Shared builders for drafter tests: a tiny random Llama target and feature batches computed from it."""
+
+from __future__ import annotations
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from models.common import DraftBatch
+
+
+def tiny_llama(seed: int = 0, **overrides) -> LlamaForCausalLM:
+    """Vocab 256, d 64, 2 layers, 4 heads / 2 KV heads, random weights under `seed`."""
+    torch.manual_seed(seed)
+    shape = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+    config = LlamaConfig(**{**shape, "num_key_value_heads": 2, **overrides})
+    return LlamaForCausalLM(config).eval()
+
+
+def make_samples(lengths: list[int], seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(input_ids (T,), loss_mask (T,)): a short prompt without loss, then assistant tokens."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for T in lengths:
+        ids = torch.randint(0, 256, (T,), generator=g)
+        mask = torch.ones(T)
+        mask[: T // 3] = 0
+        out.append((ids, mask))
+    return out
+
+
+@torch.no_grad()
+def sample_hidden(model: LlamaForCausalLM, ids: torch.Tensor, layers: list[int]) -> torch.Tensor:
+    """(T, n_layers, d) hidden states of one sample run alone through the target."""
+    hs = model(ids[None], output_hidden_states=True).hidden_states
+    return torch.stack([hs[layer][0] for layer in layers], dim=1)
+
+
+def make_batch(model, samples, layers: list[int], rows: list[list[int]], width: int) -> DraftBatch:
+    """Rows of packed samples (indices into `samples`), right-padded to `width`."""
+    B, d = len(rows), model.config.hidden_size
+    batch = DraftBatch(
+        input_ids=torch.zeros(B, width, dtype=torch.long),
+        loss_mask=torch.zeros(B, width),
+        attention_mask=torch.zeros(B, width, dtype=torch.long),
+        position_ids=torch.zeros(B, width, dtype=torch.long),
+        hidden=torch.zeros(B, width, len(layers), d),
+    )
+    for b, row in enumerate(rows):
+        start = 0
+        for i in row:
+            ids, mask = samples[i]
+            sl = slice(start, start + ids.shape[0])
+            batch["input_ids"][b, sl] = ids
+            batch["loss_mask"][b, sl] = mask
+            batch["attention_mask"][b, sl] = 1
+            batch["position_ids"][b, sl] = torch.arange(ids.shape[0])
+            batch["hidden"][b, sl] = sample_hidden(model, ids, layers)
+            start += ids.shape[0]
+    return batch
