@@ -124,7 +124,7 @@ def tokenize_record(record: dict[str, Any], tokenizer: Any, fmt: str, max_len: i
     return TokenizedRecord(ids[:max_len], mask[:max_len])
 
 
-def _read_jsonl(path: str) -> Iterator[tuple[str, Any]]:
+def read_jsonl(path: str) -> Iterator[tuple[str, Any]]:
     """Yield (location, record); a line that is not JSON yields a DataError in place of the record."""
     if not Path(path).is_file():
         raise DataError(f"{path}: no such file")
@@ -157,7 +157,7 @@ def _read_hf(name: str, split: str) -> Iterator[tuple[str, Any]]:
 def _records(cfg: DataConfig) -> Iterator[tuple[str, Any]]:
     if cfg.train_files:
         for path in cfg.train_files:
-            yield from _read_jsonl(path)
+            yield from read_jsonl(path)
     else:
         yield from _read_hf(cfg.hf_dataset, cfg.hf_split)
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import sys
 import time
@@ -30,7 +29,8 @@ from typing import Any
 
 import torch
 
-from data.chat import SHAREGPT_ROLES
+from data.chat import SHAREGPT_ROLES, DataError
+from data.prepare import read_jsonl
 from eval.generate import (
     DecodeSettings,
     EagleProposer,
@@ -89,16 +89,11 @@ def load_prompts(path: str, tokenizer, limit: int | None) -> list[dict[str, Any]
     if not Path(path).is_file():
         raise EvalError(f"eval.prompts: no such file {path}")
     prompts = []
-    for line_no, line in enumerate(Path(path).read_text().splitlines(), 1):
-        if not line.strip():
-            continue
+    for where, record in read_jsonl(path):
         if limit is not None and len(prompts) >= limit:
             break
-        where = f"{path}:{line_no}"
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise EvalError(f"{where}: not valid JSON ({exc.msg})") from None
+        if isinstance(record, DataError):  # a line that is not JSON
+            raise EvalError(str(record))
         ids = prompt_token_ids(record, tokenizer, where)
         prompts.append({"index": len(prompts), "id": str(record.get("id", where)), "input_ids": ids})
     if not prompts:
