@@ -55,6 +55,10 @@ def test_recipe_config_loads():
     assert cfg.model["vocab_size"] == VOCAB_SIZE
     assert cfg.export_dir == "recipes/pocket/target" and cfg.tokenizer == "recipes/pocket/target"
     assert path.read_text().startswith("# accelerate launch recipes/pocket/pretrain.py recipes/pocket/pretrain.yaml\n")
+    stage2 = PretrainConfig.from_yaml(POCKET / "pretrain-stage2.yaml")
+    assert stage2.model == cfg.model and stage2.tokenizer == cfg.tokenizer and stage2.export_dir == cfg.export_dir
+    assert stage2.init_from == f"{cfg.out_dir}/checkpoint" and stage2.out_dir != cfg.out_dir
+    assert stage2.seed != cfg.seed  # other batches than stage 1's
 
 
 def test_shipped_target_matches_recipe():

@@ -13,6 +13,10 @@ seeded by `seed + step`, so a resumed run sees the same batches). AdamW, linear 
 cosine decay, bf16 autocast. A checkpoint (`save_pretrained` + optimizer/scheduler state) is written every
 `save_every` steps; `--resume` continues from it. At the end the model is exported in bf16 to
 `export_dir` (next to the tokenizer) with `training_stats.json`.
+
+The shipped target is trained in two stages: `pretrain.yaml`, then `pretrain-stage2.yaml`, whose
+`init_from` starts from stage 1's checkpoint with a fresh optimizer and schedule (continued
+pretraining); `training_stats.json` lists the earlier stages under `earlier_stages`.
 """
 
 import argparse
@@ -52,6 +56,10 @@ class PretrainConfig:
     seed: int = 0
     threads: int = 2
     mixed_precision: str = "bf16"  # autocast; ~1.9x faster than fp32 on avx512_bf16 CPUs
+    # Continued pretraining: start from this checkpoint's weights (a directory written by an earlier
+    # run's `out_dir/checkpoint`) with a fresh optimizer and a new warm-up + cosine schedule.
+    init_from: str | None = None
+    compile: bool = False  # torch.compile the model (~1.2x on 2 CPU cores after ~1 min of compiling)
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> "PretrainConfig":
@@ -150,6 +158,7 @@ def export(cfg: PretrainConfig, checkpoint: Path) -> None:
     )
     model.to(torch.bfloat16).save_pretrained(cfg.export_dir, safe_serialization=True)
     stats = {k: state[k] for k in ("step", "tokens_seen", "train_seconds", "valid_loss")}
+    stats["earlier_stages"] = state.get("earlier_stages", [])
     stats |= {"max_steps": cfg.max_steps, "params": sum(p.numel() for p in model.parameters())}
     stats["config"] = dataclasses.asdict(cfg)
     (Path(cfg.export_dir) / "training_stats.json").write_text(json.dumps(stats, indent=2) + "\n")
@@ -170,7 +179,16 @@ def main() -> None:
 
     accelerator = Accelerator(mixed_precision=cfg.mixed_precision)
     train_stream, valid_stream = token_stream(cfg, "train"), token_stream(cfg, "valid")
-    model = build_model(cfg) if not args.resume else LlamaForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    state = {"step": 0, "tokens_seen": 0, "train_seconds": 0.0, "valid_loss": None, "earlier_stages": []}
+    if args.resume:
+        model = LlamaForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    elif cfg.init_from:
+        model = LlamaForCausalLM.from_pretrained(cfg.init_from, dtype=torch.float32)
+        earlier = torch.load(Path(cfg.init_from) / "state.pt", weights_only=False)
+        stage = {k: earlier[k] for k in ("step", "tokens_seen", "train_seconds", "valid_loss")}
+        state["earlier_stages"] = earlier.get("earlier_stages", []) + [stage | {"checkpoint": cfg.init_from}]
+    else:
+        model = build_model(cfg)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW(
@@ -179,13 +197,15 @@ def main() -> None:
         betas=cfg.betas,
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
-    state = {"step": 0, "tokens_seen": 0, "train_seconds": 0.0, "valid_loss": None}
     if args.resume:
         saved = torch.load(checkpoint / "state.pt", weights_only=False)
         optimizer.load_state_dict(saved.pop("optimizer"))
         scheduler.load_state_dict(saved.pop("scheduler"))
         state = saved
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    raw_model = accelerator.unwrap_model(model)
+    if cfg.compile:
+        model = torch.compile(model)
     n_params = sum(p.numel() for p in model.parameters())
     accelerator.print(
         f"params {n_params / 1e6:.2f}M, train tokens {len(train_stream) / 1e6:.2f}M, from step {state['step']}"
@@ -215,7 +235,7 @@ def main() -> None:
             )
         if state["step"] % cfg.save_every == 0 or state["step"] == cfg.max_steps:
             if accelerator.is_main_process:
-                save_checkpoint(checkpoint, accelerator.unwrap_model(model), optimizer, scheduler, state)
+                save_checkpoint(checkpoint, raw_model, optimizer, scheduler, state)
     if accelerator.is_main_process:
         export(cfg, checkpoint)
 

@@ -1,6 +1,6 @@
 """Evaluate the exported pocket target and write its TRAINING.md and greedy reference.
 
-    python recipes/pocket/report.py recipes/pocket/pretrain.yaml
+    python recipes/pocket/report.py recipes/pocket/pretrain-stage2.yaml   # the last stage's config
 
 Reads the bf16 model in `export_dir` (computing in fp32), measures the loss on the HELD-OUT split
 (every token, windows of `seq_len`), greedily continues the first three held-out prompts, and
@@ -21,6 +21,31 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 PROMPTS = Path(__file__).parent / "prompts" / "heldout.jsonl"
 N_SAMPLES, SAMPLE_TOKENS = 3, 64
 REFERENCE_TOKENS = 32
+STAGE_CONFIGS = ["recipes/pocket/pretrain.yaml", "recipes/pocket/pretrain-stage2.yaml"]  # in order
+
+
+def stage_lines(stats: dict, cfg: PretrainConfig, train_tokens: int) -> list[str]:
+    """The Training section's bullet list: one line per earlier stage (from `earlier_stages`), then this run."""
+    lines = []
+    stages = stats.get("earlier_stages", [])
+    for i, stage in enumerate(stages, 1):
+        lines.append(
+            f"- stage {i}: {stage['step']} steps, {stage['tokens_seen'] / 1e6:.2f}M tokens, "
+            f"{stage['train_seconds'] / 60:.1f} min of step time, final validation loss {stage['valid_loss']:.4f}"
+        )
+    this = f"stage {len(stages) + 1} (this config, from stage {len(stages)}'s checkpoint)" if stages else "training"
+    lines += [
+        f"- {this}: {stats['step']} / {stats['max_steps']} steps, peak lr {cfg.lr:g} after {cfg.warmup_steps} "
+        f"warm-up steps, {stats['tokens_seen'] / 1e6:.2f}M tokens, {stats['train_seconds'] / 60:.1f} min of step time, "
+        f"final validation loss {stats['valid_loss']:.4f} ({cfg.eval_batches} batches of the valid split)",
+    ]
+    tokens = stats["tokens_seen"] + sum(s["tokens_seen"] for s in stages)
+    seconds = stats["train_seconds"] + sum(s["train_seconds"] for s in stages)
+    lines.append(
+        f"- in all: {tokens / 1e6:.2f}M tokens ({tokens / train_tokens:.2f} epochs), "
+        f"{seconds / 60:.1f} min of step time"
+    )
+    return lines
 
 
 @torch.no_grad()
@@ -60,6 +85,7 @@ def main() -> None:
     (export / "greedy_reference.json").write_text(json.dumps(reference, indent=2, ensure_ascii=False) + "\n")
 
     m = model.config
+    stage_configs = [*STAGE_CONFIGS[: len(stats.get("earlier_stages", []))], str(args.config)]
     corpus = json.loads((Path(cfg.corpus) / "manifest.json").read_text())["splits"]
     finished = stats["step"] == stats["max_steps"]
     status = (
@@ -89,10 +115,7 @@ def main() -> None:
         f"to {cfg.min_lr_ratio:g}× peak, grad clip {cfg.grad_clip}; bf16 autocast with fp32 master weights; 2 CPU "
         f"threads ({platform.processor() or platform.machine()}), shared with other jobs.",
         "",
-        f"- steps: {stats['step']} / {stats['max_steps']}, peak lr {cfg.lr:g} after {cfg.warmup_steps} warm-up steps",
-        f"- tokens seen: {stats['tokens_seen'] / 1e6:.2f}M ({stats['tokens_seen'] / train_tokens:.2f} epochs)",
-        f"- training time: {stats['train_seconds'] / 60:.1f} min of step time",
-        f"- validation loss at the end: {stats['valid_loss']:.4f} ({cfg.eval_batches} batches of the valid split)",
+        *stage_lines(stats, cfg, train_tokens),
         *(f"- {note}" for note in args.note),
         "",
         "## Results",
@@ -111,7 +134,7 @@ def main() -> None:
         "apt-get install -y python3.11-doc",
         "python recipes/pocket/corpus.py --out artifacts/pocket-corpus",
         "python recipes/pocket/tokenizer.py --corpus artifacts/pocket-corpus --out recipes/pocket/target",
-        "accelerate launch recipes/pocket/pretrain.py recipes/pocket/pretrain.yaml   # --resume after a crash",
+        *(f"accelerate launch recipes/pocket/pretrain.py {c}   # --resume after a crash" for c in stage_configs),
         f"python recipes/pocket/report.py {args.config}",
         "```",
         "",

@@ -1,0 +1,82 @@
+"""recipes/pocket/pretrain.py end to end on a tiny corpus: stage 1, then a stage 2 that continues from it."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import yaml
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "recipes" / "pocket" / "pretrain.py"
+
+TINY_MODEL = {
+    "vocab_size": 8192,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "max_position_embeddings": 64,
+}
+
+
+def write_corpus(root: Path) -> Path:
+    corpus = root / "corpus"
+    corpus.mkdir()
+    for split, n in (("train", 12), ("valid", 3)):
+        texts = [f"def f{i}(x):\n    return x * {i} + {i * i}\n" * 6 for i in range(n)]
+        docs = [{"path": f"{split}/{i}.py", "text": text} for i, text in enumerate(texts)]
+        (corpus / f"{split}.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    return corpus
+
+
+def run_stage(tmp: Path, name: str, **fields) -> dict:
+    cfg = {
+        "corpus": str(tmp / "corpus"),
+        "tokenizer": str(ROOT / "recipes" / "pocket" / "target"),
+        "out_dir": str(tmp / name),
+        "export_dir": str(tmp / f"{name}-export"),
+        "model": TINY_MODEL,
+        "seq_len": 16,
+        "batch_size": 2,
+        "max_steps": 4,
+        "warmup_steps": 1,
+        "eval_every": 2,
+        "eval_batches": 1,
+        "save_every": 2,
+        "threads": 1,
+        "mixed_precision": "no",
+        **fields,
+    }
+    path = tmp / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    subprocess.run([sys.executable, str(SCRIPT), str(path)], check=True, cwd=ROOT, capture_output=True, text=True)
+    return json.loads((tmp / f"{name}-export" / "training_stats.json").read_text())
+
+
+def test_stage2_starts_from_stage1_weights_and_records_it(tmp_path):
+    write_corpus(tmp_path)
+    stage1 = run_stage(tmp_path, "stage1")
+    assert stage1["step"] == 4 and stage1["tokens_seen"] == 4 * 2 * 16 and stage1["earlier_stages"] == []
+
+    # lr 0: AdamW changes nothing, so stage 2's export is exactly stage 1's checkpoint (in bf16)
+    frozen = run_stage(tmp_path, "frozen", init_from=str(tmp_path / "stage1" / "checkpoint"), lr=0.0, seed=1)
+    before = load_file(tmp_path / "stage1" / "checkpoint" / "model.safetensors")
+    after = load_file(tmp_path / "frozen-export" / "model.safetensors")
+    assert before.keys() == after.keys()
+    for key in before:
+        assert torch.equal(before[key].to(torch.bfloat16), after[key]), key
+    (earlier,) = frozen["earlier_stages"]
+    assert earlier["step"] == 4 and earlier["tokens_seen"] == stage1["tokens_seen"]
+    assert earlier["checkpoint"] == str(tmp_path / "stage1" / "checkpoint")
+
+    # with a learning rate it trains on from there, and a third stage sees both earlier ones
+    run_stage(tmp_path, "stage2", init_from=str(tmp_path / "stage1" / "checkpoint"), lr=1e-3, seed=1)
+    moved = load_file(tmp_path / "stage2-export" / "model.safetensors")
+    assert any(not torch.equal(after[k], moved[k]) for k in after)
+    stage3 = run_stage(tmp_path, "stage3", init_from=str(tmp_path / "stage2" / "checkpoint"), max_steps=2)
+    assert [s["step"] for s in stage3["earlier_stages"]] == [4, 4]
+    assert stage3["step"] == 2
