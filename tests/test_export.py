@@ -46,6 +46,7 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     for name, method, extra in [
         ("eagle2", "eagle2", []),
         ("medusa1", "medusa1", []),
+        ("medusa1-shared", "medusa1", ["drafter.share_lm_head=true"]),
         ("eagle2-plain", "eagle2", plain),
     ]:
         reset_accelerate()
@@ -157,6 +158,51 @@ def test_medusa_format_round_trip(runs, tmp_path):
     hidden = a_batch(runs["medusa1"])["hidden"][:, :, 0]
     with torch.no_grad():
         assert torch.equal(fresh.head_logits(hidden), trained.head_logits(hidden))
+
+
+def vllm_medusa_logits(out: Path, hidden: torch.Tensor) -> torch.Tensor:
+    """vLLM's MedusaModel semantics, written from its config keys alone: per head, `num_hidden_layers` residual
+    blocks x + SiLU(W x [+ b]) (bias only with `medusa_fc_bias`), then `lm_heads.{h}` (`lm_heads.0`, the original
+    lm_head, for every head with `original_lm_head`) -> (K, ..., V)."""
+    config = json.loads((out / "config.json").read_text())
+    tensors = load_file(str(out / ENGINE_WEIGHTS))
+    logits = []
+    for h in range(config["num_heads"]):
+        x = hidden
+        for layer in range(config["num_hidden_layers"]):
+            bias = tensors[f"blocks.{h}.layers.{layer}.bias"] if config.get("medusa_fc_bias", False) else None
+            x = x + torch.nn.functional.silu(
+                torch.nn.functional.linear(x, tensors[f"blocks.{h}.layers.{layer}.weight"], bias)
+            )
+        head = 0 if config.get("original_lm_head", False) else h
+        logits.append(x @ tensors[f"lm_heads.{head}.weight"].T)
+    return torch.stack(logits)
+
+
+@pytest.mark.parametrize("run", ["medusa1", "medusa1-shared"])
+def test_vllm_medusa_format_computes_the_same_heads(run, runs, tmp_path):
+    out = export(runs[run], tmp_path / "vllm", fmt="vllm")
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "medusa" and config["architectures"] == ["MedusaModel"]
+    assert config["num_heads"] == 3 and config["num_hidden_layers"] == 1 and config["medusa_fc_bias"] is True
+    assert config["vocab_size"] == config["truncated_vocab_size"] == 8192 and config["hidden_size"] == 64
+    assert config["original_lm_head"] is (run == "medusa1-shared")
+    heads = {f"lm_heads.{h}.weight" for h in (range(1) if run == "medusa1-shared" else range(3))}
+    blocks = {f"blocks.{h}.layers.0.{k}" for h in range(3) for k in ("weight", "bias")}
+    assert set(load_file(str(out / ENGINE_WEIGHTS))) == heads | blocks
+    _, _, trained = load_run(runs[run])
+    hidden = a_batch(runs[run])["hidden"][:, :, 0].float()
+    with torch.no_grad():
+        torch.testing.assert_close(vllm_medusa_logits(out, hidden), trained.head_logits(hidden), rtol=1e-5, atol=1e-5)
+
+
+def test_vllm_format_writes_eagle_drafters_in_the_safeailab_layout(runs, tmp_path):
+    vllm, eagle = (
+        export(runs["eagle2-plain"], tmp_path / "vllm", fmt="vllm"),
+        export(runs["eagle2-plain"], tmp_path / "eagle", fmt="eagle"),
+    )
+    assert json.loads((vllm / "config.json").read_text()) == json.loads((eagle / "config.json").read_text())
+    assert (vllm / ENGINE_WEIGHTS).read_bytes() == (eagle / ENGINE_WEIGHTS).read_bytes()
 
 
 @pytest.mark.parametrize("fmt,arch", [("eagle", "LlamaForCausalLM"), ("sglang", "LlamaForCausalLMEagle")])

@@ -197,7 +197,7 @@ class EvalConfig:
 
 @dataclass
 class ExportConfig:
-    format: Literal["native", "eagle", "speculators", "sglang", "medusa"] = "native"
+    format: Literal["native", "eagle", "speculators", "sglang", "medusa", "vllm"] = "native"
     out: str | None = None
     """Defaults to <train.output_dir>/export."""
     include_target_weights: bool = False

@@ -1,6 +1,6 @@
 """Export a trained drafter from a run directory.
 
-    python -m train.export RUN_DIR [--out DIR] [--format native|medusa|eagle|sglang] [--checkpoint DIR]
+    python -m train.export RUN_DIR [--out DIR] [--format native|medusa|eagle|sglang|vllm] [--checkpoint DIR]
                                    [--include-target-weights] [--merge-lora]
 
 Reads the run's resolved recipe (`RUN_DIR/recipe.yaml`) and the newest checkpoint's gathered drafter
@@ -17,6 +17,8 @@ Engine formats (REFERENCE.md), each a `config.json` + safetensors file:
   `fc.weight`, `fc.bias`, `layers.0.*` (no input_layernorm). These layouts have no FC-Norm, post-norm
   or multi-layer fusion, so only drafters trained with `fc_norm: false`, `post_norm: false` and
   `feature_layers: [-1]` export to them; the others are refused rather than exported silently wrong.
+- `vllm`: Medusa heads as vLLM's `MedusaModel` (`model_type: medusa`, `blocks.{h}.layers.{l}.*`,
+  `lm_heads.{h}.weight`, `medusa_fc_bias: true`); EAGLE-1/2 drafters as `eagle` (vLLM reads that layout).
 """
 
 from __future__ import annotations
@@ -97,6 +99,42 @@ def write_medusa(out: Path, recipe: Recipe, target: Target, drafter: nn.Module, 
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
+def write_vllm_medusa(out: Path, recipe: Recipe, target: Target, drafter: nn.Module) -> None:
+    """vLLM's `MedusaModel`: our tensor names (`blocks.{h}.layers.{l}.weight|bias`, `lm_heads.{h}.weight`) and a
+    `model_type: medusa` config. vLLM builds the blocks without bias unless `medusa_fc_bias` is set, so it is always
+    written; shared-lm_head heads export one `lm_heads.0.weight` (the target's) with `original_lm_head: true`."""
+    state = drafter.state_dict()
+    tensors = {k: v for k, v in state.items() if k.startswith(("blocks.", "lm_heads."))}
+    shared = drafter.lm_heads is None
+    if shared:
+        tensors["lm_heads.0.weight"] = drafter.lm_head.weight
+    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(out / ENGINE_WEIGHTS))
+    vocab = target.config.vocab_size
+    config = {
+        "model_type": "medusa",
+        "architectures": ["MedusaModel"],
+        "hidden_size": target.config.hidden_size,
+        "vocab_size": vocab,
+        "truncated_vocab_size": vocab,
+        "num_heads": drafter.cfg.num_heads,
+        "num_hidden_layers": drafter.cfg.num_layers,
+        "medusa_fc_bias": True,
+        "original_lm_head": shared,
+        "base_model_name_or_path": recipe.target.path or target.name,
+    }
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def write_vllm(out: Path, recipe: Recipe, target: Target, drafter: nn.Module, include_target_weights: bool) -> None:
+    """vLLM: Medusa heads in its `MedusaModel` layout; EAGLE-1/2 drafters in the SafeAILab layout, which vLLM's
+    `method: eagle` reads (vLLM wraps the Llama config itself)."""
+    if isinstance(drafter, EagleDrafter):
+        return write_eagle(out, recipe, target, drafter, include_target_weights)
+    if not isinstance(drafter, MedusaHeads):
+        raise ExportError(f"export.format: vllm holds Medusa heads or EAGLE drafters, not a {type(drafter).__name__}")
+    write_vllm_medusa(out, recipe, target, drafter)
+
+
 def _write_eagle(out: Path, target: Target, drafter: nn.Module, include_target_weights: bool, arch: str) -> None:
     cfg = drafter.cfg
     if not isinstance(drafter, EagleDrafter):
@@ -123,7 +161,7 @@ def write_sglang(out: Path, recipe: Recipe, target: Target, drafter: nn.Module, 
     _write_eagle(out, target, drafter, include_target_weights, "LlamaForCausalLMEagle")
 
 
-ENGINE_FORMATS = {"medusa": write_medusa, "eagle": write_eagle, "sglang": write_sglang}
+ENGINE_FORMATS = {"medusa": write_medusa, "eagle": write_eagle, "sglang": write_sglang, "vllm": write_vllm}
 FORMATS = ("native", *ENGINE_FORMATS)
 
 
