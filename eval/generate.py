@@ -360,8 +360,8 @@ class MedusaProposer:
 
     def propose(self, state: DecodeState) -> Tree:
         last = state.new_hidden[:, -1:, 0]  # (1, 1, d)
-        logits = self.heads.head_logits(last)[:, :, 0]  # (K, 1, V)
-        head_topk = logits.topk(self.top_k, dim=-1).indices.transpose(0, 1)  # (1, K, top_k)
+        logits = self.heads.head_logits(last, self.tree.max_depth)[:, :, 0]  # (D, 1, V): the heads the tree reaches
+        head_topk = logits.topk(self.top_k, dim=-1).indices.transpose(0, 1)  # (1, D, top_k)
         tokens = medusa_tokens(self.tree, state.tokens[:, -1], head_topk)  # (1, N)
         return dataclasses.replace(self.tree, tokens=tokens[0])
 

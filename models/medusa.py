@@ -111,9 +111,11 @@ class MedusaHeads(nn.Module):
             return self.lm_heads[k - 1](h)  # (..., V)
         return self.lm_head(h.to(self.lm_head.weight.dtype))  # (..., V)
 
-    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """All heads on last hidden states (B, T, d) -> (K, B, T, V); head k predicts token t+k+1."""
-        return torch.stack([self.head(k, hidden) for k in range(1, self.cfg.num_heads + 1)])
+    def head_logits(self, hidden: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
+        """Heads 1..num_heads (default: all K) on last hidden states (B, T, d) -> (num_heads, B, T, V); head k predicts
+        token t+k+1. Decoding asks only for the heads its tree reaches: each head ends in a vocabulary projection."""
+        num_heads = self.cfg.num_heads if num_heads is None else num_heads
+        return torch.stack([self.head(k, hidden) for k in range(1, num_heads + 1)])
 
     @property
     def lm_head(self) -> nn.Linear | None:

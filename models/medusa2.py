@@ -166,9 +166,9 @@ class Medusa2Model(nn.Module):
         )
         return out.last_hidden_state
 
-    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """All heads on last hidden states (B, T, d) -> (K, B, T, V) (as `MedusaHeads.head_logits`)."""
-        return self.heads.head_logits(hidden)
+    def head_logits(self, hidden: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
+        """Heads 1..num_heads (default all): (B, T, d) -> (num_heads, B, T, V), as `MedusaHeads.head_logits`."""
+        return self.heads.head_logits(hidden, num_heads)
 
     def set_step(self, step: int) -> None:
         """Number of optimizer steps done so far; sets the head-loss weight α(step). Called by the loop."""

@@ -130,6 +130,7 @@ def test_fresh_head_is_the_target_head(setup):
     logits = heads.head_logits(h)  # (K, B, T, V)
     assert logits.shape == (2, 3, 13, 256)
     assert torch.allclose(logits[1], model.lm_head(h), atol=1e-6)
+    assert torch.equal(heads.head_logits(h, num_heads=1), logits[:1])  # decoding runs only the heads a tree reaches
 
 
 @pytest.mark.parametrize("share_lm_head", [False, True])
