@@ -34,7 +34,7 @@ from eval.report import lossless_mark, markdown_table  # noqa: E402
 
 RECIPES = {"eagle2": "recipes/pocket/eagle2.yaml", "medusa1": "recipes/pocket/medusa1.yaml"}
 DEFAULT_TARGET, DEFAULT_OUT = "recipes/pocket/target", "artifacts/demo"
-SELFDISTILL_PROMPTS = 256
+SELFDISTILL_PROMPTS = 2048
 SELFDISTILL_TOKENS = 96
 
 
