@@ -5,6 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
@@ -80,3 +81,9 @@ def test_stage2_starts_from_stage1_weights_and_records_it(tmp_path):
     stage3 = run_stage(tmp_path, "stage3", init_from=str(tmp_path / "stage2" / "checkpoint"), max_steps=2)
     assert [s["step"] for s in stage3["earlier_stages"]] == [4, 4]
     assert stage3["step"] == 2
+
+    # a stage whose config describes another architecture than its init_from is refused, naming the key
+    wider = {**TINY_MODEL, "hidden_size": 64}
+    with pytest.raises(subprocess.CalledProcessError) as failed:
+        run_stage(tmp_path, "other", init_from=str(tmp_path / "stage1" / "checkpoint"), model=wider)
+    assert "model.hidden_size is 64 but init_from" in failed.value.stderr

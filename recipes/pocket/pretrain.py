@@ -135,6 +135,14 @@ def build_model(cfg: PretrainConfig) -> LlamaForCausalLM:
     return LlamaForCausalLM(config)
 
 
+def check_architecture(config: LlamaConfig, cfg: PretrainConfig, where: Path) -> None:
+    """`init_from` must hold the architecture this config describes: a stage never silently trains another model."""
+    for key, value in cfg.model.items():
+        have = config.rope_parameters["rope_theta"] if key == "rope_theta" else getattr(config, key, None)
+        if have != value:
+            raise SystemExit(f"{where}: model.{key} is {value!r} but init_from {cfg.init_from} has {have!r}")
+
+
 def save_checkpoint(path: Path, model, optimizer, scheduler, state: dict) -> None:
     """Write to a temporary directory and rename, so a crash mid-save keeps the previous one."""
     tmp = path.with_name(path.name + ".tmp")
@@ -184,6 +192,7 @@ def main() -> None:
         model = LlamaForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
     elif cfg.init_from:
         model = LlamaForCausalLM.from_pretrained(cfg.init_from, dtype=torch.float32)
+        check_architecture(model.config, cfg, args.config)
         earlier = torch.load(Path(cfg.init_from) / "state.pt", weights_only=False)
         stage = {k: earlier[k] for k in ("step", "tokens_seen", "train_seconds", "valid_loss")}
         state["earlier_stages"] = earlier.get("earlier_stages", []) + [stage | {"checkpoint": cfg.init_from}]
