@@ -28,9 +28,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 
 from data.chat import SHAREGPT_ROLES, DataError
 from data.prepare import read_jsonl
+from data.shards import FeatureDataset
 from eval.generate import (
     DecodeSettings,
     EagleProposer,
@@ -124,30 +126,51 @@ def medusa_rank_accuracy(heads: MedusaHeads, target: Target, sequences: list[tup
     return hits / counts.clamp(min=1)[:, None]
 
 
-def build_proposer(drafter: torch.nn.Module, ev: EvalConfig, calibrate) -> tuple[Proposer, str]:
+def draft_vocabulary(features_dir: str | Path, size: int) -> torch.Tensor:
+    """The `size` most frequent loss tokens of a feature directory's shards, most frequent first: (<= size,) int64."""
+    dataset = FeatureDataset(features_dir)
+    counts = torch.zeros(0, dtype=torch.int64)
+    for entry in dataset.shards:
+        with safe_open(str(dataset.directory / entry["file"]), framework="pt") as shard:
+            ids = shard.get_tensor("input_ids").to(torch.int64)[shard.get_tensor("loss_mask") > 0]
+        new = torch.bincount(ids)
+        if len(new) > len(counts):
+            counts = torch.nn.functional.pad(counts, (0, len(new) - len(counts)))
+        counts[: len(new)] += new
+    seen = int((counts > 0).sum())
+    return counts.argsort(descending=True, stable=True)[: min(size, seen)]
+
+
+def build_proposer(
+    drafter: torch.nn.Module, ev: EvalConfig, calibrate, draft_vocab: torch.Tensor | None = None
+) -> tuple[Proposer, str]:
     """The proposer for `drafter` and `eval.tree`, with a short description of the tree for the report.
 
-    `calibrate(top_k)` returns measured Medusa rank accuracies (only called for calibrated trees).
+    `calibrate(top_k)` returns measured Medusa rank accuracies (only called for calibrated trees); `draft_vocab`
+    restricts drafting to those token ids.
     """
-    tree = ev.tree
+    tree, vocab = ev.tree, draft_vocab
+    suffix = "" if vocab is None else f", draft vocab {len(vocab)}"
     if isinstance(drafter, EagleDrafter):
         if tree in ("auto", "dynamic"):
-            desc = f"dynamic d{ev.tree_depth} k{ev.tree_top_k} n{ev.tree_total_tokens}"
-            return EagleProposer(drafter, ev.tree_depth, ev.tree_top_k, ev.tree_total_tokens), desc
+            desc = f"dynamic d{ev.tree_depth} k{ev.tree_top_k} n{ev.tree_total_tokens}{suffix}"
+            return EagleProposer(drafter, ev.tree_depth, ev.tree_top_k, ev.tree_total_tokens, vocab), desc
         if tree == "chain":
-            return EagleProposer(drafter, ev.tree_depth, 1, ev.tree_depth + 1), f"chain d{ev.tree_depth}"
+            return EagleProposer(drafter, ev.tree_depth, 1, ev.tree_depth + 1, vocab), f"chain d{ev.tree_depth}{suffix}"
         raise EvalError(f"eval.tree: {tree!r} is not an EAGLE tree (auto, dynamic, chain)")
     if isinstance(drafter, MedusaHeads):
         heads = drafter.cfg.num_heads
         if tree == "chain":
-            return MedusaProposer(drafter, chain(min(ev.tree_depth, heads))), f"chain d{min(ev.tree_depth, heads)}"
+            depth = min(ev.tree_depth, heads)
+            return MedusaProposer(drafter, chain(depth), vocab), f"chain d{depth}{suffix}"
         if tree == "medusa63":
-            return MedusaProposer(drafter, medusa_tree(MEDUSA_63, heads)), "medusa63"
+            return MedusaProposer(drafter, medusa_tree(MEDUSA_63, heads), vocab), f"medusa63{suffix}"
         if tree in ("auto", "calibrated"):
             depth = min(ev.tree_depth, heads)
             rank_acc = calibrate(ev.tree_top_k)[:depth]
             static = calibrated_tree(rank_acc, ev.tree_total_tokens - 1)
-            return MedusaProposer(drafter, static), f"calibrated d{static.max_depth} n{static.num_nodes}"
+            desc = f"calibrated d{static.max_depth} n{static.num_nodes}{suffix}"
+            return MedusaProposer(drafter, static, vocab), desc
         raise EvalError(f"eval.tree: {tree!r} is not a Medusa tree (auto, calibrated, medusa63, chain)")
     raise EvalError(f"no proposer for drafter type {type(drafter).__name__}")
 
@@ -280,7 +303,14 @@ def run(recipe: Recipe) -> dict[str, Any] | None:
             sequences.append((torch.cat([ids, torch.tensor([greedy.tokens], device=target.device)], 1), ids.shape[1]))
         return medusa_rank_accuracy(drafter, target, sequences, top_k)
 
-    proposer, tree_desc = build_proposer(drafter, ev, calibrate)
+    draft_vocab = None
+    if ev.draft_vocab:
+        if recipe.data.features_dir is None or not (Path(recipe.data.features_dir) / "manifest.json").is_file():
+            raise EvalError(
+                f"{recipe.source}: eval.draft_vocab: needs the feature shards of data.features_dir to count tokens"
+            )
+        draft_vocab = draft_vocabulary(recipe.data.features_dir, ev.draft_vocab)
+    proposer, tree_desc = build_proposer(drafter, ev, calibrate, draft_vocab)
     with state.split_between_processes(prompts) as local:
         if local:  # warm-up (kernel compilation, allocator), not timed
             evaluate_prompt(target, proposer, local[0], dataclasses.replace(settings, max_new_tokens=WARMUP_TOKENS), ev)

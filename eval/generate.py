@@ -339,6 +339,30 @@ def _check_batch(prompt_ids: torch.Tensor) -> None:
 # Proposers for the trained drafters
 
 
+class VocabProjection:
+    """A draft vocabulary: a vocabulary projection restricted to `ids` (K,), its rows gathered once.
+
+    Drafting then costs a (K × d) instead of a (V × d) matmul per step; tokens outside `ids` are never drafted.
+    Verification still uses the target's full distribution, so the output is unchanged (greedy) or still
+    follows the target (sampled); only acceptance can drop.
+    """
+
+    def __init__(self, projection: torch.nn.Linear, ids: torch.Tensor):
+        self.ids = ids.to(projection.weight.device)  # (K,)
+        self.vocab_size = projection.weight.shape[0]
+        self.weight = projection.weight[self.ids].detach()  # (K, d)
+        self.bias = None if projection.bias is None else projection.bias[self.ids].detach()
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        """(..., d) -> (..., K) float32 logits over the draft vocabulary."""
+        return torch.nn.functional.linear(h.to(self.weight.dtype), self.weight, self.bias).float()
+
+    def full_log_probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """(F, K) draft logits -> (F, V) log-probabilities, -inf outside the draft vocabulary."""
+        out = torch.full((logits.shape[0], self.vocab_size), float("-inf"), device=logits.device)
+        return out.index_copy_(1, self.ids, torch.log_softmax(logits, dim=-1))
+
+
 class MedusaProposer:
     """Medusa heads fill a static tree: node at depth k with rank r gets head k's r-th most likely token.
 
@@ -348,20 +372,30 @@ class MedusaProposer:
 
     feature_layers = [-1]
 
-    def __init__(self, heads: torch.nn.Module, tree: Tree):
+    def __init__(self, heads: torch.nn.Module, tree: Tree, draft_vocab: torch.Tensor | None = None):
         if tree.max_depth > heads.cfg.num_heads:
             raise ValueError(f"tree depth {tree.max_depth} exceeds the number of Medusa heads ({heads.cfg.num_heads})")
         self.heads = heads
         self.tree = tree
         self.top_k = int(tree.head_rank.max()) + 1
+        self.vocab = None  # per head: its projection restricted to the draft vocabulary
+        if draft_vocab is not None:
+            self.vocab = [VocabProjection(heads.projection(k), draft_vocab) for k in range(1, tree.max_depth + 1)]
 
     def reset(self) -> None:
         pass
 
     def propose(self, state: DecodeState) -> Tree:
         last = state.new_hidden[:, -1:, 0]  # (1, 1, d)
-        logits = self.heads.head_logits(last, self.tree.max_depth)[:, :, 0]  # (D, 1, V): the heads the tree reaches
-        head_topk = logits.topk(self.top_k, dim=-1).indices.transpose(0, 1)  # (1, D, top_k)
+        if self.vocab is None:
+            logits = self.heads.head_logits(last, self.tree.max_depth)[:, :, 0]  # (D, 1, V): the heads the tree reaches
+            head_topk = logits.topk(self.top_k, dim=-1).indices.transpose(0, 1)  # (1, D, top_k)
+        else:
+            top = []
+            for k, vocab in enumerate(self.vocab, 1):
+                h = self.heads.blocks[k - 1](last[:, 0].to(self.heads.compute_dtype))  # (1, d)
+                top.append(vocab.ids[vocab(h).topk(self.top_k, dim=-1).indices])  # (1, top_k) token ids
+            head_topk = torch.stack(top, dim=1)  # (1, D, top_k)
         tokens = medusa_tokens(self.tree, state.tokens[:, -1], head_topk)  # (1, N)
         return dataclasses.replace(self.tree, tokens=tokens[0])
 
@@ -376,11 +410,19 @@ class EagleProposer:
     cropped away at commit, because the accepted tokens are re-run next round with the target's true features.
     """
 
-    def __init__(self, drafter: torch.nn.Module, depth: int, top_k: int, total_tokens: int):
+    def __init__(
+        self,
+        drafter: torch.nn.Module,
+        depth: int,
+        top_k: int,
+        total_tokens: int,
+        draft_vocab: torch.Tensor | None = None,
+    ):
         self.drafter = drafter
         self.feature_layers = list(drafter.cfg.feature_layers)
         self.depth, self.top_k, self.total_tokens = depth, top_k, total_tokens
         self.cache = drafter.new_cache()
+        self.vocab = None if draft_vocab is None else VocabProjection(drafter.lm_head, draft_vocab)
 
     def reset(self) -> None:
         self.cache = self.drafter.new_cache()
@@ -390,23 +432,36 @@ class EagleProposer:
         n, prefix_len = feats.shape[1], state.prefix_len
         device = feats.device
         positions = torch.arange(prefix_len - n, prefix_len, device=device)[None]  # (1, n)
-        logits, hidden = self.drafter.step(feats, state.tokens[:, -n:], positions, self.cache)  # (1, n, V), (1, n, d)
+        logits, hidden = self.drafter.step(
+            feats, state.tokens[:, -n:], positions, self.cache, project=self.vocab, last_only=True
+        )  # (1, 1, V or K), (1, n, d)
         committed = self.committed = self.cache.length
         rows = {"hidden": hidden[0, -1:], "anc": torch.zeros(1, 0, dtype=torch.bool, device=device)}
 
+        def log_probs(step_logits: torch.Tensor) -> torch.Tensor:  # (F, V or K) -> (F, V)
+            return (
+                torch.log_softmax(step_logits, dim=-1) if self.vocab is None else self.vocab.full_log_probs(step_logits)
+            )
+
         def expand(tokens: torch.Tensor, parent_rows: torch.Tensor, step: int) -> torch.Tensor:
             if step == 0:  # the root's children come from the catch-up's last position
-                return torch.log_softmax(logits[0, -1:], dim=-1)  # (1, V)
+                return log_probs(logits[0])  # (1, V)
             parent_rows = parent_rows.to(device)
             f = tokens.numel()
             anc = torch.cat([rows["anc"][parent_rows], torch.eye(f, dtype=torch.bool, device=device)], dim=1)
             mask = torch.cat([torch.ones(f, committed, dtype=torch.bool, device=device), anc], dim=1)  # (F, S+F)
             pos = torch.full((1, f), prefix_len + step - 1, device=device)  # the parent's position
             step_logits, step_hidden = self.drafter.step(
-                rows["hidden"][parent_rows][None], tokens.to(device)[None], pos, self.cache, mask[None], False
+                rows["hidden"][parent_rows][None],
+                tokens.to(device)[None],
+                pos,
+                self.cache,
+                mask[None],
+                False,
+                self.vocab,
             )
             rows["hidden"], rows["anc"] = step_hidden[0], anc
-            return torch.log_softmax(step_logits[0], dim=-1)  # (F, V)
+            return log_probs(step_logits[0])  # (F, V)
 
         return dynamic_tree(expand, int(state.tokens[0, -1]), self.depth, self.top_k, self.total_tokens)
 

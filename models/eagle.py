@@ -9,6 +9,7 @@ for the verified prefix and with the drafter's own `hidden_out` for the position
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -336,6 +337,8 @@ class EagleDrafter(nn.Module):
         cache: DraftCache,
         tree_mask: torch.Tensor | None = None,
         from_target: bool = True,
+        project: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        last_only: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Run n new positions on top of `cache` (which they extend); returns logits (B, n, V), hidden_out (B, n, d).
 
@@ -350,6 +353,8 @@ class EagleDrafter(nn.Module):
         new position sees (ancestors and itself), all cached positions visible; (B, n, S+n) bool = the
         full mask over cache and new positions (multi-round tree drafting, where earlier tree nodes
         are in the cache and must be hidden from other branches).
+        `project`: f̂ (..., d) -> logits (..., K) instead of the full lm_head (a draft vocabulary);
+        `last_only`: logits for the last new position only (B, 1, ·), as a catch-up step needs.
         """
         B, n = input_ids.shape
         d = self.fc.in_features // 2
@@ -367,7 +372,8 @@ class EagleDrafter(nn.Module):
             seen = torch.ones(B, n, S, dtype=torch.bool, device=g.device)
             tree_mask = torch.cat([seen, tree_mask.to(g.device)], dim=-1)  # (B, n, S+n)
         f_hat = self._predict(g, input_ids, position_ids, tree_mask, cache)  # (B, n, d)
-        return self.logits(f_hat), f_hat
+        out = f_hat[:, -1:] if last_only else f_hat
+        return (self.logits(out) if project is None else project(out)), f_hat
 
     # ---------------------------------------------------------------------------------------
     # What the training loop needs

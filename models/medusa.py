@@ -106,10 +106,12 @@ class MedusaHeads(nn.Module):
 
     def head(self, k: int, hidden: torch.Tensor) -> torch.Tensor:
         """Logits of head k (1-based) for hidden states (..., d) -> (..., V)."""
-        h = self.blocks[k - 1](hidden.to(self.compute_dtype))  # (..., d)
-        if self.lm_heads is not None:
-            return self.lm_heads[k - 1](h)  # (..., V)
-        return self.lm_head(h.to(self.lm_head.weight.dtype))  # (..., V)
+        projection = self.projection(k)
+        return projection(self.blocks[k - 1](hidden.to(self.compute_dtype)).to(projection.weight.dtype))  # (..., V)
+
+    def projection(self, k: int) -> nn.Linear:
+        """Head k's vocabulary projection: its own lm_head copy, or the shared frozen target lm_head."""
+        return self.lm_heads[k - 1] if self.lm_heads is not None else self.lm_head
 
     def head_logits(self, hidden: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
         """Heads 1..num_heads (default: all K) on last hidden states (B, T, d) -> (num_heads, B, T, V); head k predicts

@@ -15,7 +15,9 @@ import pytest
 import torch
 import yaml
 
-from eval.__main__ import EvalError, load_prompts, main, process_gpus, prompt_token_ids
+from data.extract import main as extract_main
+from data.shards import FeatureDataset
+from eval.__main__ import EvalError, draft_vocabulary, load_prompts, main, process_gpus, prompt_token_ids
 from eval.report import summarize, to_markdown
 from models.eagle import EagleConfig, EagleDrafter
 from models.io import save_native
@@ -126,6 +128,20 @@ def test_eval_two_processes_split_and_gather(tmp_path, target):
     report = json.loads((tmp_path / "run" / "eval" / "report.json").read_text())
     assert report["num_processes"] == 2 and [r["index"] for r in report["per_prompt"]] == [0, 1, 2]
     assert report["lossless"] is True
+
+
+def test_draft_vocabulary_counts_loss_tokens_of_the_shards(tmp_path, monkeypatch):
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])
+    features = tmp_path / "features"
+    extract_main(["recipes/tiny/eagle2.yaml", f"data.features_dir={features}"])
+    dataset = FeatureDataset(features)
+    items = [dataset[i] for i in range(len(dataset))]
+    loss_ids = torch.cat([item["input_ids"][item["loss_mask"] > 0] for item in items])
+    all_ids = torch.cat([item["input_ids"] for item in items])
+    assert len(loss_ids) < len(all_ids)  # prompts are in the shards but never counted
+    counts = torch.bincount(loss_ids)
+    assert draft_vocabulary(features, 10).tolist() == counts.argsort(descending=True, stable=True)[:10].tolist()
+    assert len(draft_vocabulary(features, 10**6)) == int((counts > 0).sum())  # never pads with unseen tokens
 
 
 @pytest.mark.parametrize("path", ["recipes/pocket/eagle2.yaml", "recipes/pocket/medusa1.yaml"])

@@ -17,6 +17,7 @@ from eval.generate import (
     DecodeState,
     EagleProposer,
     MedusaProposer,
+    VocabProjection,
     plain_generate,
     round_stats,
     speculative_generate,
@@ -179,6 +180,37 @@ def test_greedy_real_drafters_lossless(target, kind):
     assert out.tokens == plain.tokens
     if kind == "eagle_chain":
         assert set(out.tree_nodes) == {5}
+
+
+@pytest.mark.parametrize("kind", ["eagle_dynamic", "eagle_chain", "medusa_tree"])
+def test_draft_vocabulary_keeps_greedy_output_and_drafts_only_from_it(target, kind):
+    vocab = torch.randperm(target.model.config.vocab_size, generator=torch.Generator().manual_seed(0))[:64]
+    if kind.startswith("eagle"):
+        top_k, total = (3, 8) if kind == "eagle_dynamic" else (1, 4)
+        proposer = EagleProposer(_eagle(target), depth=3, top_k=top_k, total_tokens=total, draft_vocab=vocab)
+    else:
+        proposer = MedusaProposer(_medusa(target), medusa_tree([(0,), (1,), (0, 0), (0, 1), (0, 0, 0)], 3), vocab)
+    drafted = []
+    propose = proposer.propose
+    proposer.propose = lambda state: drafted.append(tree := propose(state)) or tree
+    settings = DecodeSettings(max_new_tokens=20)
+    out = speculative_generate(target.model, proposer, PROMPT, settings)
+    assert out.tokens == plain_generate(target.model, PROMPT, settings).tokens
+    assert drafted and all(set(t.tokens[1:].tolist()) <= set(vocab.tolist()) for t in drafted)
+
+
+def test_vocab_projection_is_the_full_projection_restricted():
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 50, bias=True)
+    ids = torch.tensor([7, 3, 41])
+    vocab = VocabProjection(head, ids)
+    h = torch.randn(2, 16)
+    with torch.no_grad():
+        assert torch.allclose(vocab(h), head(h)[:, ids], atol=1e-6)
+        full = vocab.full_log_probs(vocab(h))
+    assert full.shape == (2, 50) and torch.isinf(full[:, [0, 1, 2, 49]]).all()
+    assert torch.allclose(full[:, ids], torch.log_softmax(head(h)[:, ids], -1).detach(), atol=1e-6)
+    assert torch.allclose(full.exp().sum(-1), torch.ones(2))
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])

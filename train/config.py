@@ -178,6 +178,10 @@ class EvalConfig:
     tree_depth: int = 5
     tree_top_k: int = 10
     tree_total_tokens: int = 60
+    draft_vocab: int = 0
+    """0: draft over the whole vocabulary. N > 0: draft only among the N most frequent loss tokens of
+    `data.features_dir` (an EAGLE-3-style draft vocabulary: each draft step's vocabulary projection costs N/V
+    as much; verification still uses the full vocabulary, so outputs are unchanged)."""
     kernels: Literal["triton", "reference"] = "triton"
     baselines: list[str] = field(default_factory=lambda: ["plain", "prompt_lookup"])
     seed: int = 0
@@ -191,6 +195,8 @@ class EvalConfig:
             err("eval.top_p", f"must be in (0, 1], got {self.top_p}")
         if self.tree_depth < 1 or self.tree_top_k < 1 or self.tree_total_tokens < 2:
             err("eval.tree_depth", "tree_depth and tree_top_k must be >= 1, tree_total_tokens >= 2")
+        if self.draft_vocab < 0:
+            err("eval.draft_vocab", f"must be >= 0 (0 = the whole vocabulary), got {self.draft_vocab}")
         if self.acceptance == "typical" and self.temperature == 0:
             err("eval.acceptance", "typical acceptance needs temperature > 0 (greedy is already exact)")
 
