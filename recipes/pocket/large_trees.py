@@ -76,6 +76,7 @@ def main() -> None:
             total = TOTAL_TOKENS.get(name, 60 if method == "eagle2" else 64)
             overrides = [*data, f"eval.drafter={drafter}", f"eval.output_dir={out}/{name}", *tree]
             overrides += [f"eval.tree_total_tokens={total}", f"eval.max_prompts={args.prompts}"]
+            overrides += ["eval.draft_vocab=0"]  # the papers' trees draft over the whole vocabulary
             run_step(f"eval-{name}", [py, "-m", "eval", RECIPES[method], *overrides], log_dir, env)
         r = json.loads(report.read_text())
         label = method + (" (4 heads)" if method == "medusa1" else "")

@@ -105,6 +105,7 @@ def main() -> None:
             else:
                 overrides = [f"eval.drafter={out}/{name}/export", f"eval.output_dir={out}/{name}/eval-{tree}"]
                 overrides += [*tree_overrides, "eval.tree_total_tokens=6", f"eval.max_prompts={args.prompts}"]
+                overrides += ["eval.draft_vocab=0"]  # both arms draft over the whole vocabulary
                 run_step(f"eval-{name}-{tree}", [py, "-m", "eval", recipe, *overrides], log_dir, env)
             taus[name, tree] = json.loads(report.read_text())
 
