@@ -12,9 +12,7 @@ Each step is a subprocess with its log under OUT/logs/; completed steps are skip
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -23,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).parent))
 
-from demo import RECIPES, banner, run_step, skip  # noqa: E402
+from demo import RECIPES, banner, followup_parser, followup_setup, run_step, skip  # noqa: E402
 
 from eval.report import lossless_mark, markdown_table  # noqa: E402
 
@@ -40,20 +38,12 @@ TOTAL_TOKENS = {"eagle2-dynamic-d3-k2-n6": 6}  # eval.tree_total_tokens; 60 (EAG
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--demo", default="artifacts/demo", help="the output directory of a finished `make demo`")
-    parser.add_argument("--out", default="artifacts/large-trees", help="where every output goes (gitignored)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads for training and decoding")
-    parser.add_argument("--prompts", type=int, default=20, help="held-out prompts per evaluation")
-    args = parser.parse_args()
+    args = followup_parser(__doc__.split("\n\n")[0], "artifacts/large-trees").parse_args()
     demo, out = Path(args.demo), Path(args.out)
     eagle_export = demo / "eagle2" / "export"
-    for needed in (demo / "selfdistill.jsonl", demo / "features" / "manifest.json", eagle_export / "config.json"):
-        if not (ROOT / needed).is_file():
-            sys.exit(f"large_trees: {needed} is missing: run `make demo` first (or pass --demo)")
-    (ROOT / out / "logs").mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false"}
-    py, log_dir, start = sys.executable, ROOT / out / "logs", time.perf_counter()
+    needed = [demo / "selfdistill.jsonl", demo / "features" / "manifest.json", eagle_export / "config.json"]
+    env, log_dir = followup_setup("large_trees", args, needed)
+    py, start = sys.executable, time.perf_counter()
     data = [f"data.train_files=[{demo}/selfdistill.jsonl]", f"data.features_dir={demo}/features"]
 
     medusa_run = out / "medusa1-4heads"

@@ -15,9 +15,7 @@ OUT/logs/, skipped when complete.
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -29,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).parent))
 
-from demo import RECIPES, banner, run_step, skip  # noqa: E402
+from demo import RECIPES, banner, followup_parser, followup_setup, run_step, skip  # noqa: E402
 
 from eval.report import lossless_mark, markdown_table  # noqa: E402
 
@@ -59,21 +57,14 @@ def last_eval_accuracy(run_dir: Path, heads: int) -> list[float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--demo", default="artifacts/demo", help="the output directory of a finished `make demo`")
-    parser.add_argument("--out", default="artifacts/medusa2-compare", help="where every output goes (gitignored)")
+    parser = followup_parser(__doc__.split("\n\n")[0], "artifacts/medusa2-compare")
     parser.add_argument("--steps", type=int, default=120, help="training steps per arm (Medusa-2 arm: half + half)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads for training and decoding")
-    parser.add_argument("--prompts", type=int, default=20, help="held-out prompts per evaluation")
     parser.add_argument("--target", default="recipes/pocket/target")
     args = parser.parse_args()
     demo, out, half = Path(args.demo), Path(args.out), args.steps // 2
-    for needed in (demo / "selfdistill.jsonl", demo / "features" / "manifest.json"):
-        if not (ROOT / needed).is_file():
-            sys.exit(f"medusa2_compare: {needed} is missing: run `make demo` first (or pass --demo)")
-    (ROOT / out / "logs").mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false"}
-    py, log_dir, start = sys.executable, ROOT / out / "logs", time.perf_counter()
+    needed = [demo / "selfdistill.jsonl", demo / "features" / "manifest.json"]
+    env, log_dir = followup_setup("medusa2_compare", args, needed)
+    py, start = sys.executable, time.perf_counter()
     data = [f"data.train_files=[{demo}/selfdistill.jsonl]", f"data.features_dir={demo}/features"]
 
     runs = {  # name -> (recipe, overrides)
