@@ -456,9 +456,9 @@ class EagleProposer:
                 tokens.to(device)[None],
                 pos,
                 self.cache,
-                mask[None],
-                False,
-                self.vocab,
+                tree_mask=mask[None],
+                from_target=False,
+                project=self.vocab,
             )
             rows["hidden"], rows["anc"] = step_hidden[0], anc
             return log_probs(step_logits[0])  # (F, V)

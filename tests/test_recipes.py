@@ -63,6 +63,7 @@ BAD = {
     "unknown method": (["drafter.method=medusa3"], "drafter.method", "unknown method"),
     "tree deeper than heads": (["eval.tree=chain", "eval.tree_depth=9"], "eval.tree_depth", "exceeds"),
     "missing dataset": (["data.train_files=[]"], "data.train_files", "no dataset"),
+    "draft vocabulary below top-k": (["eval.draft_vocab=4", "eval.tree_top_k=8"], "eval.draft_vocab", ">= tree_top_k"),
 }
 
 

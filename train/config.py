@@ -195,8 +195,8 @@ class EvalConfig:
             err("eval.top_p", f"must be in (0, 1], got {self.top_p}")
         if self.tree_depth < 1 or self.tree_top_k < 1 or self.tree_total_tokens < 2:
             err("eval.tree_depth", "tree_depth and tree_top_k must be >= 1, tree_total_tokens >= 2")
-        if self.draft_vocab < 0:
-            err("eval.draft_vocab", f"must be >= 0 (0 = the whole vocabulary), got {self.draft_vocab}")
+        if self.draft_vocab < 0 or 0 < self.draft_vocab < self.tree_top_k:
+            err("eval.draft_vocab", f"must be 0 (the whole vocabulary) or >= tree_top_k, got {self.draft_vocab}")
         if self.acceptance == "typical" and self.temperature == 0:
             err("eval.acceptance", "typical acceptance needs temperature > 0 (greedy is already exact)")
 
