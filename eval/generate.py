@@ -393,8 +393,8 @@ class MedusaProposer:
         else:
             top = []
             for k, vocab in enumerate(self.vocab, 1):
-                h = self.heads.blocks[k - 1](last[:, 0].to(self.heads.compute_dtype))  # (1, d)
-                top.append(vocab.ids[vocab(h).topk(self.top_k, dim=-1).indices])  # (1, top_k) token ids
+                logits = vocab(self.heads.head_state(k, last[:, 0]))  # (1, K)
+                top.append(vocab.ids[logits.topk(self.top_k, dim=-1).indices])  # (1, top_k) token ids
             head_topk = torch.stack(top, dim=1)  # (1, D, top_k)
         tokens = medusa_tokens(self.tree, state.tokens[:, -1], head_topk)  # (1, N)
         return dataclasses.replace(self.tree, tokens=tokens[0])

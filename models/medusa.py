@@ -107,7 +107,11 @@ class MedusaHeads(nn.Module):
     def head(self, k: int, hidden: torch.Tensor) -> torch.Tensor:
         """Logits of head k (1-based) for hidden states (..., d) -> (..., V)."""
         projection = self.projection(k)
-        return projection(self.blocks[k - 1](hidden.to(self.compute_dtype)).to(projection.weight.dtype))  # (..., V)
+        return projection(self.head_state(k, hidden).to(projection.weight.dtype))  # (..., V)
+
+    def head_state(self, k: int, hidden: torch.Tensor) -> torch.Tensor:
+        """Head k's residual blocks on hidden states (..., d) -> (..., d): what its vocabulary projection reads."""
+        return self.blocks[k - 1](hidden.to(self.compute_dtype))
 
     def projection(self, k: int) -> nn.Linear:
         """Head k's vocabulary projection: its own lm_head copy, or the shared frozen target lm_head."""

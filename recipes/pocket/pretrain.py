@@ -33,6 +33,8 @@ from accelerate import Accelerator
 from tqdm import tqdm
 from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
+STAGE_STATS = ("step", "tokens_seen", "train_seconds", "valid_loss")  # a run's summary, in stats and earlier_stages
+
 
 @dataclasses.dataclass
 class PretrainConfig:
@@ -165,7 +167,7 @@ def export(cfg: PretrainConfig, checkpoint: Path) -> None:
         do_sample=False,
     )
     model.to(torch.bfloat16).save_pretrained(cfg.export_dir, safe_serialization=True)
-    stats = {k: state[k] for k in ("step", "tokens_seen", "train_seconds", "valid_loss")}
+    stats = {k: state[k] for k in STAGE_STATS}
     stats["earlier_stages"] = state.get("earlier_stages", [])
     stats |= {"max_steps": cfg.max_steps, "params": sum(p.numel() for p in model.parameters())}
     stats["config"] = dataclasses.asdict(cfg)
@@ -194,7 +196,7 @@ def main() -> None:
         model = LlamaForCausalLM.from_pretrained(cfg.init_from, dtype=torch.float32)
         check_architecture(model.config, cfg, args.config)
         earlier = torch.load(Path(cfg.init_from) / "state.pt", weights_only=False)
-        stage = {k: earlier[k] for k in ("step", "tokens_seen", "train_seconds", "valid_loss")}
+        stage = {k: earlier[k] for k in STAGE_STATS}
         state["earlier_stages"] = earlier.get("earlier_stages", []) + [stage | {"checkpoint": cfg.init_from}]
     else:
         model = build_model(cfg)
