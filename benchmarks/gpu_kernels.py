@@ -6,7 +6,8 @@
 Prints `check …: ok|FAIL` lines, then `tree_attention/sdpa …: X (goal <= 1.0)` time ratios for N = 64 tree tokens
 (our MEDUSA_63 tree) over a 4k-token prefix, 32 heads x 128 head dim, GQA with 8 kv heads, B = 1 and 8. SDPA gets
 a dense float mask over prefix + tree and K/V already repeated to 32 heads (repeat outside the timed region).
-Exit status 1 if any check fails.
+Also decodes with a tiny target spread over two devices the way `target.device_map` spreads one (two GPUs, or one
+GPU and the CPU), greedy speculative output against plain greedy. Exit status 1 if any check fails.
 """
 
 from __future__ import annotations
@@ -104,6 +105,35 @@ def check_kv_commit(device, gen) -> None:
     check("kv_commit bf16", torch.equal(want, got) and all(torch.equal(a, b) for a, b in zip(caches, twins)))
 
 
+def check_spread_target(devices: list[str], kernels_list: tuple[str, ...]) -> None:
+    """A tiny Llama target spread over `devices` like a `device_map` target (KV caches on several devices): greedy
+    speculative decoding equals plain greedy on each kernel path."""
+    from eval.checks import ScriptedProposer, spread_layers
+    from eval.generate import DecodeSettings, plain_generate, speculative_generate
+    from models.target import load_target
+
+    config = {
+        "model_type": "llama", "vocab_size": 96, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+        "initializer_range": 0.2, "tie_word_embeddings": False,
+    }  # fmt: skip
+    target = load_target(random_init=config, dtype="float32", seed=0)
+    prompt = torch.tensor([[5, 17, 3, 42, 8, 77, 23]], device=devices[0])
+    settings = DecodeSettings(max_new_tokens=24)
+    target.model.to(devices[0])
+    plain = plain_generate(target.model, prompt, settings)
+    placement = spread_layers(target.model, devices)
+    caches_on = sorted({str(d) for d in placement.values()})
+    for kernels_kind in kernels_list:
+        stub = ScriptedProposer(plain.tokens, prompt.shape[1], [-1, 0, 0, 0, 1, 1, 2, 4, 4, 7], "sometimes", 96, 3)
+        out = speculative_generate(target.model, stub, prompt, settings, kernels_kind)
+        check(
+            f"spread target over {'+'.join(caches_on)} {kernels_kind}",
+            out.tokens == plain.tokens and sum(out.accepted) > 0,
+            f"accepted {sum(out.accepted)} drafts in {len(out.accepted)} rounds",
+        )
+
+
 def bench(fn: Callable[[], object], device) -> float:
     """Median milliseconds of fn."""
     if device.type == "cuda":
@@ -178,6 +208,7 @@ def main() -> None:
         check_attention([torch.float32, torch.float16], [(2, 4, 2, 37, 20, 32)], device, gen)
         check_verify(2, 20, 64, device, gen)
         time_attention([1], 4, 2, 40, 32, [torch.float32], device, gen)
+        check_spread_target(["cpu", "cpu"], ("reference", "triton"))
     else:
         if not torch.cuda.is_available():
             sys.exit("no CUDA device: run with --smoke for the CPU interpreter check")
@@ -188,6 +219,10 @@ def main() -> None:
         check_verify(8, 64, 32000, device, gen)
         check_verify(3, 20, 1000, device, gen)
         check_kv_commit(device, gen)
+        if torch.cuda.device_count() > 1:  # a target over two GPUs: both kernel paths
+            check_spread_target(["cuda:0", "cuda:1"], ("reference", "triton"))
+        else:  # one GPU + the CPU (Triton kernels need every layer on a GPU): the reference path
+            check_spread_target(["cuda:0", "cpu"], ("reference",))
         time_attention([1, 8], 32, 8, 4096, 128, [torch.bfloat16, torch.float16], device, gen)
         time_verify(1, 32000, device, gen)
     print(f"{len(FAILURES)} failed checks" + (": " + ", ".join(FAILURES) if FAILURES else ""), flush=True)

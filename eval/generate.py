@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import time
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
@@ -165,6 +166,8 @@ class TargetRunner:
             if model.config._attn_implementation != name:
                 model.set_attn_implementation(name)
         self.cache = DynamicCache(config=model.config)
+        # transformers renamed `past_key_values` to `cache` in 5.x; an unknown name would be swallowed by **kwargs
+        self.cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         self.forwards = 0
         self.seconds = 0.0
 
@@ -185,8 +188,8 @@ class TargetRunner:
                 input_ids=input_ids,
                 attention_mask=mask,
                 position_ids=position_ids,
-                cache=self.cache,
                 use_cache=True,
+                **{self.cache_arg: self.cache},
                 output_hidden_states=bool(self.feature_layers),
                 logits_to_keep=1 if last_only else 0,
             )

@@ -30,7 +30,7 @@ import functools
 import math
 import os
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from contextvars import ContextVar
 from dataclasses import dataclass
 
@@ -173,6 +173,23 @@ def _merge_splits_kernel(
     )
 
 
+def on_device(t: torch.Tensor) -> AbstractContextManager:
+    """Triton launches on the *current* CUDA device: make it the one holding `t` (layers of a `device_map` target
+    live on several GPUs, and a launch with another GPU's pointers faults)."""
+    return torch.cuda.device(t.device) if t.device.type == "cuda" else nullcontext()
+
+
+def _on_first_device(fn: Callable) -> Callable:
+    """Run `fn` (whose first argument is a tensor) with that tensor's GPU current, see `on_device`."""
+
+    @functools.wraps(fn)
+    def wrapper(first: torch.Tensor, *args, **kwargs):
+        with on_device(first):
+            return fn(first, *args, **kwargs)
+
+    return wrapper
+
+
 def _pow2(x: int, lo: int, hi: int) -> int:
     return max(lo, min(hi, triton.next_power_of_2(max(x, 1))))
 
@@ -190,6 +207,7 @@ def _num_splits(q: torch.Tensor, programs: int, p: int, block_p: int) -> int:
     return max(1, min(triton.cdiv(2 * sms, programs), triton.cdiv(p, 4 * block_p), 16))
 
 
+@_on_first_device
 def tree_attention(
     q: torch.Tensor,
     k_prefix: torch.Tensor,
@@ -366,6 +384,7 @@ def _verify_longest_path(
     return accept_len, accepted, bonus
 
 
+@_on_first_device
 def verify_greedy(
     tree_tokens: torch.Tensor, target_logits: torch.Tensor, tree: Tree
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -373,6 +392,7 @@ def verify_greedy(
     return _verify_longest_path(tree_tokens, target_logits, tree, typical=False)
 
 
+@_on_first_device
 def verify_typical(
     tree_tokens: torch.Tensor,
     target_logits: torch.Tensor,
@@ -475,6 +495,7 @@ def _sampled_walk_kernel(
             stop += 1
 
 
+@_on_first_device
 def verify_sampled(
     tree_tokens: torch.Tensor,
     target_logits: torch.Tensor,
@@ -542,15 +563,20 @@ def kv_commit(
     prefix = torch.as_tensor(prefix_len, device=nodes.device, dtype=torch.long).expand(bsz).contiguous()
     caches = [k_cache] if isinstance(k_cache, torch.Tensor) else list(k_cache)
     caches += [v_cache] if isinstance(v_cache, torch.Tensor) else list(v_cache)
+    on = {nodes.device: (nodes, prefix)}  # the indices on each cache's device (a device_map target: several GPUs)
     for cache in caches:
         _, hkv, _, d = cache.shape
         if cache.stride(-1) != 1:
             raise ValueError("kv_commit needs caches with a contiguous last dimension")
+        if cache.device not in on:
+            on[cache.device] = (nodes.to(cache.device), prefix.to(cache.device))
+        cache_nodes, cache_prefix = on[cache.device]
         block_d = _pow2(d, 16, 128)
-        _kv_commit_kernel[(bsz * hkv, triton.cdiv(d, block_d))](
-            cache, nodes, prefix, cache.stride(0), cache.stride(1), cache.stride(2), nodes.stride(0), d,
-            HKV=hkv, WIDTH=width, BLOCK_D=block_d, num_warps=1,
-        )  # fmt: skip
+        with on_device(cache):
+            _kv_commit_kernel[(bsz * hkv, triton.cdiv(d, block_d))](
+                cache, cache_nodes, cache_prefix, cache.stride(0), cache.stride(1), cache.stride(2),
+                cache_nodes.stride(0), d, HKV=hkv, WIDTH=width, BLOCK_D=block_d, num_warps=1,
+            )  # fmt: skip
     return prefix + (nodes >= 0).sum(-1)
 
 

@@ -246,9 +246,10 @@ def kv_commit(
 ) -> torch.Tensor:
     """Move the KV rows of the accepted nodes (rows prefix_len + node) to rows prefix_len, prefix_len + 1, … in place.
 
-    Caches are (B, Hkv, S, D) tensors or per-layer lists of them; accepted_nodes (B, L) lists nodes in path order,
-    -1 padded at the end. Returns new_len (B,) = prefix_len + number of accepted nodes (root included); rows past it
-    are stale and the caller crops them."""
+    Caches are (B, Hkv, S, D) tensors or per-layer lists of them, on any devices (the layers of a `device_map`
+    target); accepted_nodes (B, L) lists nodes in path order, -1 padded at the end. Returns new_len (B,) = prefix_len
+    + number of accepted nodes (root included), on accepted_nodes' device; rows past it are stale and the caller crops
+    them."""
     bsz, width = accepted_nodes.shape
     device = accepted_nodes.device
     prefix = torch.as_tensor(prefix_len, device=device).expand(bsz)[:, None]  # (B, 1)
@@ -256,10 +257,14 @@ def kv_commit(
     valid = accepted_nodes >= 0
     dst = prefix + steps  # (B, L)
     src = torch.where(valid, prefix + accepted_nodes, dst)
+    on = {device: (src, dst)}  # the indices on each cache's device (a device_map target: several GPUs)
     for cache in [*_as_list(k_cache), *_as_list(v_cache)]:
         _, h, _, d = cache.shape
-        rows = cache.gather(2, src[:, None, :, None].expand(-1, h, -1, d))  # (B, Hkv, L, D) copy
-        cache.scatter_(2, dst[:, None, :, None].expand(-1, h, -1, d), rows)
+        if cache.device not in on:
+            on[cache.device] = (src.to(cache.device), dst.to(cache.device))
+        cache_src, cache_dst = on[cache.device]
+        rows = cache.gather(2, cache_src[:, None, :, None].expand(-1, h, -1, d))  # (B, Hkv, L, D) copy
+        cache.scatter_(2, cache_dst[:, None, :, None].expand(-1, h, -1, d), rows)
     return prefix[:, 0] + valid.sum(-1)
 
 

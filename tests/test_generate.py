@@ -6,12 +6,12 @@ TRITON_INTERPRET=1 .venv/bin/pytest tests/test_generate.py -q
 from __future__ import annotations
 
 import dataclasses
-import random
 
 import pytest
 import torch
 
 from eval import reference
+from eval.checks import ScriptedProposer, spread_layers
 from eval.generate import (
     DecodeSettings,
     DecodeState,
@@ -65,49 +65,6 @@ def target(request):
 
 
 PROMPT = torch.tensor([[5, 17, 3, 42, 8, 77, 23]])
-
-
-class ScriptedProposer:
-    """Stub drafter that knows the plain greedy continuation `truth`.
-
-    It drafts a fixed tree shape; at every node it may make one child right (the true next token), the other
-    children get distinct wrong tokens. `mode`: "never" (no child is right: every branch rejected), "always" (the
-    first child is right: a chain is accepted in full), "sometimes" (a random child is right with probability 0.6).
-    """
-
-    feature_layers: list[int] = []
-
-    def __init__(self, truth: list[int], prompt_len: int, parents: list[int], mode: str, vocab: int, seed: int = 0):
-        self.truth, self.prompt_len, self.parents, self.mode, self.vocab = truth, prompt_len, parents, mode, vocab
-        self.rng = random.Random(seed)
-        self.commits: list[list[int]] = []
-
-    def reset(self) -> None:
-        self.commits.clear()
-
-    def propose(self, state: DecodeState) -> Tree:
-        shape = Tree.from_parents(self.parents)
-        done = state.tokens.shape[1] - self.prompt_len  # generated so far; the root is truth[done - 1]
-        tokens = [int(state.tokens[0, -1])] + [0] * (len(self.parents) - 1)
-        right_node = {0: True}
-        for node in range(len(self.parents)):
-            kids = [c for c, p in enumerate(self.parents) if p == node]
-            if not kids:
-                continue
-            idx = done - 1 + int(shape.depth[node]) + 1
-            true = self.truth[idx] if idx < len(self.truth) and right_node.get(node) else None
-            pick = {"never": None, "always": 0, "sometimes": self.rng.randrange(len(kids))}[self.mode]
-            if self.mode == "sometimes" and self.rng.random() > 0.6:
-                pick = None
-            wrong = iter(t for t in range(self.vocab) if t != true)
-            for j, child in enumerate(kids):
-                is_right = true is not None and j == pick
-                right_node[child] = is_right
-                tokens[child] = true if is_right else next(wrong)
-        return Tree.from_parents(self.parents, tokens=tokens)
-
-    def commit(self, path: list[int]) -> None:
-        self.commits.append(path)
 
 
 TREE_SHAPES = {
@@ -229,6 +186,24 @@ def test_triton_path_matches_reference(family):
         assert tri.tokens == ref.tokens == plain.tokens
         assert tri.accepted == ref.accepted
     assert sum(runs["triton"][0].accepted) > 0
+
+
+def test_greedy_lossless_with_layers_spread_behind_device_hooks():
+    """A target placed the way `device_map` places it (accelerate hooks per module, KV cache skipped by them) decodes
+    losslessly on both kernel paths. Here every device is the CPU; `benchmarks/gpu_kernels.py` runs the same check
+    over GPU + CPU (one GPU) or two GPUs, where the KV caches really live on different devices."""
+    target = tiny_target("llama")
+    settings = DecodeSettings(max_new_tokens=16)
+    plain = plain_generate(target.model, PROMPT, settings)
+    placement = spread_layers(target.model, ["cpu", "cpu"])
+    assert placement["model.layers.0"] == placement["lm_head"] == torch.device("cpu")
+    assert hasattr(target.model.model.layers[1], "_hf_hook") and hasattr(target.model.lm_head, "_hf_hook")
+    assert plain_generate(target.model, PROMPT, settings).tokens == plain.tokens
+    for kernels in ("reference", "triton"):
+        stub = ScriptedProposer(plain.tokens, PROMPT.shape[1], TREE_SHAPES["wide"], "sometimes", 96, seed=3)
+        out = speculative_generate(target.model, stub, PROMPT, settings, kernels)
+        assert out.tokens == plain.tokens
+        assert sum(out.accepted) > 0
 
 
 def test_eagle_drafts_what_it_would_draft_alone(target):

@@ -1,0 +1,88 @@
+"""Helpers for equivalence checks that run anywhere (the test suite, `benchmarks/gpu_kernels.py` on a lent GPU).
+
+- `ScriptedProposer`: a stub drafter that knows the plain greedy continuation, so a check can choose how often the
+  target accepts (never, always, sometimes) without training anything.
+- `spread_layers`: place a target's decoder layers over several devices with the same accelerate hooks that
+  `from_pretrained(device_map=...)` installs, so a one-machine check exercises a target spread over GPUs (and the
+  CPU, where only one GPU is lent): KV caches on several devices, hidden states handed between them.
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from eval.generate import DecodeState
+from eval.trees import Tree
+
+
+class ScriptedProposer:
+    """Stub drafter that knows the plain greedy continuation `truth` of a prompt of `prompt_len` tokens.
+
+    It drafts a fixed tree shape (`parents`); at every node it may make one child right (the true next token), the
+    other children get distinct wrong tokens. `mode`: "never" (no child is right: every branch rejected), "always"
+    (the first child is right: a chain is accepted in full), "sometimes" (a random child is right with probability
+    0.6). `commits` records every accepted path.
+    """
+
+    feature_layers: list[int] = []
+
+    def __init__(self, truth: list[int], prompt_len: int, parents: list[int], mode: str, vocab: int, seed: int = 0):
+        if mode not in ("never", "always", "sometimes"):
+            raise ValueError(f"ScriptedProposer: mode must be never, always or sometimes, got {mode!r}")
+        self.truth, self.prompt_len, self.parents, self.mode, self.vocab = truth, prompt_len, parents, mode, vocab
+        self.rng = random.Random(seed)
+        self.commits: list[list[int]] = []
+
+    def reset(self) -> None:
+        self.commits.clear()
+
+    def propose(self, state: DecodeState) -> Tree:
+        shape = Tree.from_parents(self.parents)
+        done = state.tokens.shape[1] - self.prompt_len  # generated so far; the root is truth[done - 1]
+        tokens = [int(state.tokens[0, -1])] + [0] * (len(self.parents) - 1)
+        right_node = {0: True}
+        for node in range(len(self.parents)):
+            kids = [c for c, p in enumerate(self.parents) if p == node]
+            if not kids:
+                continue
+            idx = done - 1 + int(shape.depth[node]) + 1
+            true = self.truth[idx] if idx < len(self.truth) and right_node.get(node) else None
+            pick = {"never": None, "always": 0, "sometimes": self.rng.randrange(len(kids))}[self.mode]
+            if self.mode == "sometimes" and self.rng.random() > 0.6:
+                pick = None
+            wrong = iter(t for t in range(self.vocab) if t != true)
+            for j, child in enumerate(kids):
+                is_right = true is not None and j == pick
+                right_node[child] = is_right
+                tokens[child] = true if is_right else next(wrong)
+        return Tree.from_parents(self.parents, tokens=tokens)
+
+    def commit(self, path: list[int]) -> None:
+        self.commits.append(path)
+
+
+def spread_layers(model: torch.nn.Module, devices: list[str | torch.device]) -> dict[str, torch.device]:
+    """Move `model` (an HF causal LM) onto `devices` as a `device_map` would: the embeddings on the first, the
+    decoder layers in contiguous equal runs, the final norm and lm_head on the last, each module behind an accelerate
+    `AlignDevicesHook` that moves its inputs (not the KV cache) to its device. Returns the placement by module name.
+
+    Unlike `accelerate.dispatch_model`, a "cpu" entry really runs on the CPU (dispatch_model would offload it and
+    run it on the first GPU), so one GPU plus the CPU is a two-device target.
+    """
+    from accelerate.hooks import AlignDevicesHook, add_hook_to_module
+
+    devices = [torch.device(d) for d in devices]
+    inner = model.model
+    layers = inner.layers
+    placement: dict[str, torch.device] = {"model.embed_tokens": devices[0], "model.rotary_emb": devices[0]}
+    for i in range(len(layers)):
+        placement[f"model.layers.{i}"] = devices[i * len(devices) // len(layers)]
+    placement |= {"model.norm": devices[-1], "lm_head": devices[-1]}
+    skip = getattr(model, "_skip_keys_device_placement", None)
+    for name, device in placement.items():
+        module = model.get_submodule(name)
+        module.to(device)
+        add_hook_to_module(module, AlignDevicesHook(execution_device=device, skip_keys=skip))
+    return placement
