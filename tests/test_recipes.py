@@ -64,6 +64,7 @@ BAD = {
     "tree deeper than heads": (["eval.tree=chain", "eval.tree_depth=9"], "eval.tree_depth", "exceeds"),
     "missing dataset": (["data.train_files=[]"], "data.train_files", "no dataset"),
     "draft vocabulary below top-k": (["eval.draft_vocab=4", "eval.tree_top_k=8"], "eval.draft_vocab", ">= tree_top_k"),
+    "export format not written": (["export.format=speculators"], "export.format", "must be one of"),
 }
 
 

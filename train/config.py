@@ -203,7 +203,9 @@ class EvalConfig:
 
 @dataclass
 class ExportConfig:
-    format: Literal["native", "eagle", "speculators", "sglang", "medusa", "vllm"] = "native"
+    format: Literal["native", "eagle", "sglang", "medusa", "vllm"] = "native"
+    """Engine layouts (REFERENCE.md). No vLLM speculators layout: speculators 0.9 describes EAGLE-3 family drafters
+    (and MTP / DFlash), whose layer attends over [embedding | fused features]; specdraft's EAGLE-2 drafter is not one."""
     out: str | None = None
     """Defaults to <train.output_dir>/export."""
     include_target_weights: bool = False
