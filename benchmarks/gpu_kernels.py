@@ -106,10 +106,15 @@ def check_kv_commit(device, gen) -> None:
 
 
 def check_spread_target(devices: list[str], kernels_list: tuple[str, ...]) -> None:
-    """A tiny Llama target spread over `devices` like a `device_map` target (KV caches on several devices): greedy
-    speculative decoding equals plain greedy on each kernel path."""
+    """A tiny Llama target spread over `devices` like a `device_map` target (KV caches on several devices, the
+    lm_head on the last one): greedy speculative decoding equals plain greedy on each kernel path, with a scripted
+    stub drafter and with (untrained) drafters that borrow the target's lm_head: EAGLE over a draft vocabulary,
+    Medusa heads sharing the lm_head."""
     from eval.checks import ScriptedProposer, spread_layers
-    from eval.generate import DecodeSettings, plain_generate, speculative_generate
+    from eval.generate import DecodeSettings, EagleProposer, MedusaProposer, plain_generate, speculative_generate
+    from eval.trees import chain
+    from models.eagle import EagleConfig, EagleDrafter
+    from models.medusa import MedusaConfig, MedusaHeads
     from models.target import load_target
 
     config = {
@@ -124,14 +129,25 @@ def check_spread_target(devices: list[str], kernels_list: tuple[str, ...]) -> No
     plain = plain_generate(target.model, prompt, settings)
     placement = spread_layers(target.model, devices)
     caches_on = sorted({str(d) for d in placement.values()})
+    parts = target.parts([-1])
+    torch.manual_seed(0)
+    eagle = EagleDrafter(EagleConfig(), parts).to(devices[0]).eval()
+    medusa = MedusaHeads(MedusaConfig(num_heads=2, share_lm_head=True), parts).to(devices[0]).eval()
+    vocab = torch.arange(0, 96, 2, device=devices[0])
     for kernels_kind in kernels_list:
         stub = ScriptedProposer(plain.tokens, prompt.shape[1], [-1, 0, 0, 0, 1, 1, 2, 4, 4, 7], "sometimes", 96, 3)
         out = speculative_generate(target.model, stub, prompt, settings, kernels_kind)
         check(
-            f"spread target over {'+'.join(caches_on)} {kernels_kind}",
+            f"spread target over {'+'.join(caches_on)} {kernels_kind} stub",
             out.tokens == plain.tokens and sum(out.accepted) > 0,
             f"accepted {sum(out.accepted)} drafts in {len(out.accepted)} rounds",
         )
+        for name, proposer in (
+            ("eagle draft-vocab", EagleProposer(eagle, depth=3, top_k=2, total_tokens=6, draft_vocab=vocab)),
+            ("medusa shared-lm_head", MedusaProposer(medusa, chain(2))),
+        ):
+            out = speculative_generate(target.model, proposer, prompt, settings, kernels_kind)
+            check(f"spread target over {'+'.join(caches_on)} {kernels_kind} {name}", out.tokens == plain.tokens)
 
 
 def bench(fn: Callable[[], object], device) -> float:

@@ -65,10 +65,16 @@ class EvalError(ValueError):
 
 def prompt_token_ids(record: dict[str, Any], tokenizer, where: str) -> list[int]:
     """A chat record (up to its first assistant turn, plus the generation prompt) or a plain `prompt` -> ids."""
+    if not isinstance(record, dict):
+        raise EvalError(f"{where}: a prompt record must be a JSON object, got {type(record).__name__}")
     turns = record.get("messages") or record.get("conversations")
     if turns is not None:
+        if not isinstance(turns, list):
+            raise EvalError(f"{where}: `messages` / `conversations` must be a list of turns")
         messages = []
         for turn in turns:
+            if not isinstance(turn, dict):
+                raise EvalError(f"{where}: a turn must be a JSON object, got {turn!r:.80}")
             role = SHAREGPT_ROLES.get(turn.get("role", turn.get("from")))
             if role is None:
                 raise EvalError(f"{where}: unknown role in turn {turn!r:.80}")
@@ -114,7 +120,7 @@ def medusa_rank_accuracy(heads: MedusaHeads, target: Target, sequences: list[tup
     K = heads.cfg.num_heads
     hits, counts = torch.zeros(K, top_k), torch.zeros(K)
     for ids, start in sequences:
-        hidden = target.hidden_states(ids, layers=[-1])[:, :, 0]  # (1, T, d)
+        hidden = target.hidden_states(ids, layers=[-1])[:, :, 0].to(ids.device)  # (1, T, d); device_map: last GPU
         logits = heads.head_logits(hidden)[:, 0]  # (K, T, V)
         for k in range(1, K + 1):
             pos = torch.arange(max(start - 1, 0), ids.shape[1] - k - 1, device=ids.device)  # t predicts t+k+1
@@ -211,6 +217,7 @@ def evaluate_prompt(
     record["speculative"] = spec.stats() | {
         "accepted": spec.accepted,
         "tree_depth": spec.tree_depth,
+        "extendable": spec.extendable,
         "target_s": spec.target_s,
         "draft_s": spec.draft_s,
     }
@@ -309,8 +316,14 @@ def run(recipe: Recipe) -> dict[str, Any] | None:
             raise EvalError(
                 f"{recipe.source}: eval.draft_vocab: needs the feature shards of data.features_dir to count tokens"
             )
-        draft_vocab = draft_vocabulary(recipe.data.features_dir, ev.draft_vocab)
-    proposer, tree_desc = build_proposer(drafter, ev, calibrate, draft_vocab)
+        draft_vocab = draft_vocabulary(recipe.data.features_dir, ev.draft_vocab).to(target.device)
+    try:
+        proposer, tree_desc = build_proposer(drafter, ev, calibrate, draft_vocab)
+    except EvalError:
+        raise
+    except ValueError as exc:  # e.g. fewer distinct loss tokens in the shards than the tree drafts per step
+        where = f" ({recipe.data.features_dir})" if draft_vocab is not None else ""
+        raise EvalError(f"{recipe.source}: eval: {exc}{where}") from exc
     with state.split_between_processes(prompts) as local:
         if local:  # warm-up (kernel compilation, allocator), not timed
             evaluate_prompt(target, proposer, local[0], dataclasses.replace(settings, max_new_tokens=WARMUP_TOKENS), ev)

@@ -97,6 +97,9 @@ class GenerationResult:
     """Per verification round: accepted draft tokens (the round yields accepted + 1 tokens)."""
     tree_depth: list[int] = field(default_factory=list)
     """Per round: depth of the proposed tree (the most that could have been accepted)."""
+    extendable: list[bool] = field(default_factory=list)
+    """Per round: whether the last accepted node had children (a deeper draft was offered and rejected), i.e. the
+    round ended by a rejection rather than by running out of tree."""
     tree_nodes: list[int] = field(default_factory=list)
     target_forwards: int = 0
     wall_s: float = 0.0
@@ -104,7 +107,7 @@ class GenerationResult:
     draft_s: float = 0.0
 
     def stats(self) -> dict[str, Any]:
-        return round_stats(self.accepted, self.tree_depth) | {
+        return round_stats(self.accepted, self.extendable) | {
             "new_tokens": len(self.tokens),
             "target_forwards": self.target_forwards,
             "forwards_per_token": self.target_forwards / max(len(self.tokens), 1),
@@ -113,15 +116,16 @@ class GenerationResult:
         }
 
 
-def round_stats(accepted: list[int], tree_depth: list[int]) -> dict[str, Any]:
+def round_stats(accepted: list[int], extendable: list[bool]) -> dict[str, Any]:
     """τ = mean over rounds of (accepted + 1), and the conditional acceptance rate per depth.
 
-    `accept_rate_by_depth[d-1]` = P(depth d accepted | depth d-1 accepted and the tree reaches depth d);
-    `reached_by_depth[d-1]` is the number of rounds in that condition (the rate's denominator); rates with
-    no such round, and τ without rounds, are None.
+    `accept_rate_by_depth[d-1]` = P(a depth-d draft is accepted | its parent at depth d-1 was accepted and has
+    children): a round counts at depth d if it accepted d tokens or more, or accepted d - 1 and the last accepted
+    node had children (`extendable`), so branches that end early do not count as rejections. `reached_by_depth[d-1]`
+    is the number of such rounds (the rate's denominator); rates with no such round, and τ without rounds, are None.
     """
-    max_depth = max(tree_depth, default=0)
-    reached = [sum(a >= d - 1 and t >= d for a, t in zip(accepted, tree_depth)) for d in range(1, max_depth + 1)]
+    max_depth = max((a + e for a, e in zip(accepted, extendable)), default=0)
+    reached = [sum(a >= d or (a == d - 1 and e) for a, e in zip(accepted, extendable)) for d in range(1, max_depth + 1)]
     passed = [sum(a >= d for a in accepted) for d in range(1, max_depth + 1)]
     return {
         "rounds": len(accepted),
@@ -161,6 +165,7 @@ class TargetRunner:
         self.kernels = kernels
         self.ops = ops or get_ops(kernels)
         self.feature_layers = feature_layers
+        self.attn_implementation = model.config._attn_implementation  # restored by `close`
         if kernels == "triton":  # tree blocks through the fused kernel; other blocks stay causal SDPA
             name = register_tree_attention(kind="triton")
             if model.config._attn_implementation != name:
@@ -199,6 +204,11 @@ class TargetRunner:
         self.forwards += 1
         self.seconds += time.perf_counter() - start
         return out.logits.to(home), hidden
+
+    def close(self) -> None:
+        """Give the model back its own attention implementation (plain baselines must not run through ours)."""
+        if self.model.config._attn_implementation != self.attn_implementation:
+            self.model.set_attn_implementation(self.attn_implementation)
 
     def commit(self, prefix_len: int, accepted_nodes: torch.Tensor) -> None:
         """Move the KV rows of `accepted_nodes` ((1, D+1), root first, -1 padded) to positions prefix_len.. in
@@ -297,39 +307,43 @@ def speculative_generate(
     result = GenerationResult(tokens=[])
     proposer.reset()
 
-    L = prompt_ids.shape[1]
-    logits, hidden = target.forward(prompt_ids, torch.arange(L, device=device)[None], last_only=True)
-    root = _first_token(logits[:, -1], settings, gen)
-    tokens = torch.cat([prompt_ids, root[:, None]], dim=1)
-    done = _finish(result.tokens, [int(root)], settings)
-    while not done:
-        state = DecodeState(tokens=tokens, new_hidden=hidden)
-        t0 = time.perf_counter()
-        tree = proposer.propose(state)
-        result.draft_s += time.perf_counter() - t0
+    try:
+        L = prompt_ids.shape[1]
+        logits, hidden = target.forward(prompt_ids, torch.arange(L, device=device)[None], last_only=True)
+        root = _first_token(logits[:, -1], settings, gen)
+        tokens = torch.cat([prompt_ids, root[:, None]], dim=1)
+        done = _finish(result.tokens, [int(root)], settings)
+        while not done:
+            state = DecodeState(tokens=tokens, new_hidden=hidden)
+            t0 = time.perf_counter()
+            tree = proposer.propose(state)
+            result.draft_s += time.perf_counter() - t0
 
-        tree = tree.to(device)
-        prefix_len = state.prefix_len
-        logits, hidden = target.forward(tree.tokens[None], tree.positions(prefix_len)[None], tree)  # (1, N, V)
-        accepted, nodes, bonus = _verify(ops, tree, logits, settings, gen)
-        target.commit(prefix_len, nodes)
-        path = nodes[0, : accepted + 1]  # (k+1,) root first
+            tree = tree.to(device)
+            prefix_len = state.prefix_len
+            logits, hidden = target.forward(tree.tokens[None], tree.positions(prefix_len)[None], tree)  # (1, N, V)
+            accepted, nodes, bonus = _verify(ops, tree, logits, settings, gen)
+            target.commit(prefix_len, nodes)
+            path = nodes[0, : accepted + 1]  # (k+1,) root first
 
-        t0 = time.perf_counter()
-        proposer.commit(path.tolist())
-        result.draft_s += time.perf_counter() - t0
+            t0 = time.perf_counter()
+            proposer.commit(path.tolist())
+            result.draft_s += time.perf_counter() - t0
 
-        new = tree.tokens[path[1:]].tolist() + [bonus]
-        result.accepted.append(accepted)
-        result.tree_depth.append(tree.max_depth)
-        result.tree_nodes.append(tree.num_nodes)
-        hidden = hidden[:, path] if hidden is not None else None  # (1, k+1, S, d)
-        tokens = torch.cat([tokens, torch.tensor([new], device=device)], dim=1)
-        done = _finish(result.tokens, new, settings)
+            new = tree.tokens[path[1:]].tolist() + [bonus]
+            result.accepted.append(accepted)
+            result.tree_depth.append(tree.max_depth)
+            result.extendable.append(bool(tree.first_child[path[-1]] >= 0))
+            result.tree_nodes.append(tree.num_nodes)
+            hidden = hidden[:, path] if hidden is not None else None  # (1, k+1, S, d)
+            tokens = torch.cat([tokens, torch.tensor([new], device=device)], dim=1)
+            done = _finish(result.tokens, new, settings)
 
-    result.target_forwards = target.forwards
-    result.target_s = target.seconds
-    result.wall_s = time.perf_counter() - start
+        result.target_forwards = target.forwards
+        result.target_s = target.seconds
+        result.wall_s = time.perf_counter() - start
+    finally:
+        target.close()
     return result
 
 
@@ -351,19 +365,32 @@ class VocabProjection:
     """
 
     def __init__(self, projection: torch.nn.Linear, ids: torch.Tensor):
-        self.ids = ids.to(projection.weight.device)  # (K,)
+        self.ids = ids  # (K,)
         self.vocab_size = projection.weight.shape[0]
-        self.weight = projection.weight[self.ids].detach()  # (K, d)
-        self.bias = None if projection.bias is None else projection.bias[self.ids].detach()
+        rows = ids.to(projection.weight.device)  # the projection's device: a `device_map` lm_head may be on another GPU
+        self.weight = projection.weight[rows].detach()  # (K, d)
+        self.bias = None if projection.bias is None else projection.bias[rows].detach()
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
-        """(..., d) -> (..., K) float32 logits over the draft vocabulary."""
-        return torch.nn.functional.linear(h.to(self.weight.dtype), self.weight, self.bias).float()
+        """(..., d) -> (..., K) float32 logits over the draft vocabulary, on h's device."""
+        logits = torch.nn.functional.linear(h.to(self.weight.device, self.weight.dtype), self.weight, self.bias)
+        return logits.float().to(h.device)
+
+    def token_ids(self, index: torch.Tensor) -> torch.Tensor:
+        """Positions in the draft vocabulary -> token ids (on index's device)."""
+        return self.ids.to(index.device)[index]
 
     def full_log_probs(self, logits: torch.Tensor) -> torch.Tensor:
         """(F, K) draft logits -> (F, V) log-probabilities, -inf outside the draft vocabulary."""
         out = torch.full((logits.shape[0], self.vocab_size), float("-inf"), device=logits.device)
-        return out.index_copy_(1, self.ids, torch.log_softmax(logits, dim=-1))
+        return out.index_copy_(1, self.ids.to(logits.device), torch.log_softmax(logits, dim=-1))
+
+
+def _check_draft_vocab(draft_vocab: torch.Tensor | None, top_k: int) -> None:
+    if draft_vocab is not None and len(draft_vocab) < top_k:
+        raise ValueError(
+            f"the draft vocabulary has {len(draft_vocab)} tokens, fewer than the top {top_k} a tree drafts"
+        )
 
 
 class MedusaProposer:
@@ -382,6 +409,7 @@ class MedusaProposer:
         self.tree = tree
         self.top_k = int(tree.head_rank.max()) + 1
         self.vocab = None  # per head: its projection restricted to the draft vocabulary
+        _check_draft_vocab(draft_vocab, self.top_k)
         if draft_vocab is not None:
             self.vocab = [VocabProjection(heads.projection(k), draft_vocab) for k in range(1, tree.max_depth + 1)]
 
@@ -397,7 +425,7 @@ class MedusaProposer:
             top = []
             for k, vocab in enumerate(self.vocab, 1):
                 logits = vocab(self.heads.head_state(k, last[:, 0]))  # (1, K)
-                top.append(vocab.ids[logits.topk(self.top_k, dim=-1).indices])  # (1, top_k) token ids
+                top.append(vocab.token_ids(logits.topk(self.top_k, dim=-1).indices))  # (1, top_k) token ids
             head_topk = torch.stack(top, dim=1)  # (1, D, top_k)
         tokens = medusa_tokens(self.tree, state.tokens[:, -1], head_topk)  # (1, N)
         return dataclasses.replace(self.tree, tokens=tokens[0])
@@ -425,6 +453,7 @@ class EagleProposer:
         self.feature_layers = list(drafter.cfg.feature_layers)
         self.depth, self.top_k, self.total_tokens = depth, top_k, total_tokens
         self.cache = drafter.new_cache()
+        _check_draft_vocab(draft_vocab, top_k)
         self.vocab = None if draft_vocab is None else VocabProjection(drafter.lm_head, draft_vocab)
 
     def reset(self) -> None:

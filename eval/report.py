@@ -34,14 +34,14 @@ def summarize(records: list[dict[str, Any]], meta: dict[str, Any]) -> dict[str, 
     """Pool per-prompt records into the report (meta: method, tree, settings... copied as they are)."""
     records = sorted(records, key=lambda r: r["index"])
     accepted = [a for r in records for a in r["speculative"]["accepted"]]
-    depths = [d for r in records for d in r["speculative"]["tree_depth"]]
+    extendable = [e for r in records for e in r["speculative"]["extendable"]]
     speed = {m: _speed(records, m) for m in METHODS}
     checked = [r["lossless"] for r in records if r.get("lossless") is not None]
     spec_tokens = sum(r["speculative"]["new_tokens"] for r in records)
     return {
         **meta,
         "num_prompts": len(records),
-        **round_stats(accepted, depths),
+        **round_stats(accepted, extendable),
         "forwards_per_token": sum(r["speculative"]["target_forwards"] for r in records) / max(spec_tokens, 1),
         "tokens_per_s": speed,
         "speedup_vs_plain": _ratio(speed["speculative"], speed["plain"]),
@@ -109,8 +109,8 @@ def to_markdown(s: dict[str, Any]) -> str:
         [
             str(r["index"]),
             str(r["speculative"]["new_tokens"]),
-            _fmt(round_stats(r["speculative"]["accepted"], r["speculative"]["tree_depth"])["accept_len"]),
-            _fmt(_ratio(r["plain"]["wall_s"], r["speculative"]["wall_s"]), 2, "×"),
+            _fmt(round_stats(r["speculative"]["accepted"], r["speculative"]["extendable"])["accept_len"]),
+            _fmt(_ratio(_speed([r], "speculative"), _speed([r], "plain")), 2, "×"),
             lossless_mark(r.get("lossless")),
         ]
         for r in s["per_prompt"]

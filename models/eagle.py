@@ -67,6 +67,11 @@ class EagleConfig:
             err("drafter.topk_metric", f"must be >= 1, got {self.topk_metric}")
 
     def check_recipe(self, recipe, err) -> None:
+        if recipe.eval.tree in ("medusa63", "calibrated"):
+            err(
+                "eval.tree",
+                f"{recipe.eval.tree} is a Medusa tree; EAGLE drafts dynamic trees or chains (auto, dynamic, chain)",
+            )
         if -1 not in recipe.data.layers and not recipe.train.online:
             err("data.layers", f"EAGLE regresses the last hidden state: -1 must be stored, got {recipe.data.layers}")
 
@@ -279,8 +284,9 @@ class EagleDrafter(nn.Module):
         return h if self.norm is None else self.norm(h)
 
     def logits(self, f_hat: torch.Tensor) -> torch.Tensor:
-        """Frozen target lm_head on predicted features (..., d) -> (..., V), float32."""
-        return self.lm_head(f_hat.to(self.lm_head.weight.dtype)).float()
+        """Frozen target lm_head on predicted features (..., d) -> (..., V), float32, on f_hat's device (a `device_map`
+        target's lm_head can sit on another GPU)."""
+        return self.lm_head(f_hat.to(self.lm_head.weight.dtype)).float().to(f_hat.device)
 
     # ---------------------------------------------------------------------------------------
     # Training

@@ -53,6 +53,8 @@ class MedusaConfig:
             err("eval.tree_depth", f"{recipe.eval.tree_depth} exceeds the number of Medusa heads ({self.num_heads})")
         if recipe.eval.tree == "medusa63" and self.num_heads < 4:
             err("eval.tree", f"medusa63 is 4 deep and needs >= 4 heads, drafter.num_heads is {self.num_heads}")
+        if recipe.eval.tree == "medusa63" and 0 < recipe.eval.draft_vocab < 8:
+            err("eval.draft_vocab", f"medusa63 drafts each head's top 8 tokens, got {recipe.eval.draft_vocab}")
 
 
 class ResidualStack(nn.Module):
@@ -105,9 +107,10 @@ class MedusaHeads(nn.Module):
     # Heads on any hidden states (evaluation, Medusa-2 on a live backbone)
 
     def head(self, k: int, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits of head k (1-based) for hidden states (..., d) -> (..., V)."""
+        """Logits of head k (1-based) for hidden states (..., d) -> (..., V), on hidden's device (a shared lm_head of a
+        `device_map` target can sit on another GPU)."""
         projection = self.projection(k)
-        return projection(self.head_state(k, hidden).to(projection.weight.dtype))  # (..., V)
+        return projection(self.head_state(k, hidden).to(projection.weight.dtype)).to(hidden.device)  # (..., V)
 
     def head_state(self, k: int, hidden: torch.Tensor) -> torch.Tensor:
         """Head k's residual blocks on hidden states (..., d) -> (..., d): what its vocabulary projection reads."""

@@ -18,7 +18,7 @@ import yaml
 from data.extract import main as extract_main
 from data.shards import FeatureDataset
 from eval.__main__ import EvalError, draft_vocabulary, load_prompts, main, process_gpus, prompt_token_ids
-from eval.report import summarize, to_markdown
+from eval.report import summarize, to_markdown, write_report
 from models.eagle import EagleConfig, EagleDrafter
 from models.io import save_native
 from models.medusa import MedusaConfig, MedusaHeads
@@ -171,24 +171,49 @@ def test_bad_prompts_file(tmp_path, target):
     with pytest.raises(EvalError, match="p.jsonl:2"):
         load_prompts(str(bad), target.tokenizer, None)
     assert len(load_prompts(str(bad), target.tokenizer, 1)) == 1
+    for line, what in (('["a list"]', "a prompt record must be a JSON object"), ('{"messages": ["hi"]}', "a turn must be")):
+        bad.write_text('{"prompt": "a"}\n' + line + "\n")
+        with pytest.raises(EvalError, match=f"p.jsonl:2: {what}"):
+            load_prompts(str(bad), target.tokenizer, None)
+
+
+def _record(i, accepted, extendable, lossless, spec_tokens=10, plain_tokens=10):
+    spec = {"accepted": accepted, "extendable": extendable, "new_tokens": spec_tokens, "wall_s": 1.0,
+            "target_forwards": 4}  # fmt: skip
+    plain = {"new_tokens": plain_tokens, "wall_s": 2.0}
+    return {"index": i, "speculative": spec, "plain": plain, "prompt_lookup": {"new_tokens": 10, "wall_s": 1.5},
+            "lossless": lossless}  # fmt: skip
+
+
+REPORT_META = {k: "x" for k in ("method", "tree", "target", "prompts", "acceptance", "kernels", "device")} | {
+    "max_new_tokens": 10,
+    "temperature": 0.0,
+}
 
 
 def test_summary_pools_rounds():
-    def rec(i, accepted, depth, lossless):
-        spec = {"accepted": accepted, "tree_depth": depth, "new_tokens": 10, "wall_s": 1.0, "target_forwards": 4}
-        plain = {"new_tokens": 10, "wall_s": 2.0}
-        return {"index": i, "speculative": spec, "plain": plain, "prompt_lookup": {"new_tokens": 10, "wall_s": 1.5},
-                "lossless": lossless}  # fmt: skip
-
-    meta = {k: "x" for k in ("method", "tree", "target", "prompts", "acceptance", "kernels", "device")}
-    meta |= {"max_new_tokens": 10, "temperature": 0.0}
-    s = summarize([rec(1, [3, 1], [3, 3], True), rec(0, [0], [3], False)], meta)
+    s = summarize([_record(1, [3, 1], [True, True], True), _record(0, [0], [True], False)], REPORT_META)
     assert s["accept_len"] == pytest.approx((4 + 2 + 1) / 3)
     assert s["speedup_vs_plain"] == pytest.approx(2.0) and s["speedup_vs_prompt_lookup"] == pytest.approx(1.5)
     assert s["lossless"] is False and s["lossless_prompts"] == "1/2"
     assert s["forwards_per_token"] == pytest.approx(8 / 20)
     assert [r["index"] for r in s["per_prompt"]] == [0, 1]
     assert "✗" in to_markdown(s)
+
+
+def test_report_speedups_are_token_rates_and_plain_is_optional(tmp_path):
+    """Per-prompt speedups compare tokens/s like the headline (sampled runs differ in length); without the plain
+    baseline the report still writes every file, with "–" where plain figures would be."""
+    s = summarize([_record(0, [1], [True], None, spec_tokens=4, plain_tokens=10)], REPORT_META)
+    assert s["speedup_vs_plain"] == pytest.approx((4 / 1.0) / (10 / 2.0))
+    assert "| 0.80× |" in to_markdown(s)  # not the wall-time ratio 2.00×
+    records = [_record(0, [2, 0], [True, True], None)]
+    del records[0]["plain"]
+    s = summarize(records, REPORT_META)
+    assert s["speedup_vs_plain"] is None and s["lossless"] is None
+    out = write_report(s, tmp_path / "eval")
+    assert {p.name for p in out.iterdir()} == {"report.json", "report.md", "report.png"}
+    assert "| – |" in (out / "report.md").read_text()
 
 
 def test_device_map_target_evaluates_losslessly(tmp_path):

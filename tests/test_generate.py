@@ -156,6 +156,18 @@ def test_draft_vocabulary_keeps_greedy_output_and_drafts_only_from_it(target, ki
     assert drafted and all(set(t.tokens[1:].tolist()) <= set(vocab.tolist()) for t in drafted)
 
 
+def test_draft_vocabulary_smaller_than_the_tree_top_k_is_refused():
+    """Shards with fewer distinct loss tokens than the tree drafts per step would draft -inf nodes (EAGLE) or fail
+    in topk (Medusa): both proposers refuse them up front."""
+    target = tiny_target("llama")
+    few = torch.tensor([3, 5, 7, 9])
+    with pytest.raises(ValueError, match="4 tokens, fewer than the top 8"):
+        MedusaProposer(_medusa(target, num_heads=4), medusa_tree(MEDUSA_63, 4), few)
+    with pytest.raises(ValueError, match="4 tokens, fewer than the top 5"):
+        EagleProposer(_eagle(target), depth=3, top_k=5, total_tokens=10, draft_vocab=few)
+    EagleProposer(_eagle(target), depth=3, top_k=4, total_tokens=10, draft_vocab=few)  # exactly enough
+
+
 def test_vocab_projection_is_the_full_projection_restricted():
     torch.manual_seed(0)
     head = torch.nn.Linear(16, 50, bias=True)
@@ -172,16 +184,25 @@ def test_vocab_projection_is_the_full_projection_restricted():
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_triton_path_matches_reference(family):
-    """One switch selects the kernels; both paths give the same tokens and the same accepted lengths."""
+    """One switch selects the kernels; both paths give the same tokens and the same accepted lengths. The triton
+    path runs the model under the registered tree attention and gives it back its own implementation afterwards."""
     target = tiny_target(family)  # its own instance: the triton path switches the model's attention
     settings = DecodeSettings(max_new_tokens=16)
     plain = plain_generate(target.model, PROMPT, settings)
-    runs = {}
+    own = target.model.config._attn_implementation
+    runs, seen = {}, []
+
+    class Watching(ScriptedProposer):
+        def propose(self, state):
+            seen.append(target.model.config._attn_implementation)
+            return super().propose(state)
+
     for kernels in ("reference", "triton"):
-        stub = ScriptedProposer(plain.tokens, PROMPT.shape[1], TREE_SHAPES["wide"], "sometimes", 96, seed=3)
+        stub = Watching(plain.tokens, PROMPT.shape[1], TREE_SHAPES["wide"], "sometimes", 96, seed=3)
         eagle = EagleProposer(_eagle(target), depth=3, top_k=2, total_tokens=6)
         runs[kernels] = [speculative_generate(target.model, p, PROMPT, settings, kernels) for p in (stub, eagle)]
-    assert target.model.config._attn_implementation == "specdraft_tree"
+        assert target.model.config._attn_implementation == own
+    assert set(seen) == {own, "specdraft_tree"}
     for ref, tri in zip(runs["reference"], runs["triton"]):
         assert tri.tokens == ref.tokens == plain.tokens
         assert tri.accepted == ref.accepted
@@ -239,11 +260,13 @@ def test_sampled_real_drafters_run(target, acceptance):
 
 
 def test_round_stats_scripted():
-    stats = round_stats(accepted=[0, 2, 3, 1], tree_depth=[3, 3, 3, 2])
+    # the 3rd round accepted a whole branch (3 deep); the 4th stopped at a leaf at depth 1: neither is a rejection
+    stats = round_stats(accepted=[0, 2, 3, 1], extendable=[True, True, False, False])
     assert stats["accept_len"] == pytest.approx((1 + 3 + 4 + 2) / 4)
-    # depth 1: reached 4, passed 3; depth 2: reached (a>=1, t>=2) 3, passed 2; depth 3: reached (a>=2, t>=3) 2, passed 1
-    assert stats["reached_by_depth"] == [4, 3, 2]
-    assert stats["accept_rate_by_depth"] == pytest.approx([3 / 4, 2 / 3, 1 / 2])
+    # depth 1: reached 4, passed 3; depth 2: reached by rounds 2, 3 (round 4's node had no child), passed 2;
+    # depth 3: reached by rounds 2 (rejected there) and 3, passed 1
+    assert stats["reached_by_depth"] == [4, 2, 2]
+    assert stats["accept_rate_by_depth"] == pytest.approx([3 / 4, 1, 1 / 2])
     assert round_stats([], [])["rounds"] == 0
 
 
