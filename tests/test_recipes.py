@@ -65,6 +65,16 @@ BAD = {
     "missing dataset": (["data.train_files=[]"], "data.train_files", "no dataset"),
     "draft vocabulary below top-k": (["eval.draft_vocab=4", "eval.tree_top_k=8"], "eval.draft_vocab", ">= tree_top_k"),
     "export format not written": (["export.format=speculators"], "export.format", "must be one of"),
+    "no held-out batches": (["train.eval_batches=0"], "train.eval_batches", "must be >= 1"),
+    "extraction batch": (["data.extract_batch_tokens=0"], "data.extract_batch_tokens", "must be >= 1"),
+    "tree top-k": (["eval.tree_top_k=0"], "eval.tree_top_k", "must be >= 1"),
+    "unknown tree": (["eval.tree=bushy"], "eval.tree", "must be one of"),
+    "unknown baseline": (["eval.baselines=[plane]"], "eval.baselines", "unknown ['plane']"),
+    "medusa63 over a tiny draft vocabulary": (
+        ["drafter.num_heads=4", "eval.tree=medusa63", "eval.tree_top_k=4", "eval.draft_vocab=4"],
+        "eval.draft_vocab",
+        "top 8",
+    ),
 }
 
 
@@ -100,6 +110,23 @@ def test_cli_prints_one_line_and_exits(tmp_path):
 
 
 def test_exponent_without_dot_is_a_float():
-    """YAML 1.1 reads `1e-2` as a string; the schema still takes it as the number a user meant."""
-    recipe = load_recipe(TINY, ["train.lr=1e-2", "train.weight_decay=0"])
+    """YAML 1.1 reads `1e-2` as a string; the schema still takes it as the number a user meant, also inside
+    `target.random_init` (which goes to a transformers config as it is)."""
+    recipe = load_recipe(TINY, ["train.lr=1e-2", "train.weight_decay=0", "target.random_init.rms_norm_eps=1e-5"])
     assert recipe.train.lr == 0.01 and isinstance(recipe.train.weight_decay, float)
+    assert recipe.target.random_init["rms_norm_eps"] == 1e-5 and recipe.target.random_init["model_type"] == "llama"
+
+
+def test_yaml_readings_a_user_did_not_mean(tmp_path):
+    """An unquoted `no` (YAML 1.1: false) is the documented mixed_precision value; an empty section takes
+    overrides like an absent one."""
+    assert load_recipe(TINY, ["train.mixed_precision=no"]).train.mixed_precision == "no"
+    path = tmp_path / "empty-section.yaml"
+    path.write_text(TINY.read_text() + "\nexport:\n")
+    assert load_recipe(path, ["export.format=eagle"]).export.format == "eagle"
+
+
+def test_eagle_refuses_medusa_trees():
+    eagle = ROOT / "recipes/tiny/eagle2.yaml"
+    with pytest.raises(RecipeError, match="eval.tree: medusa63 is a Medusa tree"):
+        load_recipe(eagle, ["eval.tree=medusa63"])

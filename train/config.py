@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -30,6 +31,9 @@ class RecipeError(ValueError):
 
 # --------------------------------------------------------------------------------------------
 # Sections
+
+
+_EXPONENT_FLOAT = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+")
 
 
 @dataclass
@@ -58,6 +62,9 @@ class TargetConfig:
         if self.device_map is not None and self.path is None:
             err("target.device_map", "needs target.path (a randomly initialised target is built on one device)")
         if self.random_init is not None:
+            for key, value in self.random_init.items():  # YAML 1.1 reads `1e-5` (no dot) as a string
+                if isinstance(value, str) and _EXPONENT_FLOAT.fullmatch(value):
+                    self.random_init[key] = float(value)
             if "model_type" not in self.random_init:
                 err("target.random_init", "needs a model_type (e.g. llama, qwen2, mistral)")
             if self.tokenizer is None:
@@ -105,8 +112,9 @@ class DataConfig:
             err("data.layers", f"has duplicates: {self.layers}")
         if not 0.0 <= self.heldout_fraction < 1.0:
             err("data.heldout_fraction", f"must be in [0, 1), got {self.heldout_fraction}")
-        if self.shard_tokens < 1 or self.extract_batch_tokens < 1:
-            err("data.shard_tokens", "shard_tokens and extract_batch_tokens must be positive")
+        for key in ("shard_tokens", "extract_batch_tokens"):
+            if getattr(self, key) < 1:
+                err(f"data.{key}", f"must be >= 1, got {getattr(self, key)}")
 
 
 @dataclass
@@ -141,7 +149,7 @@ class TrainConfig:
     """`auto` = continue from the newest checkpoint in output_dir (if any); or a checkpoint directory."""
 
     def validate(self, err) -> None:
-        for key in ("max_steps", "batch_size", "grad_accum", "log_every", "keep_checkpoints"):
+        for key in ("max_steps", "batch_size", "grad_accum", "log_every", "keep_checkpoints", "eval_batches"):
             if getattr(self, key) < 1:
                 err(f"train.{key}", f"must be >= 1, got {getattr(self, key)}")
         if self.lr <= 0:
@@ -193,19 +201,29 @@ class EvalConfig:
             err("eval.temperature", f"must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             err("eval.top_p", f"must be in (0, 1], got {self.top_p}")
-        if self.tree_depth < 1 or self.tree_top_k < 1 or self.tree_total_tokens < 2:
-            err("eval.tree_depth", "tree_depth and tree_top_k must be >= 1, tree_total_tokens >= 2")
+        for key, least in (("tree_depth", 1), ("tree_top_k", 1), ("tree_total_tokens", 2)):
+            if getattr(self, key) < least:
+                err(f"eval.{key}", f"must be >= {least}, got {getattr(self, key)}")
         if self.draft_vocab < 0 or 0 < self.draft_vocab < self.tree_top_k:
             err("eval.draft_vocab", f"must be 0 (the whole vocabulary) or >= tree_top_k, got {self.draft_vocab}")
+        if self.tree not in EVAL_TREES:
+            err("eval.tree", f"must be one of {list(EVAL_TREES)}, got {self.tree!r}")
+        unknown = [b for b in self.baselines if b not in EVAL_BASELINES]
+        if unknown:
+            err("eval.baselines", f"unknown {unknown}; available: {list(EVAL_BASELINES)}")
         if self.acceptance == "typical" and self.temperature == 0:
             err("eval.acceptance", "typical acceptance needs temperature > 0 (greedy is already exact)")
+
+
+EVAL_TREES = ("auto", "chain", "medusa63", "calibrated", "dynamic")
+EVAL_BASELINES = ("plain", "prompt_lookup")
 
 
 @dataclass
 class ExportConfig:
     format: Literal["native", "eagle", "sglang", "medusa", "vllm"] = "native"
     """Engine layouts (REFERENCE.md). No vLLM speculators layout: speculators 0.9 describes EAGLE-3 family drafters
-    (and MTP / DFlash), whose layer attends over [embedding | fused features]; specdraft's EAGLE-2 drafter is not one."""
+    (and MTP / DFlash), whose layer attends over [embedding | fused features]; specdraft's EAGLE-2 is not one."""
     out: str | None = None
     """Defaults to <train.output_dir>/export."""
     include_target_weights: bool = False
@@ -285,6 +303,8 @@ def _coerce(value: Any, tp: Any, key: str, err) -> Any:
                 continue
         err(key, f"expected {' | '.join(_type_name(a) for a in args)}, got {type(value).__name__} {value!r}")
     if origin is Literal:
+        if value is False and "no" in args:  # YAML 1.1 reads an unquoted `no` as false
+            value = "no"
         if value not in args:
             err(key, f"must be one of {list(args)}, got {value!r}")
         return value
@@ -364,7 +384,9 @@ def apply_overrides(raw: dict, overrides: list[str], source: str) -> dict:
         path, value = _parse_override(item, source)
         node = raw
         for part in path[:-1]:
-            node = node.setdefault(part, {})
+            if node.get(part) is None:  # absent, or an empty section (`export:` with nothing under it)
+                node[part] = {}
+            node = node[part]
             if not isinstance(node, dict):
                 raise RecipeError(f"{source}: override {item!r}: {part} is not a section")
         node[path[-1]] = value
