@@ -40,6 +40,23 @@ class ExportError(ValueError):
     """An export that cannot be used with this target / code; the message names the file and field."""
 
 
+def write_safetensors(tensors: dict[str, torch.Tensor], path: str | Path) -> None:
+    """Write tensors (detached, CPU, contiguous) to `path` through a temporary file and a rename, so a crash never
+    leaves a partial file under the final name. Tensors that share storage (tied embeddings, heads that share
+    one lm_head) are written as separate copies: safetensors refuses shared memory."""
+    path = Path(path)
+    seen: set[tuple[int, int]] = set()
+    out = {}
+    for name, tensor in tensors.items():
+        t = tensor.detach().cpu().contiguous()
+        key = (t.untyped_storage().data_ptr(), t.storage_offset())
+        out[name] = t.clone() if key in seen or t.untyped_storage().nbytes() != t.numel() * t.element_size() else t
+        seen.add(key)
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(out, str(tmp))
+    tmp.replace(path)
+
+
 def save_native(
     out_dir: str | Path,
     drafter: nn.Module,
@@ -63,7 +80,7 @@ def save_native(
         "stored_layers": list(drafter.stored_layers),
         "recipe": recipe,
     }
-    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(out / WEIGHTS_FILE))
+    write_safetensors(tensors, out / WEIGHTS_FILE)
     (out / CONFIG_FILE).write_text(json.dumps(config, indent=2, default=str) + "\n")
     return out
 

@@ -18,7 +18,7 @@ from data.extract import main as extract_main
 from data.loader import BatchLoader
 from data.shards import FeatureDataset
 from models import DRAFTERS
-from models.io import CONFIG_FILE, WEIGHTS_FILE, ExportError, load_drafter
+from models.io import CONFIG_FILE, WEIGHTS_FILE, ExportError, load_drafter, save_native
 from models.target import load_target
 from train.config import load_recipe
 from train.export import ENGINE_WEIGHTS, MEDUSA_WEIGHTS, export, load_run, medusa_names
@@ -48,6 +48,7 @@ def runs(tmp_path_factory) -> dict[str, Path]:
         ("medusa1", "medusa1", []),
         ("medusa1-shared", "medusa1", ["drafter.share_lm_head=true"]),
         ("eagle2-plain", "eagle2", plain),
+        ("eagle2-vllm", "eagle2", [*plain, "drafter.fc_bias=false"]),  # vLLM's EAGLE fc has no bias
     ]:
         reset_accelerate()
         out[name] = root / name
@@ -110,6 +111,30 @@ def test_include_target_weights(runs, tmp_path):
     load_drafter(out, target)  # frozen tensors equal to the target's are accepted
 
 
+def test_tied_target_weights_export_and_reload(tmp_path):
+    """A target with tied embeddings (Qwen2.5 <= 3B, Llama-3.2) has one tensor for embed_tokens and lm_head;
+    the export writes both names (safetensors refuses shared memory, so as copies) and reloads."""
+    config = {
+        "model_type": "qwen2",
+        "vocab_size": 64,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "tie_word_embeddings": True,
+    }
+    target = load_target(random_init=config, dtype="float32")  # fmt: skip
+    assert target.embed_tokens.weight.data_ptr() == target.lm_head.weight.data_ptr()
+    recipe = load_recipe(ROOT / "recipes/tiny/eagle2.yaml")
+    drafter = DRAFTERS["eagle2"][1](recipe.drafter, target.parts([-1])).eval()
+    out = save_native(tmp_path / "export", drafter, target, include_target_weights=True)
+    tensors = load_file(str(out / WEIGHTS_FILE))
+    assert torch.equal(tensors["embed_tokens.weight"], tensors["lm_head.weight"])
+    assert sorted(p.name for p in out.iterdir()) == [CONFIG_FILE, WEIGHTS_FILE]  # no temporary file left
+    load_drafter(out, target)
+
+
 def test_strict_loading(runs, tmp_path):
     out = export(runs["medusa1"], tmp_path / "export")
     recipe, target, _ = load_run(runs["medusa1"])
@@ -160,6 +185,15 @@ def test_medusa_format_round_trip(runs, tmp_path):
         assert torch.equal(fresh.head_logits(hidden), trained.head_logits(hidden))
 
 
+def test_medusa_format_with_a_shared_lm_head(runs, tmp_path):
+    """share_lm_head heads: FasterDecoding Medusa has no shared projection, so every head gets the target's."""
+    out = export(runs["medusa1-shared"], tmp_path / "medusa", fmt="medusa")
+    _, target, _ = load_run(runs["medusa1-shared"])
+    theirs = load_file(str(out / MEDUSA_WEIGHTS))
+    for h in range(3):
+        assert torch.equal(theirs[f"{h}.1.weight"], target.lm_head.weight.detach())
+
+
 def vllm_medusa_logits(out: Path, hidden: torch.Tensor) -> torch.Tensor:
     """vLLM's MedusaModel semantics, written from its config keys alone: per head, `num_hidden_layers` residual
     blocks x + SiLU(W x [+ b]) (bias only with `medusa_fc_bias`), then `lm_heads.{h}` (`lm_heads.0`, the original
@@ -198,11 +232,13 @@ def test_vllm_medusa_format_computes_the_same_heads(run, runs, tmp_path):
 
 def test_vllm_format_writes_eagle_drafters_in_the_safeailab_layout(runs, tmp_path):
     vllm, eagle = (
-        export(runs["eagle2-plain"], tmp_path / "vllm", fmt="vllm"),
-        export(runs["eagle2-plain"], tmp_path / "eagle", fmt="eagle"),
+        export(runs["eagle2-vllm"], tmp_path / "vllm", fmt="vllm"),
+        export(runs["eagle2-vllm"], tmp_path / "eagle", fmt="eagle"),
     )
-    assert json.loads((vllm / "config.json").read_text()) == json.loads((eagle / "config.json").read_text())
+    config = json.loads((vllm / "config.json").read_text())
+    assert config == json.loads((eagle / "config.json").read_text()) and config["bias"] is False
     assert (vllm / ENGINE_WEIGHTS).read_bytes() == (eagle / ENGINE_WEIGHTS).read_bytes()
+    assert "fc.bias" not in load_file(str(vllm / ENGINE_WEIGHTS))
 
 
 @pytest.mark.parametrize("fmt,arch", [("eagle", "LlamaForCausalLM"), ("sglang", "LlamaForCausalLMEagle")])
@@ -236,3 +272,5 @@ def test_engine_formats_refuse_what_they_cannot_hold(runs, tmp_path):
         export(runs["eagle2"], tmp_path / "b", fmt="medusa")
     with pytest.raises(ExportError, match="holds EAGLE drafters"):
         export(runs["medusa1"], tmp_path / "c", fmt="sglang")
+    with pytest.raises(ExportError, match="drafter.fc_bias=false"):  # vLLM would drop fc.bias without a word
+        export(runs["eagle2-plain"], tmp_path / "d", fmt="vllm")

@@ -18,7 +18,10 @@ Engine formats (REFERENCE.md), each a `config.json` + safetensors file:
   or multi-layer fusion, so only drafters trained with `fc_norm: false`, `post_norm: false` and
   `feature_layers: [-1]` export to them; the others are refused rather than exported silently wrong.
 - `vllm`: Medusa heads as vLLM's `MedusaModel` (`model_type: medusa`, `blocks.{h}.layers.{l}.*`,
-  `lm_heads.{h}.weight`, `medusa_fc_bias: true`); EAGLE-1/2 drafters as `eagle` (vLLM reads that layout).
+  `lm_heads.{h}.weight`, `medusa_fc_bias: true`); EAGLE-1/2 drafters as `eagle` (vLLM reads that layout), only
+  with `fc_bias: false`, since vLLM's EAGLE fc has no bias and it drops an `fc.bias` without a word.
+Weights are written through a temporary file and a rename; tensors that share memory (tied embeddings, heads
+sharing one lm_head) are written as copies.
 """
 
 from __future__ import annotations
@@ -29,12 +32,12 @@ import json
 import sys
 from pathlib import Path
 
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
 
 from models import DRAFTERS
 from models.eagle import EagleDrafter
-from models.io import ExportError, load_drafter, save_native
+from models.io import ExportError, load_drafter, save_native, write_safetensors
 from models.medusa import MedusaHeads
 from models.target import Target, load_target
 from train.checkpoint import DRAFTER_FILE, RECIPE_FILE, latest_checkpoint, read_state
@@ -90,7 +93,7 @@ def write_medusa(out: Path, recipe: Recipe, target: Target, drafter: nn.Module, 
     state = drafter.state_dict()
     shared = drafter.lm_head.weight if drafter.lm_heads is None else None  # share_lm_head: every head gets a copy
     tensors = {theirs: state.get(ours, shared) for ours, theirs in medusa_names(drafter).items()}
-    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(out / MEDUSA_WEIGHTS))
+    write_safetensors(tensors, out / MEDUSA_WEIGHTS)
     config = {
         "medusa_num_heads": drafter.cfg.num_heads,
         "medusa_num_layers": drafter.cfg.num_layers,
@@ -108,7 +111,7 @@ def write_vllm_medusa(out: Path, recipe: Recipe, target: Target, drafter: nn.Mod
     shared = drafter.lm_heads is None
     if shared:
         tensors["lm_heads.0.weight"] = drafter.lm_head.weight
-    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(out / ENGINE_WEIGHTS))
+    write_safetensors(tensors, out / ENGINE_WEIGHTS)
     vocab = target.config.vocab_size
     config = {
         "model_type": "medusa",
@@ -127,8 +130,14 @@ def write_vllm_medusa(out: Path, recipe: Recipe, target: Target, drafter: nn.Mod
 
 def write_vllm(out: Path, recipe: Recipe, target: Target, drafter: nn.Module, include_target_weights: bool) -> None:
     """vLLM: Medusa heads in its `MedusaModel` layout; EAGLE-1/2 drafters in the SafeAILab layout, which vLLM's
-    `method: eagle` reads (vLLM wraps the Llama config itself)."""
+    `method: eagle` reads (vLLM wraps the Llama config itself). vLLM builds that drafter's fc without a bias and
+    skips weights it has no parameter for, so drafters trained with an fc bias are refused, not exported wrong."""
     if isinstance(drafter, EagleDrafter):
+        if drafter.cfg.fc_bias:
+            raise ExportError(
+                "export.format: vllm builds the EAGLE fc without bias and would silently drop fc.bias; train with "
+                "drafter.fc_bias=false, or export --format eagle / sglang (which keep the bias)"
+            )
         return write_eagle(out, recipe, target, drafter, include_target_weights)
     if not isinstance(drafter, MedusaHeads):
         raise ExportError(f"export.format: vllm holds Medusa heads or EAGLE drafters, not a {type(drafter).__name__}")
@@ -147,7 +156,7 @@ def _write_eagle(out: Path, target: Target, drafter: nn.Module, include_target_w
     tensors = dict(drafter.trainable_state_dict())
     if include_target_weights:  # engines then use this copy instead of the target's embedding
         tensors["embed_tokens.weight"] = drafter.embed_tokens.weight
-    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(out / ENGINE_WEIGHTS))
+    write_safetensors(tensors, out / ENGINE_WEIGHTS)
     config = {k: v for k, v in target.config.to_dict().items() if k not in _VOLATILE}
     config.update(architectures=[arch], num_hidden_layers=cfg.num_layers, bias=cfg.fc_bias, tie_word_embeddings=False)
     (out / "config.json").write_text(json.dumps(config, indent=2, default=str) + "\n")
