@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from data.prepare import PreparedData, TokenSample, prepare_dataset, template_fingerprint
+from data.prepare import PreparedData, TokenSample, data_sources, prepare_dataset, template_fingerprint
 from data.shards import (
     FORMAT_VERSION,
     HEADER_KEYS,
@@ -285,6 +285,7 @@ def main(argv: list[str] | None = None) -> None:
         "dtype": recipe.data.storage_dtype,
         "template": template_fingerprint(target.tokenizer),
         "max_len": recipe.data.max_len,
+        "sources": data_sources(recipe.data),
         "shard_tokens": recipe.data.shard_tokens,
         "prepare": prepared.stats(),
     }

@@ -191,6 +191,19 @@ def prepare_dataset(cfg: DataConfig, tokenizer: Any) -> PreparedData:
     return out
 
 
+def data_sources(cfg: DataConfig) -> dict[str, Any]:
+    """Where a dataset's samples come from, as recorded in feature manifests: training refuses features extracted
+    from other sources (changed `data.train_files` without re-extracting). Files are compared by resolved path."""
+    return {
+        "train_files": [str(Path(f).resolve()) for f in cfg.train_files],
+        "hf_dataset": cfg.hf_dataset,
+        "hf_split": cfg.hf_split if cfg.hf_dataset else None,
+        "format": cfg.format,
+        "max_samples": cfg.max_samples,
+        "skip_malformed": cfg.skip_malformed,
+    }
+
+
 def template_fingerprint(tokenizer: Any) -> str:
     """Short sha256 of what decides token ids and masks: chat template, vocab size, special tokens."""
     special = dict(zip(tokenizer.all_special_tokens, tokenizer.all_special_ids))

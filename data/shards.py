@@ -125,16 +125,17 @@ def build_manifest(header: dict[str, Any], entries: list[dict[str, Any]], extra:
 def check_header(found: dict[str, Any], expect: dict[str, Any], where: str) -> None:
     """Raise FeatureMismatchError naming the first field of `expect` that `found` disagrees with.
 
-    Target identities are compared field by field, except `name` (a moved model is the same model).
+    Mappings (target identity, data sources) are compared field by field and the message names the field; a
+    target's `name` is not compared (a moved model is the same model).
     """
     for key, want in expect.items():
         have = found.get(key)
-        if key == "target" and isinstance(want, dict) and isinstance(have, dict):
+        if isinstance(want, dict) and isinstance(have, dict):
             for sub, sub_want in want.items():
-                if sub != "name" and have.get(sub) != sub_want:
+                if (key, sub) != ("target", "name") and have.get(sub) != sub_want:
+                    named = f" (target {have.get('name')!r} vs {want.get('name')!r})" if key == "target" else ""
                     raise FeatureMismatchError(
-                        f"{where}: built with target.{sub}={have.get(sub)!r}, expected {sub_want!r} "
-                        f"(target {have.get('name')!r} vs {want.get('name')!r})"
+                        f"{where}: built with {key}.{sub}={have.get(sub)!r}, expected {sub_want!r}{named}"
                     )
         elif have != want:
             raise FeatureMismatchError(f"{where}: built with {key}={have!r}, expected {want!r}")

@@ -24,6 +24,7 @@ import dataclasses
 import os
 import sys
 import time
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,7 @@ from models.target import Target, load_target
 from train.config import EvalConfig, Recipe, RecipeError, load_recipe
 
 PROMPT_LOOKUP_TOKENS = 10
+CALIBRATION_SAMPLES = 64
 CALIBRATION_PROMPTS = 4
 WARMUP_TOKENS = 4
 END_OF_TURN = "<|end|>"
@@ -114,22 +116,42 @@ def load_prompts(path: str, tokenizer, limit: int | None) -> list[dict[str, Any]
 
 
 @torch.inference_mode()
-def medusa_rank_accuracy(heads: MedusaHeads, target: Target, sequences: list[tuple[torch.Tensor, int]], top_k: int):
-    """(K, top_k) measured P(head k's rank-r token is right), teacher-forced on `sequences` ((1, T) ids, first
-    generated position): the calibration of a Medusa static tree."""
+def medusa_rank_accuracy(
+    heads: MedusaHeads, sequences: Iterable[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], top_k: int
+) -> torch.Tensor:
+    """(K, top_k) measured P(head k's rank-r token is right), teacher-forced: the calibration of a Medusa static
+    tree. `sequences` yields (last hidden states (T, d), token ids (T,), scored (T,) bool: the tokens that count as
+    predictions, e.g. response tokens); head k at position t predicts token t + k + 1."""
     K = heads.cfg.num_heads
     hits, counts = torch.zeros(K, top_k), torch.zeros(K)
-    for ids, start in sequences:
-        hidden = target.hidden_states(ids, layers=[-1])[:, :, 0].to(ids.device)  # (1, T, d); device_map: last GPU
-        logits = heads.head_logits(hidden)[:, 0]  # (K, T, V)
+    for hidden, ids, scored in sequences:
         for k in range(1, K + 1):
-            pos = torch.arange(max(start - 1, 0), ids.shape[1] - k - 1, device=ids.device)  # t predicts t+k+1
+            pos = torch.nonzero(scored[k + 1 :]).flatten()  # t such that token t + k + 1 is scored
             if pos.numel() == 0:
                 continue
-            top = logits[k - 1, pos].topk(top_k, dim=-1).indices  # (n, top_k)
-            hits[k - 1] += (top == ids[0, pos + k + 1, None]).sum(0).float().cpu()
+            top = heads.head(k, hidden[pos]).topk(top_k, dim=-1).indices.cpu()  # (n, top_k), one head at a time
+            hits[k - 1] += (top == ids[pos + k + 1, None].cpu()).sum(0).float()
             counts[k - 1] += pos.numel()
     return hits / counts.clamp(min=1)[:, None]
+
+
+def calibration_from_features(
+    features_dir: str | Path, heldout_fraction: float, seed: int, device: torch.device, limit: int
+) -> tuple[Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], str]:
+    """Calibration sequences from feature shards: the training run's held-out split (same fraction and seed), or
+    its first samples when it held none out; loss tokens are scored. Returns (sequences, description)."""
+    dataset = FeatureDataset(features_dir)
+    train_idx, heldout_idx = dataset.split(heldout_fraction, seed)
+    chosen, which = (heldout_idx, "held-out") if heldout_idx else (train_idx, "training")
+    chosen = chosen[:limit]
+    col = dataset.layers.index(-1)
+
+    def sequences():
+        for i in chosen:
+            sample = dataset[i]
+            yield sample["hidden"][:, col].to(device), sample["input_ids"], sample["loss_mask"] > 0
+
+    return sequences(), f"{len(chosen)} {which} feature samples of {features_dir}"
 
 
 def draft_vocabulary(features_dir: str | Path, size: int) -> torch.Tensor:
@@ -281,7 +303,8 @@ def run(recipe: Recipe) -> dict[str, Any] | None:
         raise EvalError(f"{recipe.source}: target.tokenizer: the target has no tokenizer to render prompts")
     drafter = load_drafter(drafter_dir, target)
     target_desc = target.name
-    if hasattr(drafter, "adapt_target"):  # Medusa-2: the LoRA-merged target verifies, and is the baseline too
+    adapted = hasattr(drafter, "adapt_target")
+    if adapted:  # Medusa-2: the LoRA-merged target verifies, and is the baseline too
         drafter = drafter.adapt_target(target)
         target_desc += f" + {recipe.drafter.method} LoRA (merged)"
     prompts = load_prompts(ev.prompts, target.tokenizer, ev.max_prompts)
@@ -302,13 +325,29 @@ def run(recipe: Recipe) -> dict[str, Any] | None:
         seed=ev.seed,
     )
 
+    calibration: list[str] = []  # what the calibrated tree was measured on, for the report
+
     def calibrate(top_k: int) -> torch.Tensor:
-        sequences = []
-        for p in prompts[:CALIBRATION_PROMPTS]:  # the same on every process, so every process builds one tree
+        """Every process measures the same data, so every process builds the same tree."""
+        data = recipe.data
+        # features hold the frozen target's hidden states: not what heads on a LoRA-adapted backbone read
+        if not adapted and data.features_dir is not None and (Path(data.features_dir) / "manifest.json").is_file():
+            sequences, desc = calibration_from_features(
+                data.features_dir, data.heldout_fraction, recipe.train.seed, target.device, CALIBRATION_SAMPLES
+            )
+        else:  # no features (an online-trained drafter): the target's greedy answers to the first eval prompts
+            sequences, desc = prompt_calibration(), f"greedy answers to the first {CALIBRATION_PROMPTS} eval prompts"
+        calibration.append(desc)
+        return medusa_rank_accuracy(drafter, sequences, top_k)
+
+    def prompt_calibration():
+        for p in prompts[:CALIBRATION_PROMPTS]:
             ids = torch.tensor([p["input_ids"]], device=target.device)
             greedy = plain_generate(target.model, ids, dataclasses.replace(settings, temperature=0.0))
-            sequences.append((torch.cat([ids, torch.tensor([greedy.tokens], device=target.device)], 1), ids.shape[1]))
-        return medusa_rank_accuracy(drafter, target, sequences, top_k)
+            full = torch.cat([ids, torch.tensor([greedy.tokens], device=target.device)], 1)
+            hidden = target.hidden_states(full, layers=[-1])[0, :, 0].to(full.device)  # device_map: last GPU
+            scored = torch.arange(full.shape[1], device=full.device) >= ids.shape[1]  # the generated tokens
+            yield hidden, full[0], scored
 
     draft_vocab = None
     if ev.draft_vocab:
@@ -347,6 +386,7 @@ def run(recipe: Recipe) -> dict[str, Any] | None:
         "device": str(target.device),
         "num_processes": state.num_processes,
         "prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS,
+        "tree_calibration": calibration[0] if calibration else None,
     }
     summary = summarize(records, meta)
     write_report(summary, out_dir)

@@ -123,7 +123,8 @@ def to_markdown(s: dict[str, Any]) -> str:
             f"temperature {s['temperature']}, acceptance `{s['acceptance']}`, kernels `{s['kernels']}`, "
             f"device `{s['device']}`. τ = mean over {s['rounds']} rounds of (accepted + 1). "
             f"Prompt lookup (transformers, no training): {_fmt(pl, 1)} tok/s, "
-            f"{_fmt(s['prompt_lookup_vs_plain'], 2, '×')} vs plain.",
+            f"{_fmt(s['prompt_lookup_vs_plain'], 2, '×')} vs plain."
+            + (f" Tree calibrated on {s['tree_calibration']}." if s.get("tree_calibration") else ""),
             markdown_table(SUMMARY_HEADER, [summary_row(s)]),
             "## Acceptance by depth\n\n" + markdown_table(depth_header, depth_rows),
             "## Per prompt\n\n" + markdown_table(["prompt", "new tokens", "τ", "speedup", "lossless"], prompt_rows),

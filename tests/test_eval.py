@@ -5,6 +5,7 @@ TRITON_INTERPRET=1 .venv/bin/pytest tests/test_eval.py -q
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -17,7 +18,16 @@ import yaml
 
 from data.extract import main as extract_main
 from data.shards import FeatureDataset
-from eval.__main__ import EvalError, draft_vocabulary, load_prompts, main, process_gpus, prompt_token_ids
+from eval.__main__ import (
+    EvalError,
+    calibration_from_features,
+    draft_vocabulary,
+    load_prompts,
+    main,
+    medusa_rank_accuracy,
+    process_gpus,
+    prompt_token_ids,
+)
 from eval.report import summarize, to_markdown, write_report
 from models.eagle import EagleConfig, EagleDrafter
 from models.io import save_native
@@ -114,6 +124,11 @@ def test_eval_cli_end_to_end(tmp_path, target, method, tree, capsys):
     assert "| method | tree | τ |" in (out / "report.md").read_text()
     assert "eval/accept_len" in capsys.readouterr().out
     assert ("LoRA (merged)" in report["target"]) == (method == "medusa2")
+    if tree == "calibrated":  # no feature shards in this recipe: the target's answers to the first eval prompts
+        assert report["tree_calibration"] == "greedy answers to the first 4 eval prompts"
+        assert "Tree calibrated on greedy answers" in (out / "report.md").read_text()
+    else:
+        assert report["tree_calibration"] is None
 
 
 def test_eval_two_processes_split_and_gather(tmp_path, target):
@@ -143,6 +158,29 @@ def test_draft_vocabulary_counts_loss_tokens_of_the_shards(tmp_path, monkeypatch
     assert draft_vocabulary(features, 10).tolist() == counts.argsort(descending=True, stable=True)[:10].tolist()
     assert len(draft_vocabulary(features, 10**6)) == int((counts > 0).sum())  # never pads with unseen tokens
 
+    # Medusa tree calibration reads the training run's held-out split of the same shards, not the eval prompts
+    recipe = load_recipe("recipes/tiny/eagle2.yaml")
+    tiny = load_target(**dataclasses.asdict(recipe.target))
+    torch.manual_seed(0)
+    heads = MedusaHeads(MedusaConfig(num_heads=2), tiny.parts([-1])).eval()
+    sequences, desc = calibration_from_features(features, 0.25, 0, torch.device("cpu"), limit=64)
+    _, heldout = dataset.split(0.25, 0)
+    assert desc == f"{len(heldout)} held-out feature samples of {features}"
+    accuracy = medusa_rank_accuracy(heads, sequences, top_k=3)
+    hits, counts = torch.zeros(2, 3), torch.zeros(2)
+    with torch.no_grad():
+        for i in heldout:  # oracle: every position through every head, then keep loss-token targets
+            item = dataset[i]
+            logits = heads.head_logits(item["hidden"][None, :, 0])[:, 0]  # (K, T, V)
+            for k in (1, 2):
+                for t in range(len(item["input_ids"]) - k - 1):
+                    if item["loss_mask"][t + k + 1] > 0:
+                        top = logits[k - 1, t].topk(3).indices
+                        hits[k - 1] += (top == item["input_ids"][t + k + 1]).float()
+                        counts[k - 1] += 1
+    assert counts.min() > 0
+    torch.testing.assert_close(accuracy, hits / counts[:, None])
+
 
 @pytest.mark.parametrize("path", ["recipes/pocket/eagle2.yaml", "recipes/pocket/medusa1.yaml"])
 def test_pocket_recipes_load(path):
@@ -171,7 +209,10 @@ def test_bad_prompts_file(tmp_path, target):
     with pytest.raises(EvalError, match="p.jsonl:2"):
         load_prompts(str(bad), target.tokenizer, None)
     assert len(load_prompts(str(bad), target.tokenizer, 1)) == 1
-    for line, what in (('["a list"]', "a prompt record must be a JSON object"), ('{"messages": ["hi"]}', "a turn must be")):
+    for line, what in (
+        ('["a list"]', "a prompt record must be a JSON object"),
+        ('{"messages": ["hi"]}', "a turn must be"),
+    ):
         bad.write_text('{"prompt": "a"}\n' + line + "\n")
         with pytest.raises(EvalError, match=f"p.jsonl:2: {what}"):
             load_prompts(str(bad), target.tokenizer, None)

@@ -150,7 +150,7 @@ def test_killed_then_resumed_equals_uninterrupted(recipe_path: Path, reference: 
         ("data.layers=[0,-1]", "layers"),
         ("target.seed=1", "target.weights_sha256"),
         ("data.storage_dtype=float16", "dtype"),
-        ("data.max_samples=10", "max_len|plan_sha256|prepare"),
+        ("data.max_samples=10", "sources.max_samples"),
     ],
 )
 def test_mismatched_rerun_is_refused(recipe_path: Path, reference: Path, override: str, field: str) -> None:

@@ -132,7 +132,7 @@ def four_samples(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("method,key", [("eagle2", "train/loss_feat"), ("medusa1", "train/loss")])
 def test_overfits_one_batch(method, key, four_samples, tmp_path):
     r = recipe(
-        method, four_samples, tmp_path / "run", "data.heldout_fraction=0", "train.batch_size=4",
+        method, four_samples, tmp_path / "run", "data.max_samples=4", "data.heldout_fraction=0", "train.batch_size=4",
         "train.max_steps=25", "train.lr=0.01", "train.warmup_steps=0",
     )  # fmt: skip
     train(r)
@@ -187,12 +187,20 @@ def test_nan_loss_stops_naming_step_and_checkpoint(features, tmp_path, monkeypat
         train(r)
 
 
-def test_refuses_features_of_another_target_or_layers(features, tmp_path):
+def test_refuses_features_of_another_target_layers_or_data(features, tmp_path):
     with pytest.raises(TrainingError, match=r"target\.weights_sha256.*python -m data\.extract"):
         train(recipe("eagle2", features, tmp_path / "a", "target.seed=1"))
     reset_accelerate()
     with pytest.raises(TrainingError, match=r"built with layers=\[-1\], expected \[1, -1\]"):
         train(recipe("eagle2", features, tmp_path / "b", "data.layers=[1, -1]"))
+    reset_accelerate()
+    with pytest.raises(TrainingError, match=r"built with max_len=128, expected 64"):
+        train(recipe("eagle2", features, tmp_path / "c", "data.max_len=64"))
+    reset_accelerate()
+    other = tmp_path / "other.jsonl"
+    other.write_text((ROOT / "tests/fixtures/tiny-chat.jsonl").read_text())
+    with pytest.raises(TrainingError, match=r"built with sources\.train_files=.*tiny-chat\.jsonl.*other\.jsonl"):
+        train(recipe("eagle2", features, tmp_path / "d", f"data.train_files=[{other}]"))
 
 
 def test_resume_refuses_another_recipe(features, tmp_path):
@@ -201,6 +209,24 @@ def test_resume_refuses_another_recipe(features, tmp_path):
     other = recipe("eagle2", features, tmp_path / "run", "train.max_steps=3", "train.resume=auto", "drafter.w_ce=0.5")
     with pytest.raises(TrainingError, match="different target/data/drafter settings"):
         train(other)
+    reset_accelerate()
+    resized = recipe(
+        "eagle2", features, tmp_path / "run", "train.max_steps=3", "train.resume=auto", "train.batch_size=2"
+    )
+    with pytest.raises(TrainingError, match="saved with train.batch_size=4, .* has 2; the saved data position"):
+        train(resized)
+
+
+def test_resume_from_an_older_checkpoint_refuses_to_mix_runs(features, tmp_path):
+    """Continuing from step 1 while step 2 is there would prune by step number (keeping the old step 2 and
+    deleting the new run's checkpoints) and let resume=auto pick the old run up again."""
+    run = tmp_path / "run"
+    train(recipe("eagle2", features, run, "train.max_steps=2", "train.save_every=1"))
+    reset_accelerate()
+    older = run / "checkpoints" / "step-000001"
+    with pytest.raises(TrainingError, match="holds checkpoints newer than .*step-000001 \\(step-000002\\)"):
+        train(recipe("eagle2", features, run, "train.max_steps=3", f"train.resume={older}"))
+    assert [p.name for p in list_checkpoints(run)] == ["step-000001", "step-000002"]  # nothing touched
 
 
 @pytest.mark.parametrize("tracker,where,pattern", [("tensorboard", "run", "*tfevents*"), ("wandb", "wandb", "*.wandb")])

@@ -22,6 +22,7 @@ import math
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from accelerate import Accelerator
@@ -30,7 +31,7 @@ from tqdm import tqdm
 from transformers.integrations import set_hf_deepspeed_config, unset_hf_deepspeed_config
 
 from data.loader import BatchLoader
-from data.prepare import prepare_dataset, template_fingerprint
+from data.prepare import data_sources, prepare_dataset, template_fingerprint
 from data.shards import FeatureDataset, FeatureMismatchError, split_by_id
 from models import DRAFTERS
 from models.common import DraftBatch
@@ -144,7 +145,13 @@ def build_loaders(recipe: Recipe, target: Target, accelerator: Accelerator) -> t
             samples = FeatureDataset(
                 data.features_dir,
                 verify_checksums=data.verify_checksums,
-                expect={"target": target.identity(), "layers": list(data.layers), **_template(target)},
+                expect={
+                    "target": target.identity(),
+                    "layers": list(data.layers),
+                    **_template(target),
+                    "max_len": data.max_len,
+                    "sources": data_sources(data),
+                },
             )
         except (FeatureMismatchError, FileNotFoundError) as exc:
             raise TrainingError(
@@ -297,6 +304,21 @@ def _resume_from(recipe: Recipe, accelerator: Accelerator) -> Path | None:
             f"{path}: saved with different target/data/drafter settings than {recipe.source}; "
             "resume with the recipe it was trained with (see its recipe.yaml)"
         )
+    plan = saved.get("batch_plan")  # absent in checkpoints written before it was recorded
+    if plan is not None and plan != _batch_plan(recipe):
+        changed = sorted(k for k in plan if plan[k] != _batch_plan(recipe).get(k))
+        raise TrainingError(
+            f"{path}: saved with train.{changed[0]}={plan[changed[0]]}, {recipe.source} has "
+            f"{getattr(cfg, changed[0])}; the saved data position only means something in the same batch plan "
+            "(and the seed also picks the held-out split)"
+        )
+    newer = [p for p in existing if _step_of(p) > saved["step"] and p.resolve() != path.resolve()]
+    if newer:
+        raise TrainingError(
+            f"{cfg.output_dir} holds checkpoints newer than {path} ({', '.join(p.name for p in newer)}): "
+            "continuing from an older one would mix two runs and prune the wrong checkpoints; move them away "
+            "first, or resume into another train.output_dir"
+        )
     if saved["world_size"] != accelerator.num_processes:
         raise TrainingError(
             f"{path}: saved by {saved['world_size']} processes, resuming with {accelerator.num_processes}; "
@@ -305,10 +327,21 @@ def _resume_from(recipe: Recipe, accelerator: Accelerator) -> Path | None:
     return path
 
 
+def _batch_plan(recipe: Recipe) -> dict[str, Any]:
+    """The train keys that decide which samples form which batch (and the held-out split): a saved data position
+    is only valid under the same ones."""
+    return {key: getattr(recipe.train, key) for key in ("batch_size", "packing", "seed")}
+
+
+def _step_of(checkpoint: Path) -> int:
+    return read_state(checkpoint)["step"]
+
+
 def _save(accelerator, model, recipe, step, loader, tokens_seen) -> Path:
     cfg = recipe.train
     state = {
         "recipe_hash": recipe.section_hash("target", "data", "drafter"),
+        "batch_plan": _batch_plan(recipe),
         "world_size": accelerator.num_processes,
         "tokens_seen": tokens_seen,
     }
