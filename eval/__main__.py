@@ -111,6 +111,17 @@ def load_prompts(path: str, tokenizer, limit: int | None) -> list[dict[str, Any]
     return prompts
 
 
+def stop_token_ids(target: Target) -> list[int]:
+    """Where decoding stops: the target's EOS tokens, the tokenizer's, and `<|end|>` where the vocabulary has it
+    (chat turns end there, as in data.selfdistill)."""
+    eos = target.model.generation_config.eos_token_id
+    eos = [eos] if isinstance(eos, int) else list(eos or [])
+    stops = [target.tokenizer.eos_token_id]
+    if END_OF_TURN in target.tokenizer.get_vocab():
+        stops.append(target.tokenizer.convert_tokens_to_ids(END_OF_TURN))
+    return eos + [t for t in stops if t is not None and t not in eos]
+
+
 # --------------------------------------------------------------------------------------------
 # Drafter -> proposer
 
@@ -308,12 +319,7 @@ def run(recipe: Recipe) -> dict[str, Any] | None:
         drafter = drafter.adapt_target(target)
         target_desc += f" + {recipe.drafter.method} LoRA (merged)"
     prompts = load_prompts(ev.prompts, target.tokenizer, ev.max_prompts)
-    eos = target.model.generation_config.eos_token_id
-    eos = [eos] if isinstance(eos, int) else list(eos or [])
-    stops = [target.tokenizer.eos_token_id]
-    if END_OF_TURN in target.tokenizer.get_vocab():  # chat turns end there (as in data.selfdistill)
-        stops.append(target.tokenizer.convert_tokens_to_ids(END_OF_TURN))
-    eos += [t for t in stops if t is not None and t not in eos]
+    eos = stop_token_ids(target)
     settings = DecodeSettings(
         max_new_tokens=ev.max_new_tokens,
         temperature=ev.temperature,
