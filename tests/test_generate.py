@@ -280,7 +280,8 @@ def test_generation_result_counts(target):
     # 1 token from the prefill, then 5 + 5 per round; the stub knows 12 tokens, so the last round accepts 1
     assert out.accepted == [4, 4, 1] and stats["accept_len"] == pytest.approx(4.0) and stats["new_tokens"] == 12
     assert out.extendable == [False, False, True]  # whole chains accepted: nothing deeper was offered
-    assert stats["reached_by_depth"] == [3, 3, 2, 2] and stats["accept_rate_by_depth"] == pytest.approx([1, 2 / 3, 1, 1])
+    assert stats["reached_by_depth"] == [3, 3, 2, 2]
+    assert stats["accept_rate_by_depth"] == pytest.approx([1, 2 / 3, 1, 1])
     assert stats["forwards_per_token"] == pytest.approx(4 / 12)
     assert out.wall_s >= out.target_s > 0
 
