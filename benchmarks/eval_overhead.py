@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -20,7 +19,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from eval.generate import DecodeSettings, EagleProposer, MedusaProposer, speculative_generate  # noqa: E402
+from eval.generate import DecodeSettings, EagleProposer, MedusaProposer, clock, speculative_generate  # noqa: E402
 from eval.trees import calibrated_tree, medusa_rank_acc  # noqa: E402
 from models.eagle import EagleConfig, EagleDrafter  # noqa: E402
 from models.medusa import MedusaConfig, MedusaHeads  # noqa: E402
@@ -38,27 +37,27 @@ POCKET_SHAPE = {
 GOAL = 1.15
 
 
-def timed(fn, clock: list[float]):
-    """`fn` that adds its own run time to clock[0]."""
+def timed(fn, total: list[float], device: str):
+    """`fn` that adds its own run time (device work included: `eval.generate.clock`) to total[0]."""
 
     def wrapper(*args, **kwargs):
-        start = time.perf_counter()
+        start = clock(device)
         out = fn(*args, **kwargs)
-        clock[0] += time.perf_counter() - start
+        total[0] += clock(device) - start
         return out
 
     return wrapper
 
 
-def measure(model, proposer, clock: list[float], prompts: list[torch.Tensor], settings, kernels: str) -> tuple:
+def measure(model, proposer, drafter_time: list[float], prompts: list[torch.Tensor], settings, kernels: str) -> tuple:
     """(wall, target forward time, drafter forward time, generated tokens) over the prompts, after a warm-up."""
     speculative_generate(model, proposer, prompts[0], DecodeSettings(max_new_tokens=4), kernels)
-    clock[0] = 0.0
+    drafter_time[0] = 0.0
     wall = target = tokens = 0.0
     for ids in prompts:
         out = speculative_generate(model, proposer, ids, settings, kernels)
         wall, target, tokens = wall + out.wall_s, target + out.target_s, tokens + len(out.tokens)
-    return wall, target, clock[0], tokens
+    return wall, target, drafter_time[0], tokens
 
 
 def main() -> None:
@@ -86,10 +85,10 @@ def main() -> None:
 
     eagle = EagleDrafter(EagleConfig(), target.parts([-1])).to(device).eval()
     eagle_clock = [0.0]
-    eagle.step = timed(eagle.step, eagle_clock)
+    eagle.step = timed(eagle.step, eagle_clock, device)
     medusa = MedusaHeads(MedusaConfig(num_heads=3), target.parts([-1])).to(device).eval()
     medusa_clock = [0.0]
-    medusa.head_logits = timed(medusa.head_logits, medusa_clock)
+    medusa.head_logits = timed(medusa.head_logits, medusa_clock, device)
     runs = {
         "eagle2 dynamic d3 k2 n6": (EagleProposer(eagle, depth=3, top_k=2, total_tokens=6), eagle_clock),
         "medusa1 calibrated n6": (
@@ -98,8 +97,8 @@ def main() -> None:
         ),
     }
     total_wall = total_work = 0.0
-    for name, (proposer, clock) in runs.items():
-        wall, target_s, draft_s, tokens = measure(target.model, proposer, clock, prompts, settings, args.kernels)
+    for name, (proposer, drafter_time) in runs.items():
+        wall, target_s, draft_s, tokens = measure(target.model, proposer, drafter_time, prompts, settings, args.kernels)
         total_wall, total_work = total_wall + wall, total_work + target_s + draft_s
         print(
             f"{name}: {tokens:.0f} tokens in {wall:.2f}s; target forwards {target_s:.2f}s, drafter forwards "

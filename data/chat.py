@@ -86,8 +86,14 @@ def _render(tokenizer: Any, messages: list[dict[str, str]], generation_prompt: b
         raise DataError(f"chat template rejected the conversation: {exc}") from None
 
 
-def assistant_char_spans(messages: list[dict[str, str]], tokenizer: Any) -> tuple[str, list[tuple[int, int]]]:
-    """Render `messages`; return the text and the [start, end) character span of every assistant turn."""
+def assistant_char_spans(
+    messages: list[dict[str, str]], tokenizer: Any, cut_turns: frozenset[int] = frozenset()
+) -> tuple[str, list[tuple[int, int]]]:
+    """Render `messages`; return the text and the [start, end) character span of every assistant turn.
+
+    Assistant turns whose number (0 = the first assistant turn) is in `cut_turns` were cut off by a length limit
+    (self-distillation's `finish_reason: length`): their span ends with their text, without the end marker the
+    template closes them with, which the model never produced there."""
     if not getattr(tokenizer, "chat_template", None):
         raise ChatTemplateError("tokenizer has no chat_template (use data.format: plain for base models)")
     text = _render(tokenizer, messages, generation_prompt=False)
@@ -106,13 +112,18 @@ def assistant_char_spans(messages: list[dict[str, str]], tokenizer: Any) -> tupl
         turn = upto[len(before) :].rstrip()
         if not turn:
             raise ChatTemplateError(f"assistant turn {i}: the chat template renders nothing for assistant turns")
+        if len(spans) in cut_turns and message["content"] and message["content"] in turn:
+            turn = turn[: turn.index(message["content"]) + len(message["content"])]
         spans.append((len(before), len(before) + len(turn)))
     return text, spans
 
 
-def render_with_assistant_mask(messages: list[dict[str, str]], tokenizer: Any) -> tuple[list[int], list[int]]:
-    """Token ids of the rendered conversation and a 0/1 mask that is 1 on assistant tokens (incl. end marker)."""
-    text, spans = assistant_char_spans(messages, tokenizer)
+def render_with_assistant_mask(
+    messages: list[dict[str, str]], tokenizer: Any, cut_turns: frozenset[int] = frozenset()
+) -> tuple[list[int], list[int]]:
+    """Token ids of the rendered conversation and a 0/1 mask that is 1 on assistant tokens (incl. end marker, except
+    for the assistant turns in `cut_turns`, see `assistant_char_spans`)."""
+    text, spans = assistant_char_spans(messages, tokenizer, cut_turns)
     # The rendered text already holds BOS and every marker the template wants; add nothing.
     try:
         enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)

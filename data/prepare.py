@@ -86,6 +86,13 @@ def detect_format(record: dict[str, Any]) -> str:
     )
 
 
+def cut_turns(record: dict[str, Any]) -> frozenset[int]:
+    """Numbers of the generated turns (completions, assistant turns) a length limit cut off, from the
+    `generation.finish_reason` list self-distillation writes (one reason per generated turn, in order)."""
+    reasons = (record.get("generation") or {}).get("finish_reason") or []
+    return frozenset(i for i, reason in enumerate(reasons) if reason == "length")
+
+
 def _tokenize_plain(record: dict[str, Any], tokenizer: Any) -> TokenizedRecord:
     for key in ("prompt", "completion"):
         if not isinstance(record.get(key), str):
@@ -94,11 +101,12 @@ def _tokenize_plain(record: dict[str, Any], tokenizer: Any) -> TokenizedRecord:
     prompt = tokenizer(record["prompt"], add_special_tokens=False)["input_ids"]
     completion = tokenizer(record["completion"], add_special_tokens=False)["input_ids"]
     bos = [] if tokenizer.bos_token_id is None else [tokenizer.bos_token_id]
-    eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+    # A completion cut off by a length limit did not end: no EOS for the drafter to learn there.
+    eos = [] if tokenizer.eos_token_id is None or 0 in cut_turns(record) else [tokenizer.eos_token_id]
     ids = bos + prompt + completion + eos
     mask = [0] * (len(bos) + len(prompt)) + [1] * (len(completion) + len(eos))
     if not any(mask):
-        raise DataError("plain record has an empty completion and the tokenizer has no eos token")
+        raise DataError("plain record has an empty completion and no eos token to learn")
     return TokenizedRecord(ids, mask)
 
 
@@ -112,7 +120,7 @@ def _tokenize_full(record: Any, tokenizer: Any, fmt: str) -> TokenizedRecord:
         return _tokenize_plain(record, tokenizer)
     if found == "sharegpt" and record.get("messages") is not None:
         raise DataError("record has both `conversations` and `messages`")
-    return TokenizedRecord(*render_with_assistant_mask(normalize_messages(record), tokenizer))
+    return TokenizedRecord(*render_with_assistant_mask(normalize_messages(record), tokenizer, cut_turns(record)))
 
 
 def tokenize_record(record: dict[str, Any], tokenizer: Any, fmt: str, max_len: int) -> TokenizedRecord:

@@ -139,6 +139,14 @@ def round_stats(accepted: list[int], extendable: list[bool]) -> dict[str, Any]:
 # Target side: forwards with a DynamicCache, tree masks, KV commit
 
 
+def clock(device: torch.device | str) -> float:
+    """perf_counter after the device's queued work has finished: on a GPU, kernels run asynchronously, and a
+    span timed without synchronizing would hold only their launches (their run time landing in the next span)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
 def tree_attention_mask(tree: Tree, prefix_len: int, dtype: torch.dtype) -> torch.Tensor:
     """(1, 1, N, prefix_len + N) additive float mask: the cached prefix is visible, tree nodes see their ancestors.
 
@@ -182,7 +190,7 @@ class TargetRunner:
         """(B, N) tokens at (B, N) positions -> logits (B, N, V) (or (B, 1, V) with `last_only`, e.g. a prefill),
         hidden (B, N, S, d) or None. Without a tree the block is causal (prefill, plain decoding); with one, tree
         attention."""
-        start = time.perf_counter()
+        start = clock(input_ids.device)
         mask, context = None, contextlib.nullcontext()
         if tree is not None and self.kernels == "reference":
             mask = tree_attention_mask(tree, self.cache.get_seq_length(), self.model.dtype)
@@ -202,7 +210,7 @@ class TargetRunner:
         if self.feature_layers:
             hidden = torch.stack([out.hidden_states[i].to(home) for i in self.feature_layers], dim=2)  # (B, N, S, d)
         self.forwards += 1
-        self.seconds += time.perf_counter() - start
+        self.seconds += clock(home) - start
         return out.logits.to(home), hidden
 
     def close(self) -> None:
@@ -246,7 +254,7 @@ def plain_generate(model: torch.nn.Module, prompt_ids: torch.Tensor, settings: D
     """Plain autoregressive decoding with a KV cache: one target forward per token (the baseline)."""
     _check_batch(prompt_ids)
     gen = torch.Generator(device=prompt_ids.device).manual_seed(settings.seed)
-    start = time.perf_counter()
+    start = clock(prompt_ids.device)
     target = TargetRunner(model, [])
     L = prompt_ids.shape[1]
     logits, _ = target.forward(prompt_ids, torch.arange(L, device=prompt_ids.device)[None], last_only=True)
@@ -259,7 +267,7 @@ def plain_generate(model: torch.nn.Module, prompt_ids: torch.Tensor, settings: D
     return GenerationResult(
         tokens=generated,
         target_forwards=target.forwards,
-        wall_s=time.perf_counter() - start,
+        wall_s=clock(prompt_ids.device) - start,
         target_s=target.seconds,
     )
 
@@ -301,7 +309,7 @@ def speculative_generate(
     _check_batch(prompt_ids)
     device = prompt_ids.device
     gen = torch.Generator(device=device).manual_seed(settings.seed)
-    start = time.perf_counter()
+    start = clock(device)
     target = TargetRunner(model, proposer.feature_layers, kernels, ops)
     ops = target.ops
     result = GenerationResult(tokens=[])
@@ -315,9 +323,9 @@ def speculative_generate(
         done = _finish(result.tokens, [int(root)], settings)
         while not done:
             state = DecodeState(tokens=tokens, new_hidden=hidden)
-            t0 = time.perf_counter()
+            t0 = clock(device)
             tree = proposer.propose(state)
-            result.draft_s += time.perf_counter() - t0
+            result.draft_s += clock(device) - t0
 
             tree = tree.to(device)
             prefix_len = state.prefix_len
@@ -326,9 +334,9 @@ def speculative_generate(
             target.commit(prefix_len, nodes)
             path = nodes[0, : accepted + 1]  # (k+1,) root first
 
-            t0 = time.perf_counter()
+            t0 = clock(device)
             proposer.commit(path.tolist())
-            result.draft_s += time.perf_counter() - t0
+            result.draft_s += clock(device) - t0
 
             new = tree.tokens[path[1:]].tolist() + [bonus]
             result.accepted.append(accepted)
@@ -341,7 +349,7 @@ def speculative_generate(
 
         result.target_forwards = target.forwards
         result.target_s = target.seconds
-        result.wall_s = time.perf_counter() - start
+        result.wall_s = clock(device) - start
     finally:
         target.close()
     return result

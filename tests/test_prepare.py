@@ -212,6 +212,21 @@ def test_plain_mode(pocket) -> None:
         tokenize_record(record, pocket, "sharegpt", max_len=100)
 
 
+def test_cut_off_generations_teach_no_ending(pocket) -> None:
+    """Self-distilled turns that hit the length limit did not end: no EOS after a cut completion, and a cut assistant
+    turn's end marker (which the template adds) is not a loss token; turns that stopped keep theirs."""
+    record = {"prompt": "The weather", "completion": " is nice.", "generation": {"finish_reason": ["length"]}}
+    ids, mask = tokenize_record(record, pocket, "auto", max_len=100)
+    assert ids[-1] != pocket.eos_token_id and mask[-1] == 1
+    stopped = {**record, "generation": {"finish_reason": ["stop"]}}
+    assert tokenize_record(stopped, pocket, "auto", max_len=100).input_ids[-1] == pocket.eos_token_id
+
+    chat = {"messages": CONVERSATION, "generation": {"finish_reason": ["stop", "length"]}}
+    ids, mask = tokenize_record(chat, pocket, "auto", max_len=1000)
+    assert masked_runs(ids, mask, pocket) == ["It is four.<|end|>", "The weather is nice."]
+    assert ids == render_with_assistant_mask(CONVERSATION, pocket)[0]  # the same tokens, one mask bit less
+
+
 def write_jsonl(path: Path, lines: list) -> str:
     path.write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines))
     return str(path)

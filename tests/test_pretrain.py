@@ -1,6 +1,7 @@
 """recipes/pocket/pretrain.py end to end on a tiny corpus: stage 1, then a stage 2 that continues from it."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -34,7 +35,7 @@ def write_corpus(root: Path) -> Path:
     return corpus
 
 
-def run_stage(tmp: Path, name: str, **fields) -> dict:
+def run_stage(tmp: Path, name: str, launch: list[str] | None = None, **fields) -> dict:
     cfg = {
         "corpus": str(tmp / "corpus"),
         "tokenizer": str(ROOT / "recipes" / "pocket" / "target"),
@@ -54,7 +55,9 @@ def run_stage(tmp: Path, name: str, **fields) -> dict:
     }
     path = tmp / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    subprocess.run([sys.executable, str(SCRIPT), str(path)], check=True, cwd=ROOT, capture_output=True, text=True)
+    command = [*(launch or [sys.executable]), str(SCRIPT), str(path)]
+    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"} if launch else None
+    subprocess.run(command, check=True, cwd=ROOT, capture_output=True, text=True, env=env, timeout=600)
     return json.loads((tmp / f"{name}-export" / "training_stats.json").read_text())
 
 
@@ -87,3 +90,22 @@ def test_stage2_starts_from_stage1_weights_and_records_it(tmp_path):
     with pytest.raises(subprocess.CalledProcessError) as failed:
         run_stage(tmp_path, "other", init_from=str(tmp_path / "stage1" / "checkpoint"), model=wider)
     assert "model.hidden_size is 64 but init_from" in failed.value.stderr
+
+
+def test_two_processes_draw_their_own_batches_and_step_the_schedule_once(tmp_path):
+    """Under `accelerate launch` every process draws other windows (tokens_seen counts them all), and the
+    learning-rate schedule advances once per optimizer step, not once per process."""
+    write_corpus(tmp_path)
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
+    stats = run_stage(tmp_path, "two", launch=launch)
+    assert stats["step"] == 4 and stats["tokens_seen"] == 2 * 4 * 2 * 16
+    state = torch.load(tmp_path / "two" / "checkpoint" / "state.pt", weights_only=False)
+    assert state["scheduler"]["last_epoch"] == 4
+
+    sys.path.insert(0, str(SCRIPT.parent))
+    from pretrain import PretrainConfig, train_batch
+
+    cfg = PretrainConfig(corpus="", tokenizer="", out_dir="", export_dir="", model=TINY_MODEL, seq_len=4, batch_size=3)
+    stream = torch.arange(1000)
+    assert not torch.equal(train_batch(stream, cfg, 7, rank=0), train_batch(stream, cfg, 7, rank=1))
+    assert torch.equal(train_batch(stream, cfg, 7), train_batch(stream, cfg, 7, rank=0))

@@ -90,8 +90,10 @@ def token_stream(cfg: PretrainConfig, split: str) -> torch.Tensor:
     return stream.long()
 
 
-def train_batch(stream: torch.Tensor, cfg: PretrainConfig, step: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
+def train_batch(stream: torch.Tensor, cfg: PretrainConfig, step: int, rank: int = 0) -> torch.Tensor:
+    """(B, T+1) random windows of the stream, seeded by (seed, step, process rank): a resumed run sees the same
+    batches, and every process of a multi-process run sees its own (rank 0 draws what a single process draws)."""
+    gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step + rank * 1_000_000_000_039)
     starts = torch.randint(0, len(stream) - cfg.seq_len - 1, (cfg.batch_size,), generator=gen)
     return torch.stack([stream[s : s + cfg.seq_len + 1] for s in starts.tolist()])  # (B, T+1)
 
@@ -187,7 +189,8 @@ def main() -> None:
     if args.export_only:
         return export(cfg, checkpoint)
 
-    accelerator = Accelerator(mixed_precision=cfg.mixed_precision)
+    # the scheduler counts optimizer steps; by default accelerate would step it once per process per step
+    accelerator = Accelerator(mixed_precision=cfg.mixed_precision, step_scheduler_with_optimizer=False)
     train_stream, valid_stream = token_stream(cfg, "train"), token_stream(cfg, "valid")
     state = {"step": 0, "tokens_seen": 0, "train_seconds": 0.0, "valid_loss": None, "earlier_stages": []}
     if args.resume:
@@ -225,7 +228,7 @@ def main() -> None:
     bar = tqdm(range(state["step"], cfg.max_steps), initial=state["step"], total=cfg.max_steps, mininterval=10)
     for step in bar:
         t0 = time.perf_counter()
-        x = train_batch(train_stream, cfg, step).to(accelerator.device)  # (B, T+1)
+        x = train_batch(train_stream, cfg, step, accelerator.process_index).to(accelerator.device)  # (B, T+1)
         loss = next_token_loss(model, x)
         accelerator.backward(loss)
         accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip)
@@ -234,7 +237,7 @@ def main() -> None:
         optimizer.zero_grad(set_to_none=True)
         seconds = time.perf_counter() - t0
         state["step"] = step + 1
-        state["tokens_seen"] += x[:, :-1].numel()
+        state["tokens_seen"] += x[:, :-1].numel() * accelerator.num_processes
         state["train_seconds"] += seconds
         bar.set_postfix(loss=f"{loss.item():.3f}", tok_s=f"{x[:, :-1].numel() / seconds:.0f}", refresh=False)
         if state["step"] % cfg.eval_every == 0 or state["step"] == cfg.max_steps:
