@@ -24,7 +24,7 @@ import dataclasses
 import os
 import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -32,8 +32,8 @@ import torch
 from safetensors import safe_open
 
 from data.chat import SHAREGPT_ROLES, DataError
-from data.prepare import read_jsonl
-from data.shards import FeatureDataset
+from data.prepare import prepare_dataset, read_jsonl
+from data.shards import FeatureDataset, split_by_id
 from eval.generate import (
     DecodeSettings,
     EagleProposer,
@@ -52,7 +52,6 @@ from train.config import EvalConfig, Recipe, RecipeError, load_recipe
 
 PROMPT_LOOKUP_TOKENS = 10
 CALIBRATION_SAMPLES = 64
-CALIBRATION_PROMPTS = 4
 WARMUP_TOKENS = 4
 END_OF_TURN = "<|end|>"
 
@@ -146,23 +145,40 @@ def medusa_rank_accuracy(
     return hits / counts.clamp(min=1)[:, None]
 
 
-def calibration_from_features(
-    features_dir: str | Path, heldout_fraction: float, seed: int, device: torch.device, limit: int
-) -> tuple[Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], str]:
-    """Calibration sequences from feature shards: the training run's held-out split (same fraction and seed), or
-    its first samples when it held none out; loss tokens are scored. Returns (sequences, description)."""
-    dataset = FeatureDataset(features_dir)
-    train_idx, heldout_idx = dataset.split(heldout_fraction, seed)
+def calibration_samples(recipe: Recipe, tokenizer, limit: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], str]:
+    """Token data to calibrate a Medusa tree on, never the eval prompts: (ids (T,), loss mask (T,) bool) of the
+    training run's held-out samples (same `data.heldout_fraction` and `train.seed`), or of its first samples when
+    it held none out; read from the feature shards when there are any (no tokenizing), else prepared from the
+    recipe's data. Returns (samples, description)."""
+    data = recipe.data
+    if data.features_dir is not None and (Path(data.features_dir) / "manifest.json").is_file():
+        dataset = FeatureDataset(data.features_dir)
+        sample_ids, source = dataset.sample_ids, f"the feature shards of {data.features_dir}"
+
+        def sample(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+            item = dataset[i]
+            return item["input_ids"], item["loss_mask"] > 0
+    else:
+        prepared = prepare_dataset(data, tokenizer).samples
+        sample_ids, source = [s["id"] for s in prepared], "the recipe's data"
+
+        def sample(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+            return torch.tensor(prepared[i]["input_ids"]), torch.tensor(prepared[i]["loss_mask"]) > 0
+
+    train_idx, heldout_idx = split_by_id(sample_ids, data.heldout_fraction, recipe.train.seed)
     chosen, which = (heldout_idx, "held-out") if heldout_idx else (train_idx, "training")
-    chosen = chosen[:limit]
-    col = dataset.layers.index(-1)
+    chosen = sorted(chosen, key=lambda i: sample_ids[i])[:limit]  # by sample id: the same from shards or data
+    samples = [sample(i) for i in chosen]
+    return samples, f"{len(samples)} {which} samples of {source}"
 
-    def sequences():
-        for i in chosen:
-            sample = dataset[i]
-            yield sample["hidden"][:, col].to(device), sample["input_ids"], sample["loss_mask"] > 0
 
-    return sequences(), f"{len(chosen)} {which} feature samples of {features_dir}"
+def calibration_sequences(target: Target, samples: list[tuple[torch.Tensor, torch.Tensor]]):
+    """`medusa_rank_accuracy` input: the verifying target's last hidden states over each sample (for Medusa-2 the
+    LoRA-merged backbone its heads read), its ids, and its loss tokens as the scored ones."""
+    for ids, scored in samples:
+        ids = ids.to(target.device)
+        hidden = target.hidden_states(ids[None], layers=[-1])[0, :, 0].to(ids.device)  # device_map: last GPU
+        yield hidden, ids, scored.to(ids.device)
 
 
 def draft_vocabulary(features_dir: str | Path, size: int) -> torch.Tensor:
@@ -314,8 +330,7 @@ def run(recipe: Recipe) -> dict[str, Any] | None:
         raise EvalError(f"{recipe.source}: target.tokenizer: the target has no tokenizer to render prompts")
     drafter = load_drafter(drafter_dir, target)
     target_desc = target.name
-    adapted = hasattr(drafter, "adapt_target")
-    if adapted:  # Medusa-2: the LoRA-merged target verifies, and is the baseline too
+    if hasattr(drafter, "adapt_target"):  # Medusa-2: the LoRA-merged target verifies, and is the baseline too
         drafter = drafter.adapt_target(target)
         target_desc += f" + {recipe.drafter.method} LoRA (merged)"
     prompts = load_prompts(ev.prompts, target.tokenizer, ev.max_prompts)
@@ -335,25 +350,9 @@ def run(recipe: Recipe) -> dict[str, Any] | None:
 
     def calibrate(top_k: int) -> torch.Tensor:
         """Every process measures the same data, so every process builds the same tree."""
-        data = recipe.data
-        # features hold the frozen target's hidden states: not what heads on a LoRA-adapted backbone read
-        if not adapted and data.features_dir is not None and (Path(data.features_dir) / "manifest.json").is_file():
-            sequences, desc = calibration_from_features(
-                data.features_dir, data.heldout_fraction, recipe.train.seed, target.device, CALIBRATION_SAMPLES
-            )
-        else:  # no features (an online-trained drafter): the target's greedy answers to the first eval prompts
-            sequences, desc = prompt_calibration(), f"greedy answers to the first {CALIBRATION_PROMPTS} eval prompts"
+        samples, desc = calibration_samples(recipe, target.tokenizer, CALIBRATION_SAMPLES)
         calibration.append(desc)
-        return medusa_rank_accuracy(drafter, sequences, top_k)
-
-    def prompt_calibration():
-        for p in prompts[:CALIBRATION_PROMPTS]:
-            ids = torch.tensor([p["input_ids"]], device=target.device)
-            greedy = plain_generate(target.model, ids, dataclasses.replace(settings, temperature=0.0))
-            full = torch.cat([ids, torch.tensor([greedy.tokens], device=target.device)], 1)
-            hidden = target.hidden_states(full, layers=[-1])[0, :, 0].to(full.device)  # device_map: last GPU
-            scored = torch.arange(full.shape[1], device=full.device) >= ids.shape[1]  # the generated tokens
-            yield hidden, full[0], scored
+        return medusa_rank_accuracy(drafter, calibration_sequences(target, samples), top_k)
 
     draft_vocab = None
     if ev.draft_vocab:

@@ -20,7 +20,8 @@ from data.extract import main as extract_main
 from data.shards import FeatureDataset
 from eval.__main__ import (
     EvalError,
-    calibration_from_features,
+    calibration_samples,
+    calibration_sequences,
     draft_vocabulary,
     load_prompts,
     main,
@@ -124,9 +125,9 @@ def test_eval_cli_end_to_end(tmp_path, target, method, tree, capsys):
     assert "| method | tree | τ |" in (out / "report.md").read_text()
     assert "eval/accept_len" in capsys.readouterr().out
     assert ("LoRA (merged)" in report["target"]) == (method == "medusa2")
-    if tree == "calibrated":  # no feature shards in this recipe: the target's answers to the first eval prompts
-        assert report["tree_calibration"] == "greedy answers to the first 4 eval prompts"
-        assert "Tree calibrated on greedy answers" in (out / "report.md").read_text()
+    if tree == "calibrated":  # no feature shards in this recipe: its data's held-out split, tokenized here
+        assert report["tree_calibration"].endswith("held-out samples of the recipe's data")
+        assert "Tree calibrated on " in (out / "report.md").read_text()
     else:
         assert report["tree_calibration"] is None
 
@@ -158,20 +159,26 @@ def test_draft_vocabulary_counts_loss_tokens_of_the_shards(tmp_path, monkeypatch
     assert draft_vocabulary(features, 10).tolist() == counts.argsort(descending=True, stable=True)[:10].tolist()
     assert len(draft_vocabulary(features, 10**6)) == int((counts > 0).sum())  # never pads with unseen tokens
 
-    # Medusa tree calibration reads the training run's held-out split of the same shards, not the eval prompts
-    recipe = load_recipe("recipes/tiny/eagle2.yaml")
+    # Medusa tree calibration reads the training run's held-out split (the shards' token ids, or the prepared
+    # data without shards), never the eval prompts; the verifying target computes the hidden states
+    recipe = load_recipe("recipes/tiny/eagle2.yaml", [f"data.features_dir={features}", "data.heldout_fraction=0.25"])
     tiny = load_target(**dataclasses.asdict(recipe.target))
     torch.manual_seed(0)
     heads = MedusaHeads(MedusaConfig(num_heads=2), tiny.parts([-1])).eval()
-    sequences, desc = calibration_from_features(features, 0.25, 0, torch.device("cpu"), limit=64)
-    _, heldout = dataset.split(0.25, 0)
-    assert desc == f"{len(heldout)} held-out feature samples of {features}"
-    accuracy = medusa_rank_accuracy(heads, sequences, top_k=3)
+    samples, desc = calibration_samples(recipe, tiny.tokenizer, limit=64)
+    _, heldout = dataset.split(0.25, recipe.train.seed)
+    assert desc == f"{len(heldout)} held-out samples of the feature shards of {features}"
+    unsharded = dataclasses.replace(recipe, data=dataclasses.replace(recipe.data, features_dir=None))
+    prepared, prepared_desc = calibration_samples(unsharded, tiny.tokenizer, limit=64)
+    assert prepared_desc == f"{len(heldout)} held-out samples of the recipe's data"
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(samples, prepared))
+    accuracy = medusa_rank_accuracy(heads, calibration_sequences(tiny, samples), top_k=3)
     hits, counts = torch.zeros(2, 3), torch.zeros(2)
     with torch.no_grad():
         for i in heldout:  # oracle: every position through every head, then keep loss-token targets
             item = dataset[i]
-            logits = heads.head_logits(item["hidden"][None, :, 0])[:, 0]  # (K, T, V)
+            hidden = tiny.hidden_states(item["input_ids"][None], layers=[-1])[:, :, 0]
+            logits = heads.head_logits(hidden)[:, 0]  # (K, T, V)
             for k in (1, 2):
                 for t in range(len(item["input_ids"]) - k - 1):
                     if item["loss_mask"][t + k + 1] > 0:
