@@ -220,11 +220,18 @@ def test_greedy_lossless_with_layers_spread_behind_device_hooks():
     assert placement["model.layers.0"] == placement["lm_head"] == torch.device("cpu")
     assert hasattr(target.model.model.layers[1], "_hf_hook") and hasattr(target.model.lm_head, "_hf_hook")
     assert plain_generate(target.model, PROMPT, settings).tokens == plain.tokens
+    torch.manual_seed(0)
+    shared = MedusaHeads(MedusaConfig(num_heads=2, share_lm_head=True), target.parts([-1])).eval()
     for kernels in ("reference", "triton"):
         stub = ScriptedProposer(plain.tokens, PROMPT.shape[1], TREE_SHAPES["wide"], "sometimes", 96, seed=3)
         out = speculative_generate(target.model, stub, PROMPT, settings, kernels)
         assert out.tokens == plain.tokens
         assert sum(out.accepted) > 0
+        for proposer in (  # drafters that borrow the (hooked) lm_head
+            EagleProposer(_eagle(target), depth=3, top_k=2, total_tokens=6, draft_vocab=torch.arange(0, 96, 2)),
+            MedusaProposer(shared, chain(2)),
+        ):
+            assert speculative_generate(target.model, proposer, PROMPT, settings, kernels).tokens == plain.tokens
 
 
 def test_eagle_drafts_what_it_would_draft_alone(target):
