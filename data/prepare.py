@@ -93,16 +93,25 @@ def cut_turns(record: dict[str, Any]) -> frozenset[int]:
     return frozenset(i for i, reason in enumerate(reasons) if reason == "length")
 
 
+def _token_ids(value: Any, vocab_size: int) -> list[int]:
+    if not isinstance(value, list) or not all(isinstance(t, int) and 0 <= t < vocab_size for t in value):
+        raise DataError(f"`completion_ids` must be a list of token ids below the vocabulary size {vocab_size}")
+    return value
+
+
 def _tokenize_plain(record: dict[str, Any], tokenizer: Any) -> TokenizedRecord:
     for key in ("prompt", "completion"):
         if not isinstance(record.get(key), str):
             raise DataError(f"plain record needs a string `{key}`")
     # Prompt and completion are tokenized apart, as at inference (prompt encoded, completion generated).
     prompt = tokenizer(record["prompt"], add_special_tokens=False)["input_ids"]
-    completion = tokenizer(record["completion"], add_special_tokens=False)["input_ids"]
     bos = [] if tokenizer.bos_token_id is None else [tokenizer.bos_token_id]
-    # A completion cut off by a length limit did not end: no EOS for the drafter to learn there.
-    eos = [] if tokenizer.eos_token_id is None or 0 in cut_turns(record) else [tokenizer.eos_token_id]
+    if record.get("completion_ids") is not None:  # self-distilled: the target's own tokens, its stop token included
+        completion, eos = _token_ids(record["completion_ids"], len(tokenizer)), []
+    else:
+        completion = tokenizer(record["completion"], add_special_tokens=False)["input_ids"]
+        # A completion cut off by a length limit did not end: no EOS for the drafter to learn there.
+        eos = [] if tokenizer.eos_token_id is None or 0 in cut_turns(record) else [tokenizer.eos_token_id]
     ids = bos + prompt + completion + eos
     mask = [0] * (len(bos) + len(prompt)) + [1] * (len(completion) + len(eos))
     if not any(mask):

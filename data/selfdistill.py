@@ -4,8 +4,10 @@
         [--max-new-tokens 256 --temperature 0 --top-p 1 --seed 0 --batch-size 8 --limit N]
 
 Reads prompt records, one JSON object a line, in either format that `data.prepare` reads:
-  * plain `{"id"?, "prompt": str}` -> `{"id", "prompt", "completion", "generation"}`; the input is
-    `bos + prompt` exactly as data.prepare tokenizes it;
+  * plain `{"id"?, "prompt": str}` -> `{"id", "prompt", "completion", "completion_ids", "generation"}`; the
+    input is `bos + prompt` exactly as data.prepare tokenizes it, and `completion_ids` are the generated token ids
+    (the stop token last when generation stopped), which data.prepare trains on instead of re-encoding the text
+    (decoding then encoding does not always give the same tokens back);
   * chat `{"messages": [...]}` (OpenAI) or `{"conversations": [...]}` (ShareGPT) -> the same record
     with every assistant turn written by the target (turn by turn, through the tokenizer's chat
     template with the generation prompt, after the already regenerated earlier turns). A user turn
@@ -152,7 +154,8 @@ class Generator:
         )
 
     @torch.no_grad()
-    def __call__(self, inputs: list[list[int]], seeds: list[int]) -> list[tuple[str, str]]:
+    def __call__(self, inputs: list[list[int]], seeds: list[int]) -> list[tuple[str, str, list[int]]]:
+        """(text without the stop token, "stop" | "length", generated ids with the stop token) per input."""
         width = max(map(len, inputs))
         pad = self.model.generation_config.pad_token_id
         ids = torch.tensor([[pad] * (width - len(x)) + x for x in inputs], device=self.model.device)  # (B, T)
@@ -166,7 +169,9 @@ class Generator:
             stop_at = next((k for k, t in enumerate(row) if t in self.stop_ids), None)
             new = row if stop_at is None else row[:stop_at]
             text = self.tokenizer.decode(new, skip_special_tokens=True, clean_up_tokenization_spaces=False)
-            results.append((text, "length" if stop_at is None else "stop"))
+            results.append(
+                (text, "length" if stop_at is None else "stop", row if stop_at is None else row[: stop_at + 1])
+            )
         return results
 
 
@@ -207,8 +212,9 @@ def distill_batch(batch: list[tuple[str, dict[str, Any]]], generate: Generator) 
         bos = [tok.bos_token_id] if tok.bos_token_id is not None else []
         inputs = [bos + tok(outputs[i]["prompt"], add_special_tokens=False)["input_ids"] for i in plain]
         seeds = [record_seed(settings.seed, batch[i][0], 0) for i in plain]
-        for i, seed, (text, reason) in zip(plain, seeds, generate(inputs, seeds)):
+        for i, seed, (text, reason, ids) in zip(plain, seeds, generate(inputs, seeds)):
             outputs[i]["completion"] = text
+            outputs[i]["completion_ids"] = ids
             outputs[i]["generation"] |= {"record_seeds": [seed], "finish_reason": [reason]}
 
     # Chats: round r writes the r-th assistant turn of every conversation that has one.
@@ -229,7 +235,7 @@ def distill_batch(batch: list[tuple[str, dict[str, Any]]], generate: Generator) 
             text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
             inputs.append(tok(text, add_special_tokens=False)["input_ids"])
             seeds.append(record_seed(settings.seed, batch[i][0], r))
-        for (i, j), seed, (text, reason) in zip(slots, seeds, generate(inputs, seeds)):
+        for (i, j), seed, (text, reason, _) in zip(slots, seeds, generate(inputs, seeds)):
             key, _, text_key = chat_keys(outputs[i])
             outputs[i][key][j][text_key] = text
             outputs[i]["generation"]["record_seeds"].append(seed)

@@ -221,6 +221,14 @@ def test_cut_off_generations_teach_no_ending(pocket) -> None:
     stopped = {**record, "generation": {"finish_reason": ["stop"]}}
     assert tokenize_record(stopped, pocket, "auto", max_len=100).input_ids[-1] == pocket.eos_token_id
 
+    # self-distilled ids are trained on as they are: the target's tokens, its stop token (if any) included
+    exact = {**record, "completion_ids": [17, 18, pocket.convert_tokens_to_ids("<|end|>")]}
+    ids, mask = tokenize_record(exact, pocket, "auto", max_len=100)
+    prompt = pocket("The weather", add_special_tokens=False)["input_ids"]
+    assert ids == [pocket.bos_token_id, *prompt, *exact["completion_ids"]] and mask[-4:] == [0, 1, 1, 1]
+    with pytest.raises(DataError, match="completion_ids"):
+        tokenize_record({**record, "completion_ids": [len(pocket)]}, pocket, "auto", max_len=100)
+
     chat = {"messages": CONVERSATION, "generation": {"finish_reason": ["stop", "length"]}}
     ids, mask = tokenize_record(chat, pocket, "auto", max_len=1000)
     assert masked_runs(ids, mask, pocket) == ["It is four.<|end|>", "The weather is nice."]

@@ -67,10 +67,19 @@ def run(target: Path, prompts: Path, out: Path, *extra: str) -> list[dict]:
 def test_plain_records(tiny_target, tmp_path):
     out = run(tiny_target, write_jsonl(tmp_path / "p.jsonl", PLAIN), tmp_path / "out.jsonl", "--batch-size", "4")
     assert [r["id"] for r in out] == [f"p{i}" for i in range(5)] + ["line6"]
+    tokenizer = AutoTokenizer.from_pretrained(tiny_target)
     for record, source in zip(out, PLAIN):
         assert record["prompt"] == source["prompt"] and isinstance(record["completion"], str)
         assert record["generation"]["max_new_tokens"] == 6 and record["generation"]["temperature"] == 0.0
         assert record["generation"]["finish_reason"][0] in ("stop", "length")
+        ids = record["completion_ids"]  # the target's own tokens, what data.prepare trains on
+        if record["generation"]["finish_reason"][0] == "length":
+            assert len(ids) == 6
+        else:
+            ids = ids[:-1]  # the stop token ends the ids but not the text
+        assert (
+            tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False) == record["completion"]
+        )
     meta = json.loads((tmp_path / "out.jsonl.meta.json").read_text())
     assert meta["settings"]["max_new_tokens"] == 6 and "config.json" in meta["target"]["files"]
 

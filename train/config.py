@@ -81,7 +81,8 @@ class DataConfig:
     """Conversations in, token data and feature shards out."""
 
     train_files: list[str] = field(default_factory=list)
-    """JSONL files: ShareGPT (`conversations`), OpenAI (`messages`) or plain (`prompt` + `completion`)."""
+    """JSONL files: ShareGPT (`conversations`), OpenAI (`messages`) or plain (`prompt` + `completion`, and the
+    target's own `completion_ids` when data.selfdistill wrote them)."""
     hf_dataset: str | None = None
     """Alternatively a `datasets` source (name or local path), with hf_split."""
     hf_split: str = "train"
