@@ -304,13 +304,13 @@ def _resume_from(recipe: Recipe, accelerator: Accelerator) -> Path | None:
             f"{path}: saved with different target/data/drafter settings than {recipe.source}; "
             "resume with the recipe it was trained with (see its recipe.yaml)"
         )
-    plan = saved.get("batch_plan")  # absent in checkpoints written before it was recorded
-    if plan is not None and plan != _batch_plan(recipe):
-        changed = sorted(k for k in plan if plan[k] != _batch_plan(recipe).get(k))
+    plan, want = saved.get("batch_plan"), _batch_plan(recipe)  # no plan in checkpoints from before it was saved
+    changed = sorted(k for k in want if plan is not None and plan.get(k) != want[k])
+    if changed:
         raise TrainingError(
-            f"{path}: saved with train.{changed[0]}={plan[changed[0]]}, {recipe.source} has "
-            f"{getattr(cfg, changed[0])}; the saved data position only means something in the same batch plan "
-            "(and the seed also picks the held-out split)"
+            f"{path}: saved with train.{changed[0]}={plan.get(changed[0])}, {recipe.source} has {want[changed[0]]}; "
+            "the saved data position only means something in the same batch plan (and the seed also picks the "
+            "held-out split)"
         )
     newer = [p for p in existing if _step_of(p) > saved["step"] and p.resolve() != path.resolve()]
     if newer:
