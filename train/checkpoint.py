@@ -21,7 +21,8 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from safetensors.torch import save_file
+
+from models.io import write_safetensors
 
 STATE_FILE = "trainer_state.json"
 DRAFTER_FILE = "drafter.safetensors"
@@ -71,7 +72,7 @@ def save_checkpoint(
     (tmp / f"loader_state_{accelerator.process_index}.json").write_text(json.dumps(loader_state))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        save_file({k: v.detach().cpu().contiguous() for k, v in drafter_tensors.items()}, str(tmp / DRAFTER_FILE))
+        write_safetensors(drafter_tensors, tmp / DRAFTER_FILE)
         (tmp / STATE_FILE).write_text(json.dumps({**state, "step": step}, indent=2))
         if final.exists():
             shutil.rmtree(final)
