@@ -86,14 +86,15 @@ def _attend_block(q, k, v, visible, m_i, l_i, acc, qk_scale, CAST_F32: tl.conste
 
 @triton.jit
 def _tree_attention_kernel(
-    Q, KP, VP, KT, VT, BITS, OUT, O_PART, L_PART,
+    Q, KP, VP, KT, VT, BITS, PLEN, OUT, O_PART, L_PART,
     sqb, sqh, sqn, skb, skh, skp, svb, svh, svp, stb, sth, stn, sub, suh, sun, sbb, sbn, sob, soh, son,
     H, N, P, D, R, split_len, qk_scale,
-    HKV: tl.constexpr, GROUP: tl.constexpr, NUM_SPLITS: tl.constexpr, CAST_F32: tl.constexpr,
+    HKV: tl.constexpr, GROUP: tl.constexpr, NUM_SPLITS: tl.constexpr, CAST_F32: tl.constexpr, RAGGED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """Program (b * HKV + kv head, query block, prefix split). Rows are the GROUP query heads sharing the kv head
-    times the N tree queries (row = g * N + n), so K/V are read once per kv head. Last dims are contiguous."""
+    times the N tree queries (row = g * N + n), so K/V are read once per kv head. Last dims are contiguous.
+    RAGGED: row b sees only its first PLEN[b] prefix keys (splits past it attend to nothing there)."""
     pid_bh, pid_m, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b = (pid_bh // HKV).to(tl.int64)  # int64 offsets: caches can exceed 2^31 elements
     kvh = pid_bh % HKV
@@ -111,8 +112,11 @@ def _tree_attention_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
     # the prefix: every tree query sees all of it; this program reads split pid_s of it
+    p_end = P
+    if RAGGED:
+        p_end = tl.load(PLEN + b).to(tl.int32)
     p_lo = pid_s * split_len
-    p_hi = tl.minimum(p_lo + split_len, P)
+    p_hi = tl.minimum(p_lo + split_len, p_end)
     for start in range(p_lo, p_hi, BLOCK_P):
         cols = start + tl.arange(0, BLOCK_P)
         col_ok = cols < p_hi
@@ -216,9 +220,11 @@ def tree_attention(
     v_tree: torch.Tensor,
     mask_bits: torch.Tensor,
     scale: float,
+    prefix_lens: torch.Tensor | None = None,
     num_splits: int | None = None,
 ) -> torch.Tensor:
-    """Triton twin of `eval.reference.tree_attention`; `num_splits` overrides the split-KV heuristic."""
+    """Triton twin of `eval.reference.tree_attention`; `num_splits` overrides the split-KV heuristic (splits cover
+    the whole prefix; with `prefix_lens` they end early for shorter rows)."""
     bsz, h, n, d = q.shape
     hkv, p = k_tree.shape[1], k_prefix.shape[2]
     group = h // hkv
@@ -241,14 +247,16 @@ def tree_attention(
     rows = bsz * h * n
     o_part = torch.empty((splits, rows, d), device=q.device, dtype=torch.float32) if splits > 1 else out
     l_part = torch.empty((splits, rows), device=q.device, dtype=torch.float32) if splits > 1 else out
+    ragged = prefix_lens is not None
+    plen = prefix_lens.to(q.device, torch.int32).expand(bsz).contiguous() if ragged else out
     _tree_attention_kernel[(bsz * hkv, m_blocks, splits)](
-        q, k_prefix, v_prefix, k_tree, v_tree, mask_bits, out, o_part, l_part,
+        q, k_prefix, v_prefix, k_tree, v_tree, mask_bits, plen, out, o_part, l_part,
         q.stride(0), q.stride(1), q.stride(2), k_prefix.stride(0), k_prefix.stride(1), k_prefix.stride(2),
         v_prefix.stride(0), v_prefix.stride(1), v_prefix.stride(2), k_tree.stride(0), k_tree.stride(1),
         k_tree.stride(2), v_tree.stride(0), v_tree.stride(1), v_tree.stride(2), mask_bits.stride(0),
         mask_bits.stride(1), out.stride(0), out.stride(1), out.stride(2),
         h, n, p, d, rows, split_len, scale * LOG2E,
-        HKV=hkv, GROUP=group, NUM_SPLITS=splits, CAST_F32=cast_f32,
+        HKV=hkv, GROUP=group, NUM_SPLITS=splits, CAST_F32=cast_f32, RAGGED=ragged,
         BLOCK_M=block_m, BLOCK_P=block_p, BLOCK_N=block_n, BLOCK_D=block_d,
     )  # fmt: skip
     if splits > 1:
@@ -533,21 +541,24 @@ def verify_sampled(
 
 @triton.jit
 def _kv_commit_kernel(
-    CACHE, NODES, PREFIX, s_b, s_h, s_s, s_nb, D, HKV: tl.constexpr, WIDTH: tl.constexpr, BLOCK_D: tl.constexpr
-):
-    """Program (b * HKV + head, D tile), one warp. Steps run in order: step s reads row prefix + node[s] >= prefix + s,
-    which no earlier step wrote, and a row read at step s is overwritten only at a later step. Program order makes
-    that safe within one warp (a D tile smaller than the warp replicates columns over lanes of that warp only)."""
+    CACHE, NODES, PREFIX, START, s_b, s_h, s_s, s_nb, D,
+    HKV: tl.constexpr, WIDTH: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """Program (b * HKV + head, D tile), one warp. Steps run in order: step s reads row start + node[s] >= prefix + s
+    (start >= prefix, node[s] >= s), which no earlier step wrote, and a row read at step s is overwritten only at a
+    later step. Program order makes that safe within one warp (a D tile smaller than the warp replicates columns over
+    lanes of that warp only)."""
     pid = tl.program_id(0)
     b = pid // HKV
     base = CACHE + b.to(tl.int64) * s_b + (pid % HKV).to(tl.int64) * s_h
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     d_ok = d < D
     prefix = tl.load(PREFIX + b)
+    start = tl.load(START + b)
     for s in range(WIDTH):
         node = tl.load(NODES + b * s_nb + s)
         ok = d_ok & ((d * 0 + node) >= 0)  # a vector mask: the interpreter rejects scalar & vector masks
-        row = tl.load(base + (prefix + node) * s_s + d, ok)
+        row = tl.load(base + (start + node) * s_s + d, ok)
         tl.store(base + (prefix + s) * s_s + d, row, ok)
 
 
@@ -556,25 +567,29 @@ def kv_commit(
     v_cache: torch.Tensor | list[torch.Tensor],
     prefix_len: int | torch.Tensor,
     accepted_nodes: torch.Tensor,
+    tree_start: int | torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Triton twin of `eval.reference.kv_commit` (one launch per cache tensor)."""
+    """Triton twin of `eval.reference.kv_commit` (one launch per cache tensor). `tree_start >= prefix_len` is the
+    caller's to keep (the twin checks it; checking here would wait for the GPU)."""
     bsz, width = accepted_nodes.shape
     nodes = accepted_nodes.contiguous()
     prefix = torch.as_tensor(prefix_len, device=nodes.device, dtype=torch.long).expand(bsz).contiguous()
+    start = prefix if tree_start is None else torch.as_tensor(tree_start, device=nodes.device, dtype=torch.long)
+    start = start.expand(bsz).contiguous()
     caches = [k_cache] if isinstance(k_cache, torch.Tensor) else list(k_cache)
     caches += [v_cache] if isinstance(v_cache, torch.Tensor) else list(v_cache)
-    on = {nodes.device: (nodes, prefix)}  # the indices on each cache's device (a device_map target: several GPUs)
+    on = {nodes.device: (nodes, prefix, start)}  # the indices on each cache's device (device_map: several GPUs)
     for cache in caches:
         _, hkv, _, d = cache.shape
         if cache.stride(-1) != 1:
             raise ValueError("kv_commit needs caches with a contiguous last dimension")
         if cache.device not in on:
-            on[cache.device] = (nodes.to(cache.device), prefix.to(cache.device))
-        cache_nodes, cache_prefix = on[cache.device]
+            on[cache.device] = tuple(x.to(cache.device) for x in (nodes, prefix, start))
+        cache_nodes, cache_prefix, cache_start = on[cache.device]
         block_d = _pow2(d, 16, 128)
         with on_device(cache):
             _kv_commit_kernel[(bsz * hkv, triton.cdiv(d, block_d))](
-                cache, cache_nodes, cache_prefix, cache.stride(0), cache.stride(1), cache.stride(2),
+                cache, cache_nodes, cache_prefix, cache_start, cache.stride(0), cache.stride(1), cache.stride(2),
                 cache_nodes.stride(0), d, HKV=hkv, WIDTH=width, BLOCK_D=block_d, num_warps=1,
             )  # fmt: skip
     return prefix + (nodes >= 0).sum(-1)
@@ -617,14 +632,15 @@ def get_ops(kind: str = "triton") -> TreeOps:
 
 # ---------------------------------------------------------------------------------- transformers AttentionInterface
 
-_TREE_MASK: ContextVar[torch.Tensor | None] = ContextVar("specdraft_tree_mask", default=None)
+_TREE_MASK: ContextVar[tuple[torch.Tensor, torch.Tensor | None] | None] = ContextVar("specdraft_tree", default=None)
 
 
 @contextmanager
-def tree_context(mask_bits: torch.Tensor) -> Iterator[None]:
+def tree_context(mask_bits: torch.Tensor, prefix_lens: torch.Tensor | None = None) -> Iterator[None]:
     """Within the block, attention functions registered by `register_tree_attention` treat a query block of N tokens
-    as a tree with these (N, W) or (B, N, W) ancestor bits over the last N cached keys."""
-    token = _TREE_MASK.set(mask_bits)
+    as a tree with these (N, W) or (B, N, W) ancestor bits over the last N cached keys; with `prefix_lens` (B,),
+    row b sees only the first prefix_lens[b] keys before them (a ragged batch), else all of them."""
+    token = _TREE_MASK.set((mask_bits, prefix_lens))
     try:
         yield
     finally:
@@ -634,10 +650,11 @@ def tree_context(mask_bits: torch.Tensor) -> Iterator[None]:
 def register_tree_attention(name: str = "specdraft_tree", kind: str = "triton") -> str:
     """Register `name` with transformers' AttentionInterface (and the sdpa mask builder) and return it.
 
-    Then `model.set_attn_implementation(name)`. Inside `tree_context(mask_bits)` (or with `tree_mask_bits=` passed
-    through the model's forward kwargs) a query block whose length matches the tree runs `get_ops(kind)
-    .tree_attention` over keys split as [cached prefix | N tree keys]; the prefix is fully visible, so the HF
-    attention mask is ignored there (no padding in the prefix). Anything else (prefill, plain decoding) is causal SDPA.
+    Then `model.set_attn_implementation(name)`. Inside `tree_context(mask_bits, prefix_lens)` (or with
+    `tree_mask_bits=` and `tree_prefix_lens=` passed through the model's forward kwargs) a query block whose length
+    matches the tree runs `get_ops(kind).tree_attention` over keys split as [cached prefix | N tree keys]; the prefix
+    is visible up to `prefix_lens` (all of it by default), so the HF attention mask is ignored there. Anything else
+    (prefill, plain decoding) is SDPA under the HF mask (causal, or a 4D mask passed to the model).
     """
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -655,14 +672,22 @@ def register_tree_attention(name: str = "specdraft_tree", kind: str = "triton") 
         dropout: float = 0.0,
         **kwargs,
     ) -> tuple[torch.Tensor, None]:
-        bits = kwargs.pop("tree_mask_bits", None)
-        bits = _TREE_MASK.get() if bits is None else bits
+        bits, lens = kwargs.pop("tree_mask_bits", None), kwargs.pop("tree_prefix_lens", None)
+        if bits is None:
+            bits, lens = _TREE_MASK.get() or (None, None)
         n = query.shape[2]
         if bits is None or bits.shape[-2] != n:
             return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         out = attend(
-            query, key[:, :, :-n], value[:, :, :-n], key[:, :, -n:], value[:, :, -n:], bits.to(query.device), scale
+            query,
+            key[:, :, :-n],
+            value[:, :, :-n],
+            key[:, :, -n:],
+            value[:, :, -n:],
+            bits.to(query.device),
+            scale,
+            prefix_lens=None if lens is None else lens.to(query.device),
         )
         return out.transpose(1, 2).contiguous(), None  # (B, N, H, D) like every HF attention function
 

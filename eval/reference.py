@@ -41,17 +41,23 @@ def tree_attention(
     v_tree: torch.Tensor,
     mask_bits: torch.Tensor,
     scale: float,
+    prefix_lens: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q (B, H, N, D) attends to all P prefix keys (B, Hkv, P, D) and to the tree keys (B, Hkv, N, D) allowed by
-    mask_bits (B, N, W). GQA: query head h reads kv head h // (H / Hkv). fp32 math, output in q.dtype."""
+    """q (B, H, N, D) attends to the prefix keys (B, Hkv, P, D) and to the tree keys (B, Hkv, N, D) allowed by
+    mask_bits (B, N, W). GQA: query head h reads kv head h // (H / Hkv). fp32 math, output in q.dtype.
+
+    `prefix_lens` (B,): row b sees only its first prefix_lens[b] <= P prefix keys (a ragged batch: rows that accepted
+    fewer tokens leave stale rows at the end of their prefix); None: every row sees all P."""
     b, h, n, _ = q.shape
+    p = k_prefix.shape[2]
     group = h // k_tree.shape[1]
     mask_bits = mask_bits.expand(b, n, mask_bits.shape[-1])
     k = torch.cat([k_prefix, k_tree], dim=2).float().repeat_interleave(group, dim=1)  # (B, H, P+N, D)
     v = torch.cat([v_prefix, v_tree], dim=2).float().repeat_interleave(group, dim=1)
-    visible = torch.cat(
-        [mask_bits.new_ones(b, n, k_prefix.shape[2], dtype=torch.bool), unpack_mask(mask_bits, n)], dim=-1
-    )  # (B, N, P+N)
+    seen = mask_bits.new_ones(b, p, dtype=torch.bool)
+    if prefix_lens is not None:
+        seen = torch.arange(p, device=q.device) < prefix_lens.to(q.device)[:, None]  # (B, P)
+    visible = torch.cat([seen[:, None, :].expand(b, n, p), unpack_mask(mask_bits, n)], dim=-1)  # (B, N, P+N)
     scores = torch.einsum("bhnd,bhsd->bhns", q.float(), k) * scale
     scores = scores.masked_fill(~visible[:, None], float("-inf"))
     return torch.einsum("bhns,bhsd->bhnd", scores.softmax(-1), v).to(q.dtype)
@@ -243,20 +249,26 @@ def kv_commit(
     v_cache: torch.Tensor | list[torch.Tensor],
     prefix_len: int | torch.Tensor,
     accepted_nodes: torch.Tensor,
+    tree_start: int | torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Move the KV rows of the accepted nodes (rows prefix_len + node) to rows prefix_len, prefix_len + 1, … in place.
+    """Move the KV rows of the accepted nodes (rows tree_start + node) to rows prefix_len, prefix_len + 1, … in place.
 
     Caches are (B, Hkv, S, D) tensors or per-layer lists of them, on any devices (the layers of a `device_map`
-    target); accepted_nodes (B, L) lists nodes in path order, -1 padded at the end. Returns new_len (B,) = prefix_len
-    + number of accepted nodes (root included), on accepted_nodes' device; rows past it are stale and the caller crops
+    target); accepted_nodes (B, L) lists nodes in path order, -1 padded at the end. `tree_start` (int or (B,), at
+    least prefix_len; default prefix_len) is where the tree block starts: in a ragged batch every row's tree block
+    starts after the longest prefix, and shorter rows close the gap. Returns new_len (B,) = prefix_len + number of
+    accepted nodes (root included), on accepted_nodes' device; rows past it are stale and the caller crops or masks
     them."""
     bsz, width = accepted_nodes.shape
     device = accepted_nodes.device
     prefix = torch.as_tensor(prefix_len, device=device).expand(bsz)[:, None]  # (B, 1)
+    start = prefix if tree_start is None else torch.as_tensor(tree_start, device=device).expand(bsz)[:, None]
+    if bool((start < prefix).any()):
+        raise ValueError("kv_commit: tree_start must be >= prefix_len (rows move towards the start of the cache)")
     steps = torch.arange(width, device=device)[None, :]
     valid = accepted_nodes >= 0
     dst = prefix + steps  # (B, L)
-    src = torch.where(valid, prefix + accepted_nodes, dst)
+    src = torch.where(valid, start + accepted_nodes, dst)
     on = {device: (src, dst)}  # the indices on each cache's device (a device_map target: several GPUs)
     for cache in [*_as_list(k_cache), *_as_list(v_cache)]:
         _, h, _, d = cache.shape

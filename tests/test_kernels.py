@@ -35,6 +35,33 @@ def test_tree_attention_matches_twin(p, n, dtype, tol):
         torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 2e-3)])
+def test_tree_attention_ragged_prefix_matches_twin_and_ignores_stale_rows(dtype, tol):
+    """Row b sees only its first prefix_lens[b] prefix keys: the kernel equals the twin (with and without split-KV,
+    splits past a row's end included), and both equal attention over that row's prefix alone."""
+    gen = torch.Generator().manual_seed(7)
+    b, h, hkv, p, n, d = 3, 4, 2, 37, 9, 16
+    trees = stack_trees([random_tree(n, gen) for _ in range(b)])
+    rnd = lambda *shape: torch.randn(*shape, generator=gen).to(dtype)
+    q, kp, vp, kt, vt = rnd(b, h, n, d), rnd(b, hkv, p, d), rnd(b, hkv, p, d), rnd(b, hkv, n, d), rnd(b, hkv, n, d)
+    lens = torch.tensor([37, 5, 0])
+    want = reference.tree_attention(q, kp, vp, kt, vt, trees.mask_bits, d**-0.5, prefix_lens=lens)
+    for row in range(b):
+        alone = reference.tree_attention(
+            q[row : row + 1],
+            kp[row : row + 1, :, : lens[row]],
+            vp[row : row + 1, :, : lens[row]],
+            kt[row : row + 1],
+            vt[row : row + 1],
+            trees.mask_bits[row : row + 1],
+            d**-0.5,
+        )
+        torch.testing.assert_close(want[row : row + 1], alone)
+    for splits in (None, 3):
+        got = kernels.tree_attention(q, kp, vp, kt, vt, trees.mask_bits, d**-0.5, prefix_lens=lens, num_splits=splits)
+        torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
 def test_tree_attention_twin_is_per_path_attention():
     """The twin itself: tree query i equals plain attention over prefix + the nodes on its root path."""
     gen = torch.Generator().manual_seed(0)
@@ -254,6 +281,29 @@ def test_kv_commit_kernel_matches_twin_per_request_prefix():
     assert torch.equal(want, got) and all(torch.equal(a, b) for a, b in zip(caches, twins))
 
 
+@pytest.mark.parametrize("kind", ["reference", "triton"])
+def test_kv_commit_ragged_rows_close_the_gap_to_the_shared_tree_block(kind):
+    """A ragged batch: both rows' tree blocks start at row 9 (after the longest prefix), row 1's prefix is 4 long; the
+    accepted rows move to each row's own prefix end."""
+    b, hkv, d, start = 2, 2, 16, 9
+    rows = torch.arange(start + 6, dtype=torch.float32)
+    k = rows[None, None, :, None].repeat(b, hkv, 1, d)
+    v = -k.clone()
+    accepted = torch.tensor([[0, 1, 4], [0, 2, -1]])
+    new_len = kernels.get_ops(kind).kv_commit([k], [v], torch.tensor([9, 4]), accepted, tree_start=start)
+    assert new_len.tolist() == [12, 6]
+    assert k[0, 0, 9:12, 0].tolist() == [9.0, 10.0, 13.0]
+    assert k[1, 0, :6, 0].tolist() == [0.0, 1.0, 2.0, 3.0, 9.0, 11.0]
+    assert torch.equal(k[1, 0, 6:, 0], rows[6:])  # past new_len: untouched, stale
+    assert torch.equal(v, -k)
+
+
+def test_kv_commit_refuses_a_tree_block_before_the_prefix_end():
+    k = torch.zeros(1, 1, 8, 4)
+    with pytest.raises(ValueError, match="tree_start"):
+        reference.kv_commit([k], [k.clone()], 5, torch.tensor([[0, 1]]), tree_start=3)
+
+
 # ------------------------------------------------------------------------------------------- HF AttentionInterface
 
 
@@ -313,12 +363,14 @@ def compile_sm90(fn, types, consts, **options):
 
 for dt, cast, block_p in (("bf16", False, 64), ("fp32", True, 32)):
     ptrs = {n: "*" + dt for n in ("Q", "KP", "VP", "KT", "VT", "OUT")}
-    ptrs.update(BITS="*i32", O_PART="*fp32", L_PART="*fp32", qk_scale="fp32")
+    ptrs.update(BITS="*i32", PLEN="*i32", O_PART="*fp32", L_PART="*fp32", qk_scale="fp32")
     blocks = dict(BLOCK_M=64, BLOCK_P=block_p, BLOCK_N=32, BLOCK_D=128)
-    compile_sm90(K._tree_attention_kernel, ptrs, dict(HKV=8, GROUP=4, NUM_SPLITS=4, CAST_F32=cast, **blocks))
+    for ragged in (False, True):
+        consts = dict(HKV=8, GROUP=4, NUM_SPLITS=4, CAST_F32=cast, RAGGED=ragged, **blocks)
+        compile_sm90(K._tree_attention_kernel, ptrs, consts)
 compile_sm90(K._merge_splits_kernel, {"O_PART": "*fp32", "L_PART": "*fp32", "OUT": "*bf16"},
              dict(NUM_SPLITS=4, BLOCK_R=32, BLOCK_D=128))
-compile_sm90(K._kv_commit_kernel, {"CACHE": "*bf16", "NODES": "*i64", "PREFIX": "*i64"},
+compile_sm90(K._kv_commit_kernel, {"CACHE": "*bf16", "NODES": "*i64", "PREFIX": "*i64", "START": "*i64"},
              dict(HKV=8, WIDTH=5, BLOCK_D=128), num_warps=1)
 stats = {"LOGITS": "*bf16", "ARGMAX": "*i64", "LSE": "*fp32", "LOG_THR": "*fp32", "inv_temp": "fp32",
          "log_eps": "fp32", "log_delta": "fp32"}
