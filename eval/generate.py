@@ -14,6 +14,13 @@ One round, with the root r (the last token chosen by the target, not yet in its 
      the proposer sees the accepted path and the target hidden states along it.
 Greedy output equals plain greedy decoding token for token; sampled output follows the target
 distribution (lossless); `acceptance="typical"` is Medusa's lossy typical acceptance.
+
+Batches: `speculative_generate_batch(model, proposers, prompts, settings)` decodes B prompts of any lengths
+together, one proposer per prompt. Each round the B trees are verified in one target forward; rows accept
+different lengths, so the target cache is ragged: row b owns its first `lengths[b]` positions, the tree block
+is appended after the longest row, tree attention sees only each row's own prefix, and `kv_commit` moves the
+accepted rows down to each row's prefix end. Drafting still runs row by row (a batched EAGLE-2 tree is not
+built yet); finished rows leave the batch.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import contextlib
 import dataclasses
 import inspect
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -30,7 +38,7 @@ from transformers import DynamicCache
 
 from eval.kernels import TreeOps, get_ops, register_tree_attention, tree_context
 from eval.reference import target_probs
-from eval.trees import Tree, dynamic_tree, medusa_tokens
+from eval.trees import Tree, dynamic_tree, medusa_tokens, stack_trees
 
 Kernels = Literal["triton", "reference"]
 
@@ -147,20 +155,32 @@ def clock(device: torch.device | str) -> float:
     return time.perf_counter()
 
 
-def tree_attention_mask(tree: Tree, prefix_len: int, dtype: torch.dtype) -> torch.Tensor:
-    """(1, 1, N, prefix_len + N) additive float mask: the cached prefix is visible, tree nodes see their ancestors.
+def tree_attention_mask(
+    tree: Tree, prefix_len: int, dtype: torch.dtype, prefix_lens: torch.Tensor | None = None
+) -> torch.Tensor:
+    """(B or 1, 1, N, prefix_len + N) additive float mask: the cached prefix is visible (row b: only its first
+    prefix_lens[b] positions, when given), tree nodes see their ancestors.
 
     Additive (0 / finfo.min), never bool: eager attention adds a user-supplied 4D mask as-is.
     """
-    allowed = tree.dense_mask()  # (N, N)
-    n = allowed.shape[-1]
-    mask = torch.zeros(1, 1, n, prefix_len + n, dtype=dtype, device=allowed.device)
-    mask[..., prefix_len:] = torch.where(allowed, 0.0, torch.finfo(dtype).min).to(dtype)
-    return mask
+    allowed = tree.dense_mask()  # (N, N) or (B, N, N)
+    allowed = allowed if allowed.dim() == 3 else allowed[None]
+    n, device = allowed.shape[-1], allowed.device
+    seen = torch.ones(allowed.shape[0], prefix_len, dtype=torch.bool, device=device)
+    if prefix_lens is not None:
+        seen = torch.arange(prefix_len, device=device) < prefix_lens.to(device)[:, None]  # (B, P)
+    visible = torch.cat([seen[:, None, :].expand(-1, n, -1), allowed], dim=-1)  # (B, N, P+N)
+    return torch.where(visible, 0.0, torch.finfo(dtype).min).to(dtype)[:, None]
 
 
 class TargetRunner:
-    """The frozen target with its KV cache: prefill, tree forwards, commits; `seconds` = time in forwards."""
+    """The frozen target with its KV cache for a batch of rows: prefill, tree forwards, commits, dropping finished
+    rows; `seconds` = time in forwards.
+
+    Ragged layout: the cache tensors are (B, Hkv, S, D) with S the longest row; row b's first `lengths[b]` positions
+    are its tokens and the rest are stale, never attended (tree attention takes per-row prefix lengths). A tree block
+    is appended after S for every row, and `commit` moves each row's accepted KV rows to its own prefix end.
+    """
 
     def __init__(
         self,
@@ -174,28 +194,22 @@ class TargetRunner:
         self.ops = ops or get_ops(kernels)
         self.feature_layers = feature_layers
         self.attn_implementation = model.config._attn_implementation  # restored by `close`
-        if kernels == "triton":  # tree blocks through the fused kernel; other blocks stay causal SDPA
+        if kernels == "triton":  # tree blocks through the fused kernel; other blocks stay SDPA
             name = register_tree_attention(kind="triton")
             if model.config._attn_implementation != name:
                 model.set_attn_implementation(name)
         self.cache = DynamicCache(config=model.config)
         # transformers renamed `past_key_values` to `cache` in 5.x; an unknown name would be swallowed by **kwargs
         self.cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        self.lengths: list[int] = []  # per row: cached positions that are its own (the rest up to S are stale)
+        self.tree_start = 0  # where the last tree block starts in the cache (S before it was appended)
         self.forwards = 0
         self.seconds = 0.0
 
-    def forward(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor, tree: Tree | None = None, last_only: bool = False
+    def _run(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None, logits_to_keep, context
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(B, N) tokens at (B, N) positions -> logits (B, N, V) (or (B, 1, V) with `last_only`, e.g. a prefill),
-        hidden (B, N, S, d) or None. Without a tree the block is causal (prefill, plain decoding); with one, tree
-        attention."""
         start = clock(input_ids.device)
-        mask, context = None, contextlib.nullcontext()
-        if tree is not None and self.kernels == "reference":
-            mask = tree_attention_mask(tree, self.cache.get_seq_length(), self.model.dtype)
-        elif tree is not None:
-            context = tree_context(tree.mask_bits)
         with context:
             out = self.model(
                 input_ids=input_ids,
@@ -204,7 +218,7 @@ class TargetRunner:
                 use_cache=True,
                 **{self.cache_arg: self.cache},
                 output_hidden_states=bool(self.feature_layers),
-                logits_to_keep=1 if last_only else 0,
+                logits_to_keep=logits_to_keep,
             )
         hidden, home = None, input_ids.device  # a device_map target ends on another GPU than it starts
         if self.feature_layers:
@@ -213,19 +227,82 @@ class TargetRunner:
         self.seconds += clock(home) - start
         return out.logits.to(home), hidden
 
+    def prefill(self, prompts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Fill the cache with B prompts ((L_b,) ids) -> logits at each prompt's last token (B, V), hidden
+        (B, max L_b, S, d) or None. Shorter prompts are right-padded: under the causal mask a real token never sees
+        the padding after it, and the padded positions become stale rows that later forwards do not attend to."""
+        lengths = [int(p.shape[0]) for p in prompts]
+        device = prompts[0].device
+        L = max(lengths)
+        ids = torch.zeros(len(prompts), L, dtype=torch.long, device=device)
+        for row, p in enumerate(prompts):
+            ids[row, : lengths[row]] = p
+        positions = torch.arange(L, device=device)[None].expand(len(prompts), -1)
+        self.lengths = lengths
+        if len(set(lengths)) == 1:
+            logits, hidden = self._run(ids, positions, None, 1, contextlib.nullcontext())
+            return logits[:, -1], hidden
+        # logits only at the distinct last positions ((B, K, V) with K <= B), then each row's own
+        last = sorted(set(n - 1 for n in lengths))
+        keep = torch.tensor(last, device=device)
+        logits, hidden = self._run(ids, positions, None, keep, contextlib.nullcontext())
+        pick = torch.tensor([last.index(n - 1) for n in lengths], device=device)
+        return logits[torch.arange(len(lengths), device=device), pick], hidden
+
+    def forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, tree: Tree | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(B, N) tokens at (B, N) positions after the cached rows -> logits (B, N, V), hidden (B, N, S, d) or None.
+        Without a tree the block is causal (plain decoding; rows must then have equal lengths); with one (stacked
+        for B > 1), tree attention over each row's own prefix."""
+        n = input_ids.shape[1]
+        self.tree_start = self.cache.get_seq_length()
+        ragged = any(length != self.tree_start for length in self.lengths)
+        lens = torch.tensor(self.lengths, device=input_ids.device) if ragged else None
+        mask, context = None, contextlib.nullcontext()
+        if tree is None and ragged:
+            raise ValueError("a causal block needs rows of equal cached length; a ragged batch decodes trees")
+        if tree is not None and self.kernels == "reference":
+            mask = tree_attention_mask(tree, self.tree_start, self.model.dtype, lens)
+        elif tree is not None:
+            context = tree_context(tree.mask_bits, lens)
+        out = self._run(input_ids, position_ids, mask, 0, context)
+        if tree is None:
+            self.lengths = [length + n for length in self.lengths]
+        return out
+
     def close(self) -> None:
         """Give the model back its own attention implementation (plain baselines must not run through ours)."""
         if self.model.config._attn_implementation != self.attn_implementation:
             self.model.set_attn_implementation(self.attn_implementation)
 
-    def commit(self, prefix_len: int, accepted_nodes: torch.Tensor) -> None:
-        """Move the KV rows of `accepted_nodes` ((1, D+1), root first, -1 padded) to positions prefix_len.. in
-        place (`ops.kv_commit`), then drop the rest of the tree block. Not timed as target time: it is the loop's."""
+    def commit(self, accepted_nodes: torch.Tensor, accept_len: list[int]) -> None:
+        """After a tree forward: move each row's accepted KV rows (`accepted_nodes` (B, D+1), root first, -1
+        padded; `accept_len` drafted nodes accepted per row) from the tree block to the row's prefix end in place
+        (`ops.kv_commit`), then crop the cache to the longest row. Not timed as target time: it is the loop's."""
         layers = self.cache.layers
         keys, values = [x.keys for x in layers], [x.values for x in layers]
-        new_len = int(self.ops.kv_commit(keys, values, prefix_len, accepted_nodes))
-        for layer in layers:
-            layer.keys, layer.values = layer.keys[:, :, :new_len], layer.values[:, :, :new_len]
+        prefix = torch.tensor(self.lengths, device=accepted_nodes.device)
+        self.ops.kv_commit(keys, values, prefix, accepted_nodes, tree_start=self.tree_start)
+        self.lengths = [length + a + 1 for length, a in zip(self.lengths, accept_len)]
+        self._crop(max(self.lengths))
+
+    def keep_rows(self, rows: list[int]) -> None:
+        """Keep only these batch rows (the others finished decoding) and crop to the longest kept row."""
+        if rows == list(range(len(self.lengths))):
+            return
+        index: dict[torch.device, torch.Tensor] = {}
+        for layer in self.cache.layers:
+            device = layer.keys.device
+            if device not in index:
+                index[device] = torch.tensor(rows, dtype=torch.long, device=device)
+            layer.keys, layer.values = layer.keys[index[device]], layer.values[index[device]]
+        self.lengths = [self.lengths[r] for r in rows]
+        self._crop(max(self.lengths, default=0))
+
+    def _crop(self, length: int) -> None:
+        for layer in self.cache.layers:
+            layer.keys, layer.values = layer.keys[:, :, :length], layer.values[:, :, :length]
 
 
 # --------------------------------------------------------------------------------------------
@@ -251,19 +328,21 @@ def _finish(generated: list[int], new: list[int], settings: DecodeSettings) -> b
 
 @torch.inference_mode()
 def plain_generate(model: torch.nn.Module, prompt_ids: torch.Tensor, settings: DecodeSettings) -> GenerationResult:
-    """Plain autoregressive decoding with a KV cache: one target forward per token (the baseline)."""
-    _check_batch(prompt_ids)
+    """Plain autoregressive decoding of one prompt ((1, L) ids) with a KV cache: one target forward per token (the
+    baseline)."""
+    _check_one_prompt(prompt_ids)
     gen = torch.Generator(device=prompt_ids.device).manual_seed(settings.seed)
     start = clock(prompt_ids.device)
     target = TargetRunner(model, [])
     L = prompt_ids.shape[1]
-    logits, _ = target.forward(prompt_ids, torch.arange(L, device=prompt_ids.device)[None], last_only=True)
+    logits, _ = target.prefill([prompt_ids[0]])
     generated: list[int] = []
     while True:
-        tok = _first_token(logits[:, -1], settings, gen)
+        tok = _first_token(logits, settings, gen)
         if _finish(generated, [int(tok)], settings):
             break
         logits, _ = target.forward(tok[:, None], torch.tensor([[L + len(generated) - 1]], device=tok.device))
+        logits = logits[:, -1]
     return GenerationResult(
         tokens=generated,
         target_forwards=target.forwards,
@@ -274,9 +353,10 @@ def plain_generate(model: torch.nn.Module, prompt_ids: torch.Tensor, settings: D
 
 def _verify(
     ops: TreeOps, tree: Tree, logits: torch.Tensor, settings: DecodeSettings, gen: torch.Generator
-) -> tuple[int, torch.Tensor, int]:
-    """Target logits over the tree (1, N, V) -> (accepted drafts k, accepted nodes (1, D+1) root first, bonus)."""
-    tokens = tree.tokens[None]  # (1, N)
+) -> tuple[list[int], torch.Tensor, list[int]]:
+    """Target logits over B stacked trees (B, N, V) -> (accepted drafts per row, accepted nodes (B, D+1) root first,
+    bonus token per row)."""
+    tokens = tree.tokens  # (B, N)
     if settings.greedy:
         accept_len, nodes, bonus = ops.verify_greedy(tokens, logits, tree)
     elif settings.acceptance == "typical":
@@ -284,11 +364,11 @@ def _verify(
             tokens, logits, tree, settings.typical_epsilon, settings.typical_delta, settings.temperature
         )
     else:
-        coins = ops.draw_coins(tree, 1, gen)
+        coins = ops.draw_coins(tree, tokens.shape[0], gen)
         accept_len, nodes, bonus = ops.verify_sampled(
             tokens, logits, tree, coins, temperature=settings.temperature, top_p=settings.top_p
         )
-    return int(accept_len[0]), nodes, int(bonus[0])
+    return accept_len.tolist(), nodes, bonus.tolist()
 
 
 @torch.inference_mode()
@@ -306,58 +386,102 @@ def speculative_generate(
     model's attention switched to the registered tree kernel) or "reference" (PyTorch twins, an additive 4D mask
     under the model's own attention); both give the same tokens. `ops` overrides the op set (tests inject faults).
     """
-    _check_batch(prompt_ids)
-    device = prompt_ids.device
+    _check_one_prompt(prompt_ids)
+    return speculative_generate_batch(model, [proposer], [prompt_ids[0]], settings, kernels, ops)[0]
+
+
+@torch.inference_mode()
+def speculative_generate_batch(
+    model: torch.nn.Module,
+    proposers: Sequence[Proposer],
+    prompts: Sequence[torch.Tensor],
+    settings: DecodeSettings,
+    kernels: Kernels = "reference",
+    ops: TreeOps | None = None,
+) -> list[GenerationResult]:
+    """Speculative decoding of B prompts ((L_b,) ids, any lengths) together: one result per prompt.
+
+    Each round, every unfinished row drafts with its own proposer (`proposers[b]`: proposers keep per-prompt state,
+    e.g. EAGLE's KV cache, so build one per prompt around the same modules); the B trees, which must have the same
+    node count, are verified in one target forward and committed into a ragged KV cache (see `TargetRunner`). Rows
+    leave the batch when they finish. Greedy outputs equal plain greedy decoding of each prompt alone; sampled
+    rows draw from one generator, so they follow the target distribution but are not the tokens a batch-1 run with
+    the same seed gives. Times (`wall_s`, `target_s`) are the batch's, shared by its rows; `draft_s` is the row's.
+    """
+    if len(proposers) != len(prompts) or not prompts:
+        raise ValueError(f"one proposer per prompt: got {len(proposers)} proposers for {len(prompts)} prompts")
+    if len({id(p) for p in proposers}) != len(proposers):
+        raise ValueError("proposers keep per-prompt state: pass a distinct proposer per prompt (sharing modules)")
+    layers = {tuple(p.feature_layers) for p in proposers}
+    if len(layers) != 1:
+        raise ValueError(f"proposers of one batch must read the same target layers, got {sorted(layers)}")
+    prompts = [p.reshape(-1) for p in prompts]
+    if any(p.numel() == 0 for p in prompts):
+        raise ValueError(f"empty prompt at batch row {next(i for i, p in enumerate(prompts) if p.numel() == 0)}")
+    device = prompts[0].device
     gen = torch.Generator(device=device).manual_seed(settings.seed)
     start = clock(device)
-    target = TargetRunner(model, proposer.feature_layers, kernels, ops)
+    target = TargetRunner(model, list(proposers[0].feature_layers), kernels, ops)
     ops = target.ops
-    result = GenerationResult(tokens=[])
-    proposer.reset()
+    results = [GenerationResult(tokens=[]) for _ in prompts]
+    for proposer in proposers:
+        proposer.reset()
 
     try:
-        L = prompt_ids.shape[1]
-        logits, hidden = target.forward(prompt_ids, torch.arange(L, device=device)[None], last_only=True)
-        root = _first_token(logits[:, -1], settings, gen)
-        tokens = torch.cat([prompt_ids, root[:, None]], dim=1)
-        done = _finish(result.tokens, [int(root)], settings)
-        while not done:
-            state = DecodeState(tokens=tokens, new_hidden=hidden)
-            t0 = clock(device)
-            tree = proposer.propose(state)
-            result.draft_s += clock(device) - t0
-
-            tree = tree.to(device)
-            prefix_len = state.prefix_len
-            logits, hidden = target.forward(tree.tokens[None], tree.positions(prefix_len)[None], tree)  # (1, N, V)
+        logits, hidden = target.prefill(prompts)
+        roots = _first_token(logits, settings, gen).tolist()
+        tokens = [torch.cat([p, p.new_tensor([r])])[None] for p, r in zip(prompts, roots)]  # (1, L_b + 1) per row
+        new_hidden = [None if hidden is None else hidden[b : b + 1, : p.shape[0]] for b, p in enumerate(prompts)]
+        active = [b for b in range(len(prompts)) if not _finish(results[b].tokens, [roots[b]], settings)]
+        target.keep_rows(active)
+        while active:
+            trees = []
+            for b in active:
+                t0 = clock(device)
+                trees.append(proposers[b].propose(DecodeState(tokens=tokens[b], new_hidden=new_hidden[b])).to(device))
+                results[b].draft_s += clock(device) - t0
+            if len({t.num_nodes for t in trees}) != 1:
+                sizes = {b: t.num_nodes for b, t in zip(active, trees)}
+                raise ValueError(f"the trees of one round must have the same node count, got {sizes} (row: nodes)")
+            tree = stack_trees(trees)  # (B, N)
+            prefix = torch.tensor(target.lengths, device=device)
+            logits, hidden = target.forward(tree.tokens, tree.positions(prefix), tree)  # (B, N, V)
             accepted, nodes, bonus = _verify(ops, tree, logits, settings, gen)
-            target.commit(prefix_len, nodes)
-            path = nodes[0, : accepted + 1]  # (k+1,) root first
+            target.commit(nodes, accepted)
 
-            t0 = clock(device)
-            proposer.commit(path.tolist())
-            result.draft_s += clock(device) - t0
+            still = []
+            for i, b in enumerate(active):
+                path = nodes[i, : accepted[i] + 1]  # (k+1,) root first
+                t0 = clock(device)
+                proposers[b].commit(path.tolist())
+                results[b].draft_s += clock(device) - t0
+                new = tree.tokens[i, path[1:]].tolist() + [bonus[i]]
+                result = results[b]
+                result.accepted.append(accepted[i])
+                result.tree_depth.append(trees[i].max_depth)
+                result.extendable.append(bool(tree.first_child[i, path[-1]] >= 0))
+                result.tree_nodes.append(tree.num_nodes)
+                new_hidden[b] = hidden[i : i + 1, path] if hidden is not None else None  # (1, k+1, S, d)
+                tokens[b] = torch.cat([tokens[b], torch.tensor([new], device=device)], dim=1)
+                if not _finish(result.tokens, new, settings):
+                    still.append(i)
+            target.keep_rows(still)
+            active = [active[i] for i in still]
 
-            new = tree.tokens[path[1:]].tolist() + [bonus]
-            result.accepted.append(accepted)
-            result.tree_depth.append(tree.max_depth)
-            result.extendable.append(bool(tree.first_child[path[-1]] >= 0))
-            result.tree_nodes.append(tree.num_nodes)
-            hidden = hidden[:, path] if hidden is not None else None  # (1, k+1, S, d)
-            tokens = torch.cat([tokens, torch.tensor([new], device=device)], dim=1)
-            done = _finish(result.tokens, new, settings)
-
-        result.target_forwards = target.forwards
-        result.target_s = target.seconds
-        result.wall_s = clock(device) - start
+        wall = clock(device) - start
+        for result in results:
+            result.target_forwards = 1 + len(result.accepted)
+            result.target_s, result.wall_s = target.seconds, wall
     finally:
         target.close()
-    return result
+    return results
 
 
-def _check_batch(prompt_ids: torch.Tensor) -> None:
+def _check_one_prompt(prompt_ids: torch.Tensor) -> None:
     if prompt_ids.dim() != 2 or prompt_ids.shape[0] != 1:
-        raise ValueError(f"prompt_ids must be (1, L) (batch size 1), got shape {tuple(prompt_ids.shape)}")
+        raise ValueError(
+            f"prompt_ids must be (1, L), got shape {tuple(prompt_ids.shape)}; batches: speculative_generate_batch"
+        )
 
 
 # --------------------------------------------------------------------------------------------

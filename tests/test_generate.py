@@ -21,6 +21,7 @@ from eval.generate import (
     plain_generate,
     round_stats,
     speculative_generate,
+    speculative_generate_batch,
 )
 from eval.kernels import get_ops
 from eval.trees import MEDUSA_63, Tree, chain, medusa_tree
@@ -366,3 +367,113 @@ def test_sampled_follows_target_distribution():
     perturbed = dataclasses.replace(get_ops("reference"), verify_sampled=forgetful_verify)
     bad = _tv(_empirical_joint(target.model, proposer, settings, perturbed, trials, vocab), exact)
     assert bad > 3 * noise, (bad, noise)
+
+
+# --------------------------------------------------------------------------------------------
+# Batches: rows of different lengths accepting different lengths (a ragged KV cache)
+
+BATCH_PROMPTS = [PROMPT[0], torch.tensor([9, 4, 61]), torch.tensor([30, 2, 2, 71, 11, 5, 90, 14, 3, 66, 8, 19])]
+
+
+@pytest.mark.parametrize("kernels", ["reference", "triton"])
+def test_batch_greedy_stub_lossless_with_ragged_rows(target, kernels):
+    """Three prompts of different lengths (a padded prefill) whose drafts are never / always / sometimes right, so
+    their caches grow apart every round and rows finish in different rounds: every row equals plain greedy decoding
+    of its prompt alone, with exactly the rounds it would take alone."""
+    settings = DecodeSettings(max_new_tokens=20)
+    plains = [plain_generate(target.model, p[None], settings) for p in BATCH_PROMPTS]
+    modes = ["never", "always", "sometimes"]
+
+    def stubs():
+        return [
+            ScriptedProposer(plain.tokens, len(p), TREE_SHAPES["wide"], mode, 96, seed=5)
+            for plain, p, mode in zip(plains, BATCH_PROMPTS, modes)
+        ]
+
+    batch = speculative_generate_batch(target.model, stubs(), BATCH_PROMPTS, settings, kernels)
+    alone = [
+        speculative_generate(target.model, stub, p[None], settings, kernels) for stub, p in zip(stubs(), BATCH_PROMPTS)
+    ]
+    for row, (out, plain, single) in enumerate(zip(batch, plains, alone)):
+        assert out.tokens == plain.tokens, row
+        assert out.accepted == single.accepted and out.extendable == single.extendable, row
+        assert out.target_forwards == 1 + len(out.accepted)
+    assert batch[0].accepted == [0] * 19 and len(batch[1].accepted) < len(batch[2].accepted) < 19
+    assert batch[0].wall_s == batch[1].wall_s >= batch[0].target_s > 0  # the batch's times, shared
+
+
+@pytest.mark.parametrize("kind", ["eagle_dynamic", "medusa_tree"])
+def test_batch_greedy_real_drafters_lossless(target, kind):
+    """Real drafters, one proposer per row around the same modules: every row equals plain greedy decoding and
+    accepts what it accepts alone (EAGLE's per-row drafter caches stay separate)."""
+    settings = DecodeSettings(max_new_tokens=16)
+    drafter = _eagle(target) if kind == "eagle_dynamic" else _medusa(target)
+    tree = medusa_tree([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)], 3)
+
+    def proposers():
+        if kind == "eagle_dynamic":
+            return [EagleProposer(drafter, depth=3, top_k=2, total_tokens=6) for _ in BATCH_PROMPTS]
+        return [MedusaProposer(drafter, tree) for _ in BATCH_PROMPTS]
+
+    batch = speculative_generate_batch(target.model, proposers(), BATCH_PROMPTS, settings, "triton")
+    for row, (out, p, proposer) in enumerate(zip(batch, BATCH_PROMPTS, proposers())):
+        assert out.tokens == plain_generate(target.model, p[None], settings).tokens, row
+        assert out.accepted == speculative_generate(target.model, proposer, p[None], settings).accepted, row
+
+
+def test_batch_rows_finish_at_eos_and_leave_the_batch(target):
+    """A row that hits EOS stops there (its tokens end with it) while the others go on to max_new_tokens; the
+    batch's target forwards run only over rows still decoding."""
+    settings = DecodeSettings(max_new_tokens=20)
+    plains = [plain_generate(target.model, p[None], settings).tokens for p in BATCH_PROMPTS]
+    eos = next(t for t in plains[1][2:] if all(t not in other for other in (plains[0], plains[2])))
+    settings = DecodeSettings(max_new_tokens=20, eos_token_ids=[eos])
+    stubs = [ScriptedProposer(t, len(p), TREE_SHAPES["chain4"], "sometimes", 96) for t, p in zip(plains, BATCH_PROMPTS)]
+    rows = []
+    hook = target.model.register_forward_pre_hook(
+        lambda module, args, kwargs: rows.append(kwargs["input_ids"].shape[0]), with_kwargs=True
+    )
+    try:
+        out = speculative_generate_batch(target.model, stubs, BATCH_PROMPTS, settings)
+    finally:
+        hook.remove()
+    assert out[1].tokens == plains[1][: plains[1].index(eos) + 1]
+    assert out[0].tokens == plains[0] and out[2].tokens == plains[2]
+    assert rows[0] == 3 and min(rows) < 3  # the prefill over all three, later rounds over fewer
+    assert rows == sorted(rows, reverse=True)
+
+
+def test_batch_is_refused_with_a_clear_error_when_malformed(target):
+    settings = DecodeSettings(max_new_tokens=4)
+    stub = lambda parents: FixedTreeProposer(parents, [1] * (len(parents) - 1))  # noqa: E731
+    with pytest.raises(ValueError, match="one proposer per prompt"):
+        speculative_generate_batch(target.model, [stub([-1, 0])], BATCH_PROMPTS[:2], settings)
+    same = stub([-1, 0])
+    with pytest.raises(ValueError, match="distinct proposer"):
+        speculative_generate_batch(target.model, [same, same], BATCH_PROMPTS[:2], settings)
+    with pytest.raises(ValueError, match=r"same node count, got \{0: 2, 1: 3\}"):
+        speculative_generate_batch(target.model, [stub([-1, 0]), stub([-1, 0, 1])], BATCH_PROMPTS[:2], settings)
+    with pytest.raises(ValueError, match="speculative_generate_batch"):
+        speculative_generate(target.model, stub([-1, 0]), torch.stack([PROMPT[0], PROMPT[0]]), settings)
+
+
+def test_batch_sampled_row_follows_target_distribution():
+    """Lossless sampling survives the ragged layout: SMALL_PROMPT decoded in a batch behind a longer prompt (so its
+    prefill is padded and its cache later holds stale rows) still reproduces the target's joint of its first two
+    verified tokens."""
+    vocab, trials = 5, 800
+    target = tiny_target("llama", vocab=vocab, init_range=0.5, seed=1)
+    settings = DecodeSettings(max_new_tokens=3, temperature=0.8, top_p=0.95)
+    exact = _exact_joint(target.model, SMALL_PROMPT, vocab, settings)
+    parents, drafts = [-1, 0, 0, 1, 1, 2, 3], [0, 1, 2, 3, 4, 1]
+    noise = 0.5 * float((2 * exact * (1 - exact) / (torch.pi * trials)).sqrt().sum())
+    prompts = [torch.tensor([2, 4, 1, 1, 3, 0]), SMALL_PROMPT[0]]
+    counts = torch.zeros(vocab, vocab)
+    for seed in range(trials):
+        s = DecodeSettings(**{**vars(settings), "seed": seed})
+        rows = [FixedTreeProposer(parents, drafts), FixedTreeProposer(parents, drafts[::-1])]
+        out = speculative_generate_batch(target.model, rows, prompts, s)[1]
+        counts[out.tokens[1], out.tokens[2]] += 1
+    joint = counts / trials
+    assert _tv(joint.sum(1), exact.sum(1)) < 2 * noise
+    assert _tv(joint, exact) < 2 * noise, (_tv(joint, exact), noise)
