@@ -7,7 +7,8 @@ Prints `check …: ok|FAIL` lines, then `tree_attention/sdpa …: X (goal <= 1.0
 (our MEDUSA_63 tree) over a 4k-token prefix, 32 heads x 128 head dim, GQA with 8 kv heads, B = 1 and 8. SDPA gets
 a dense float mask over prefix + tree and K/V already repeated to 32 heads (repeat outside the timed region).
 Also decodes with a tiny target spread over two devices the way `target.device_map` spreads one (two GPUs, or one
-GPU and the CPU), greedy speculative output against plain greedy. Exit status 1 if any check fails.
+GPU and the CPU), greedy speculative output against plain greedy, and decodes a batch of prompts of different
+lengths over a ragged KV cache, each row against plain greedy. Exit status 1 if any check fails.
 """
 
 from __future__ import annotations
@@ -59,6 +60,15 @@ def check_attention(dtypes, shapes, device, gen) -> None:
                 err = (got - want).abs().max().item()
                 name = f"tree_attention {str(dtype)[6:]} B={b} H={h}/{hkv} P={p} N={n} D={d} splits={splits}"
                 check(name, err <= TOLERANCE[dtype], f"max abs err {err:.2e}")
+            lens = torch.randint(0, p + 1, (b,), generator=gen).to(device)  # a ragged batch: per-row prefix ends
+            want = reference.tree_attention(q, kp, vp, kt, vt, trees.mask_bits, d**-0.5, prefix_lens=lens).float()
+            for splits in (None, 3):
+                got = kernels.tree_attention(
+                    q, kp, vp, kt, vt, trees.mask_bits, d**-0.5, prefix_lens=lens, num_splits=splits
+                ).float()
+                err = (got - want).abs().max().item()
+                name = f"tree_attention ragged {str(dtype)[6:]} B={b} H={h}/{hkv} P={p} N={n} D={d} splits={splits}"
+                check(name, err <= TOLERANCE[dtype], f"prefix lens {lens.tolist()}, max abs err {err:.2e}")
 
 
 def check_verify(b: int, n: int, vocab: int, device, gen) -> None:
@@ -103,6 +113,37 @@ def check_kv_commit(device, gen) -> None:
     want = reference.kv_commit(twins[:2], twins[2:], prefix, accepted)
     got = kernels.kv_commit(caches[:2], caches[2:], prefix, accepted)
     check("kv_commit bf16", torch.equal(want, got) and all(torch.equal(a, b) for a, b in zip(caches, twins)))
+    start = 240  # a ragged batch: every row's tree block after the longest prefix
+    want = reference.kv_commit(twins[:2], twins[2:], prefix, accepted, tree_start=start)
+    got = kernels.kv_commit(caches[:2], caches[2:], prefix, accepted, tree_start=start)
+    same = torch.equal(want, got) and all(torch.equal(a, b) for a, b in zip(caches, twins))
+    check("kv_commit ragged bf16", same)
+
+
+def check_batch_decode(device, kernels_list: tuple[str, ...]) -> None:
+    """A tiny Llama target decodes three prompts of different lengths as one batch whose rows accept never / always /
+    sometimes (a ragged KV cache): each row equals plain greedy decoding of its prompt alone."""
+    from eval.checks import ScriptedProposer
+    from eval.generate import DecodeSettings, plain_generate, speculative_generate_batch
+    from models.target import load_target
+
+    config = {
+        "model_type": "llama", "vocab_size": 96, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+        "initializer_range": 0.2, "tie_word_embeddings": False,
+    }  # fmt: skip
+    model = load_target(random_init=config, dtype="float32", seed=0).model.to(device)
+    prompts = [torch.tensor(p, device=device) for p in ([5, 17, 3, 42, 8, 77, 23], [9, 4, 61], [30, 2, 2, 71] * 3)]
+    settings = DecodeSettings(max_new_tokens=24)
+    plains = [plain_generate(model, p[None], settings).tokens for p in prompts]
+    for kernels_kind in kernels_list:
+        stubs = [
+            ScriptedProposer(t, len(p), [-1, 0, 0, 0, 1, 1, 2, 4, 4, 7], mode, 96, 3)
+            for t, p, mode in zip(plains, prompts, ("never", "always", "sometimes"))
+        ]
+        out = speculative_generate_batch(model, stubs, prompts, settings, kernels_kind)
+        rounds = [len(r.accepted) for r in out]
+        check(f"batch of 3 ragged rows {kernels_kind}", [r.tokens for r in out] == plains, f"rounds per row {rounds}")
 
 
 def check_spread_target(devices: list[str], kernels_list: tuple[str, ...]) -> None:
@@ -225,6 +266,7 @@ def main() -> None:
         check_verify(2, 20, 64, device, gen)
         time_attention([1], 4, 2, 40, 32, [torch.float32], device, gen)
         check_spread_target(["cpu", "cpu"], ("reference", "triton"))
+        check_batch_decode(device, ("reference", "triton"))
     else:
         if not torch.cuda.is_available():
             sys.exit("no CUDA device: run with --smoke for the CPU interpreter check")
@@ -235,6 +277,7 @@ def main() -> None:
         check_verify(8, 64, 32000, device, gen)
         check_verify(3, 20, 1000, device, gen)
         check_kv_commit(device, gen)
+        check_batch_decode(device, ("reference", "triton"))
         if torch.cuda.device_count() > 1:  # a target over two GPUs: both kernel paths
             check_spread_target(["cuda:0", "cuda:1"], ("reference", "triton"))
         else:  # one GPU + the CPU (Triton kernels need every layer on a GPU): the reference path
