@@ -13,11 +13,11 @@ import random
 
 import torch
 
-from eval.generate import DecodeState
+from eval.generate import DecodeState, RowProposer
 from eval.trees import Tree
 
 
-class ScriptedProposer:
+class ScriptedProposer(RowProposer):
     """Stub drafter that knows the plain greedy continuation `truth` of a prompt of `prompt_len` tokens.
 
     It drafts a fixed tree shape (`parents`); at every node it may make one child right (the true next token), the
@@ -35,10 +35,10 @@ class ScriptedProposer:
         self.rng = random.Random(seed)
         self.commits: list[list[int]] = []
 
-    def reset(self) -> None:
+    def reset_row(self) -> None:
         self.commits.clear()
 
-    def propose(self, state: DecodeState) -> Tree:
+    def propose_row(self, state: DecodeState) -> Tree:
         shape = Tree.from_parents(self.parents)
         done = state.tokens.shape[1] - self.prompt_len  # generated so far; the root is truth[done - 1]
         tokens = [int(state.tokens[0, -1])] + [0] * (len(self.parents) - 1)
@@ -59,7 +59,7 @@ class ScriptedProposer:
                 tokens[child] = true if is_right else next(wrong)
         return Tree.from_parents(self.parents, tokens=tokens)
 
-    def commit(self, path: list[int]) -> None:
+    def commit_row(self, path: list[int]) -> None:
         self.commits.append(path)
 
 

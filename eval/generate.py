@@ -38,7 +38,7 @@ from transformers import DynamicCache
 
 from eval.kernels import TreeOps, get_ops, register_tree_attention, tree_context
 from eval.reference import target_probs
-from eval.trees import Tree, dynamic_tree, medusa_tokens, stack_trees
+from eval.trees import Tree, dynamic_trees, medusa_tokens, stack_trees
 
 Kernels = Literal["triton", "reference"]
 
@@ -80,19 +80,89 @@ class DecodeState:
 
 
 class Proposer(Protocol):
-    """A drafter as the decoding loop uses it (EAGLE-2, Medusa heads, test stubs)."""
+    """A drafter as the decoding loop uses it (EAGLE-2, Medusa heads, test stubs), for a batch of rows.
+
+    The loop calls `reset(B)`, then each round `propose` with the states of the rows still decoding, `commit` with
+    their accepted paths, and `keep_rows` when some rows finish. A drafter written for one prompt at a time subclasses
+    `RowProposer`; `PerRow` runs several of those (or any proposers) as one batch.
+    """
 
     feature_layers: list[int]
     """Target hidden-state indices (HF convention) the proposer reads from `DecodeState.new_hidden`."""
 
-    def reset(self) -> None:
-        """Forget the previous prompt."""
+    def reset(self, batch_size: int) -> None:
+        """Forget previous prompts: the next round drafts for `batch_size` new rows."""
 
-    def propose(self, state: DecodeState) -> Tree:
-        """Draft a tree rooted at `state.tokens[:, -1]`."""
+    def propose(self, states: Sequence[DecodeState]) -> list[Tree]:
+        """Draft one tree per row, rooted at `states[b].tokens[:, -1]`."""
 
-    def commit(self, path: list[int]) -> None:
-        """The target accepted `path` (node indices of the last proposed tree, root first)."""
+    def commit(self, paths: Sequence[list[int]]) -> None:
+        """Per row, the target accepted `paths[b]` (node indices of its last proposed tree, root first)."""
+
+    def keep_rows(self, rows: list[int]) -> None:
+        """Only these rows (indices among the current ones, in order) decode on; the others finished."""
+
+
+class RowProposer:
+    """Base of a drafter written for one prompt (stubs, scripted drafters): implement `propose_row(state) -> Tree`,
+    and `reset_row()` / `commit_row(path)` if it keeps state. It is a batch of one; `PerRow` batches several."""
+
+    feature_layers: list[int] = []
+
+    def reset(self, batch_size: int) -> None:
+        if batch_size != 1:
+            raise ValueError(f"{type(self).__name__} drafts for one prompt; give one per prompt (PerRow)")
+        self.reset_row()
+
+    def propose(self, states: Sequence[DecodeState]) -> list[Tree]:
+        return [self.propose_row(state) for state in states]
+
+    def commit(self, paths: Sequence[list[int]]) -> None:
+        for path in paths:
+            self.commit_row(path)
+
+    def keep_rows(self, rows: list[int]) -> None:
+        pass
+
+    def reset_row(self) -> None:
+        pass
+
+    def propose_row(self, state: DecodeState) -> Tree:
+        raise NotImplementedError
+
+    def commit_row(self, path: list[int]) -> None:
+        pass
+
+
+class PerRow:
+    """A batch proposer whose row b is `proposers[b]`, run as a batch of one (each keeps its own state)."""
+
+    def __init__(self, proposers: Sequence[Proposer]):
+        if len({id(p) for p in proposers}) != len(proposers):
+            raise ValueError("PerRow: proposers keep per-prompt state; pass a distinct proposer per prompt")
+        layers = {tuple(p.feature_layers) for p in proposers}
+        if len(layers) > 1:
+            raise ValueError(f"PerRow: the proposers of one batch must read the same target layers, got {layers}")
+        self.proposers = list(proposers)
+        self.rows = list(proposers)
+        self.feature_layers = list(proposers[0].feature_layers) if proposers else []
+
+    def reset(self, batch_size: int) -> None:
+        if batch_size != len(self.proposers):
+            raise ValueError(f"one proposer per prompt: got {len(self.proposers)} proposers for {batch_size} prompts")
+        self.rows = list(self.proposers)
+        for proposer in self.rows:
+            proposer.reset(1)
+
+    def propose(self, states: Sequence[DecodeState]) -> list[Tree]:
+        return [proposer.propose([state])[0] for proposer, state in zip(self.rows, states)]
+
+    def commit(self, paths: Sequence[list[int]]) -> None:
+        for proposer, path in zip(self.rows, paths):
+            proposer.commit([path])
+
+    def keep_rows(self, rows: list[int]) -> None:
+        self.rows = [self.rows[r] for r in rows]
 
 
 @dataclass
@@ -387,13 +457,13 @@ def speculative_generate(
     under the model's own attention); both give the same tokens. `ops` overrides the op set (tests inject faults).
     """
     _check_one_prompt(prompt_ids)
-    return speculative_generate_batch(model, [proposer], [prompt_ids[0]], settings, kernels, ops)[0]
+    return speculative_generate_batch(model, proposer, [prompt_ids[0]], settings, kernels, ops)[0]
 
 
 @torch.inference_mode()
 def speculative_generate_batch(
     model: torch.nn.Module,
-    proposers: Sequence[Proposer],
+    proposer: Proposer | Sequence[Proposer],
     prompts: Sequence[torch.Tensor],
     settings: DecodeSettings,
     kernels: Kernels = "reference",
@@ -401,31 +471,27 @@ def speculative_generate_batch(
 ) -> list[GenerationResult]:
     """Speculative decoding of B prompts ((L_b,) ids, any lengths) together: one result per prompt.
 
-    Each round, every unfinished row drafts with its own proposer (`proposers[b]`: proposers keep per-prompt state,
-    e.g. EAGLE's KV cache, so build one per prompt around the same modules); the B trees, which must have the same
-    node count, are verified in one target forward and committed into a ragged KV cache (see `TargetRunner`). Rows
-    leave the batch when they finish. Greedy outputs equal plain greedy decoding of each prompt alone; sampled
-    rows draw from one generator, so they follow the target distribution but are not the tokens a batch-1 run with
-    the same seed gives. Times (`wall_s`, `target_s`) are the batch's, shared by its rows; `draft_s` is the row's.
+    `proposer` drafts for the whole batch (`EagleProposer` and `MedusaProposer` draft all rows in one pass), or is a
+    list of one proposer per prompt (run as `PerRow`). Each round the B trees, which must have the same node count,
+    are verified in one target forward and committed into a ragged KV cache (see `TargetRunner`); rows leave the
+    batch when they finish. Greedy outputs equal plain greedy decoding of each prompt alone; sampled rows draw from
+    one generator, so they follow the target distribution but are not the tokens a batch-1 run with the same seed
+    gives. Times (`wall_s`, `target_s`, `draft_s`) are the batch's, shared by its rows.
     """
-    if len(proposers) != len(prompts) or not prompts:
-        raise ValueError(f"one proposer per prompt: got {len(proposers)} proposers for {len(prompts)} prompts")
-    if len({id(p) for p in proposers}) != len(proposers):
-        raise ValueError("proposers keep per-prompt state: pass a distinct proposer per prompt (sharing modules)")
-    layers = {tuple(p.feature_layers) for p in proposers}
-    if len(layers) != 1:
-        raise ValueError(f"proposers of one batch must read the same target layers, got {sorted(layers)}")
+    proposer = PerRow(proposer) if isinstance(proposer, (list, tuple)) else proposer
+    if not prompts:
+        raise ValueError("no prompts to decode")
     prompts = [p.reshape(-1) for p in prompts]
     if any(p.numel() == 0 for p in prompts):
         raise ValueError(f"empty prompt at batch row {next(i for i, p in enumerate(prompts) if p.numel() == 0)}")
     device = prompts[0].device
     gen = torch.Generator(device=device).manual_seed(settings.seed)
     start = clock(device)
-    target = TargetRunner(model, list(proposers[0].feature_layers), kernels, ops)
+    target = TargetRunner(model, list(proposer.feature_layers), kernels, ops)
     ops = target.ops
     results = [GenerationResult(tokens=[]) for _ in prompts]
-    for proposer in proposers:
-        proposer.reset()
+    proposer.reset(len(prompts))
+    draft_s = 0.0
 
     try:
         logits, hidden = target.prefill(prompts)
@@ -433,28 +499,29 @@ def speculative_generate_batch(
         tokens = [torch.cat([p, p.new_tensor([r])])[None] for p, r in zip(prompts, roots)]  # (1, L_b + 1) per row
         new_hidden = [None if hidden is None else hidden[b : b + 1, : p.shape[0]] for b, p in enumerate(prompts)]
         active = [b for b in range(len(prompts)) if not _finish(results[b].tokens, [roots[b]], settings)]
-        target.keep_rows(active)
+        if len(active) < len(prompts):
+            target.keep_rows(active)
+            proposer.keep_rows(active)
         while active:
-            trees = []
-            for b in active:
-                t0 = clock(device)
-                trees.append(proposers[b].propose(DecodeState(tokens=tokens[b], new_hidden=new_hidden[b])).to(device))
-                results[b].draft_s += clock(device) - t0
+            t0 = clock(device)
+            trees = proposer.propose([DecodeState(tokens=tokens[b], new_hidden=new_hidden[b]) for b in active])
+            draft_s += clock(device) - t0
             if len({t.num_nodes for t in trees}) != 1:
                 sizes = {b: t.num_nodes for b, t in zip(active, trees)}
                 raise ValueError(f"the trees of one round must have the same node count, got {sizes} (row: nodes)")
-            tree = stack_trees(trees)  # (B, N)
+            tree = stack_trees([t.to(device) for t in trees])  # (B, N)
             prefix = torch.tensor(target.lengths, device=device)
             logits, hidden = target.forward(tree.tokens, tree.positions(prefix), tree)  # (B, N, V)
             accepted, nodes, bonus = _verify(ops, tree, logits, settings, gen)
             target.commit(nodes, accepted)
+            paths = [nodes[i, : accepted[i] + 1] for i in range(len(active))]  # (k+1,) root first, per row
+
+            t0 = clock(device)
+            proposer.commit([path.tolist() for path in paths])
+            draft_s += clock(device) - t0
 
             still = []
-            for i, b in enumerate(active):
-                path = nodes[i, : accepted[i] + 1]  # (k+1,) root first
-                t0 = clock(device)
-                proposers[b].commit(path.tolist())
-                results[b].draft_s += clock(device) - t0
+            for i, (b, path) in enumerate(zip(active, paths)):
                 new = tree.tokens[i, path[1:]].tolist() + [bonus[i]]
                 result = results[b]
                 result.accepted.append(accepted[i])
@@ -465,13 +532,15 @@ def speculative_generate_batch(
                 tokens[b] = torch.cat([tokens[b], torch.tensor([new], device=device)], dim=1)
                 if not _finish(result.tokens, new, settings):
                     still.append(i)
-            target.keep_rows(still)
+            if len(still) < len(active):
+                target.keep_rows(still)
+                proposer.keep_rows(still)
             active = [active[i] for i in still]
 
         wall = clock(device) - start
         for result in results:
             result.target_forwards = 1 + len(result.accepted)
-            result.target_s, result.wall_s = target.seconds, wall
+            result.target_s, result.wall_s, result.draft_s = target.seconds, wall, draft_s
     finally:
         target.close()
     return results
@@ -513,9 +582,9 @@ class VocabProjection:
         return self.ids.to(index.device)[index]
 
     def full_log_probs(self, logits: torch.Tensor) -> torch.Tensor:
-        """(F, K) draft logits -> (F, V) log-probabilities, -inf outside the draft vocabulary."""
-        out = torch.full((logits.shape[0], self.vocab_size), float("-inf"), device=logits.device)
-        return out.index_copy_(1, self.ids.to(logits.device), torch.log_softmax(logits, dim=-1))
+        """(..., K) draft logits -> (..., V) log-probabilities, -inf outside the draft vocabulary."""
+        out = torch.full((*logits.shape[:-1], self.vocab_size), float("-inf"), device=logits.device)
+        return out.index_copy_(-1, self.ids.to(logits.device), torch.log_softmax(logits, dim=-1))
 
 
 def _check_draft_vocab(draft_vocab: torch.Tensor | None, top_k: int) -> None:
@@ -529,7 +598,7 @@ class MedusaProposer:
     """Medusa heads fill a static tree: node at depth k with rank r gets head k's r-th most likely token.
 
     The heads read the target's last hidden state at the last cached position (the one that chose the root):
-    head k predicts the token k positions after the root.
+    head k predicts the token k positions after the root. Stateless: every row of a batch drafts in one pass.
     """
 
     feature_layers = [-1]
@@ -545,32 +614,40 @@ class MedusaProposer:
         if draft_vocab is not None:
             self.vocab = [VocabProjection(heads.projection(k), draft_vocab) for k in range(1, tree.max_depth + 1)]
 
-    def reset(self) -> None:
+    def reset(self, batch_size: int) -> None:
         pass
 
-    def propose(self, state: DecodeState) -> Tree:
-        last = state.new_hidden[:, -1:, 0]  # (1, 1, d)
+    def propose(self, states: Sequence[DecodeState]) -> list[Tree]:
+        last = torch.cat([state.new_hidden[:, -1:, 0] for state in states])  # (B, 1, d)
         if self.vocab is None:
-            logits = self.heads.head_logits(last, self.tree.max_depth)[:, :, 0]  # (D, 1, V): the heads the tree reaches
-            head_topk = logits.topk(self.top_k, dim=-1).indices.transpose(0, 1)  # (1, D, top_k)
+            logits = self.heads.head_logits(last, self.tree.max_depth)[:, :, 0]  # (D, B, V): the heads the tree reaches
+            head_topk = logits.topk(self.top_k, dim=-1).indices.transpose(0, 1)  # (B, D, top_k)
         else:
             top = []
             for k, vocab in enumerate(self.vocab, 1):
-                logits = vocab(self.heads.head_state(k, last[:, 0]))  # (1, K)
-                top.append(vocab.token_ids(logits.topk(self.top_k, dim=-1).indices))  # (1, top_k) token ids
-            head_topk = torch.stack(top, dim=1)  # (1, D, top_k)
-        tokens = medusa_tokens(self.tree, state.tokens[:, -1], head_topk)  # (1, N)
-        return dataclasses.replace(self.tree, tokens=tokens[0])
+                logits = vocab(self.heads.head_state(k, last[:, 0]))  # (B, K)
+                top.append(vocab.token_ids(logits.topk(self.top_k, dim=-1).indices))  # (B, top_k) token ids
+            head_topk = torch.stack(top, dim=1)  # (B, D, top_k)
+        roots = torch.cat([state.tokens[:, -1] for state in states]).to(head_topk.device)
+        tokens = medusa_tokens(self.tree, roots, head_topk)  # (B, N)
+        return [dataclasses.replace(self.tree, tokens=row) for row in tokens]
 
-    def commit(self, path: list[int]) -> None:
+    def commit(self, paths: Sequence[list[int]]) -> None:
+        pass
+
+    def keep_rows(self, rows: list[int]) -> None:
         pass
 
 
 class EagleProposer:
-    """EAGLE-2 drafting: catch up on the target features of the newly verified tokens, then grow a dynamic tree
-    (top_k expansion by cumulative draft log-probability for `depth` steps, `total_tokens` kept; top_k = 1 gives
-    a chain). The drafter's KV cache holds the verified prefix; tree steps are appended under an ancestor mask and
-    cropped away at commit, because the accepted tokens are re-run next round with the target's true features.
+    """EAGLE-2 drafting for a batch of rows: catch up on the target features of the newly verified tokens, then grow
+    a dynamic tree per row (top_k expansion by cumulative draft log-probability for `depth` steps, `total_tokens`
+    kept; top_k = 1 gives a chain), every row in the same drafter forwards.
+
+    The drafter's KV cache holds each row's verified prefix, ragged like the target's: row b owns its first
+    `lengths[b]` positions. A catch-up pads the rows' new positions to the longest and then packs each row's to its
+    own prefix end; tree steps are appended under a per-row mask (own prefix + ancestors) and cropped away at commit,
+    because the accepted tokens are re-run next round with the target's true features.
     """
 
     def __init__(
@@ -584,50 +661,84 @@ class EagleProposer:
         self.drafter = drafter
         self.feature_layers = list(drafter.cfg.feature_layers)
         self.depth, self.top_k, self.total_tokens = depth, top_k, total_tokens
-        self.cache = drafter.new_cache()
         _check_draft_vocab(draft_vocab, top_k)
         self.vocab = None if draft_vocab is None else VocabProjection(drafter.lm_head, draft_vocab)
+        self.reset(1)
 
-    def reset(self) -> None:
+    def reset(self, batch_size: int) -> None:
         self.cache = self.drafter.new_cache()
+        self.lengths = [0] * batch_size  # per row: cached positions that are its own
+        self.committed = 0  # cache length after the last catch-up (tree steps start there)
 
-    def propose(self, state: DecodeState) -> Tree:
-        feats = state.new_hidden  # (1, n, S, d) target features at positions P-n .. P-1
-        n, prefix_len = feats.shape[1], state.prefix_len
-        device = feats.device
-        positions = torch.arange(prefix_len - n, prefix_len, device=device)[None]  # (1, n)
+    def _catch_up(self, states: Sequence[DecodeState]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run every row's new target features on top of its cached prefix; -> logits at each row's last new position
+        (B, V or K), f̂ there (B, d). Afterwards row b's cache is [its prefix | its new positions], packed."""
+        feats = [state.new_hidden for state in states]  # (1, n_b, S, d) each
+        counts = [f.shape[1] for f in feats]
+        bsz, n = len(states), max(counts)
+        device = feats[0].device
+        cached = self.cache.length
+        inputs = feats[0].new_zeros(bsz, n, *feats[0].shape[2:])
+        ids = torch.zeros(bsz, n, dtype=torch.long, device=device)
+        positions = torch.zeros(bsz, n, dtype=torch.long, device=device)
+        for b, (state, f, m) in enumerate(zip(states, feats, counts)):
+            inputs[b, :m] = f[0]
+            ids[b, :m] = state.tokens[0, -m:]
+            positions[b] = state.prefix_len - m + torch.arange(n, device=device)  # past m: padding
+        own = torch.arange(cached, device=device) < torch.tensor(self.lengths, device=device)[:, None]  # (B, S)
+        new = torch.arange(n, device=device)
+        causal = (new[None, :] <= new[:, None]) & (new[None, :] < torch.tensor(counts, device=device)[:, None, None])
+        causal |= torch.eye(n, dtype=torch.bool, device=device)  # padded positions see themselves: no empty row
+        mask = torch.cat([own[:, None, :].expand(-1, n, -1), causal], dim=-1)  # (B, n, S + n)
+        last = torch.tensor(counts, device=device) - 1
         logits, hidden = self.drafter.step(
-            feats, state.tokens[:, -n:], positions, self.cache, project=self.vocab, last_only=True
-        )  # (1, 1, V or K), (1, n, d)
-        committed = self.committed = self.cache.length
-        rows = {"hidden": hidden[0, -1:], "anc": torch.zeros(1, 0, dtype=torch.bool, device=device)}
+            inputs, ids, positions, self.cache, tree_mask=mask, project=self.vocab, logits_at=last
+        )  # (B, 1, V or K), (B, n, d)
+        if any(length != cached for length in self.lengths) or any(m != n for m in counts):
+            keep = [list(range(length)) + list(range(cached, cached + m)) for length, m in zip(self.lengths, counts)]
+            width = max(len(k) for k in keep)
+            self.cache.select(torch.tensor([k + [0] * (width - len(k)) for k in keep], device=device))  # packed
+        self.lengths = [length + m for length, m in zip(self.lengths, counts)]
+        self.committed = self.cache.length
+        return logits[:, 0], hidden[torch.arange(bsz, device=device), last]
 
-        def log_probs(step_logits: torch.Tensor) -> torch.Tensor:  # (F, V or K) -> (F, V)
+    def propose(self, states: Sequence[DecodeState]) -> list[Tree]:
+        logits, hidden = self._catch_up(states)
+        device, committed = hidden.device, self.committed
+        own = torch.arange(committed, device=device) < torch.tensor(self.lengths, device=device)[:, None]  # (B, S)
+        prefix = torch.tensor([state.prefix_len for state in states], device=device)
+        rows = {"hidden": hidden[:, None], "anc": torch.zeros(len(states), 1, 0, dtype=torch.bool, device=device)}
+
+        def log_probs(step_logits: torch.Tensor) -> torch.Tensor:  # (B, F, V or K) -> (B, F, V)
             return (
                 torch.log_softmax(step_logits, dim=-1) if self.vocab is None else self.vocab.full_log_probs(step_logits)
             )
 
         def expand(tokens: torch.Tensor, parent_rows: torch.Tensor, step: int) -> torch.Tensor:
             if step == 0:  # the root's children come from the catch-up's last position
-                return log_probs(logits[0])  # (1, V)
+                return log_probs(logits[:, None])  # (B, 1, V)
             parent_rows = parent_rows.to(device)
-            f = tokens.numel()
-            anc = torch.cat([rows["anc"][parent_rows], torch.eye(f, dtype=torch.bool, device=device)], dim=1)
-            mask = torch.cat([torch.ones(f, committed, dtype=torch.bool, device=device), anc], dim=1)  # (F, S+F)
-            pos = torch.full((1, f), prefix_len + step - 1, device=device)  # the parent's position
+            f = tokens.shape[1]
+            parent_anc = rows["anc"].gather(1, parent_rows[:, :, None].expand(-1, -1, rows["anc"].shape[2]))
+            eye = torch.eye(f, dtype=torch.bool, device=device).expand(len(states), -1, -1)
+            anc = torch.cat([parent_anc, eye], dim=2)  # (B, F, T + F) over the tree steps so far
+            mask = torch.cat([own[:, None, :].expand(-1, f, -1), anc], dim=2)  # (B, F, S + T + F)
+            pos = (prefix + step - 1)[:, None].expand(-1, f)  # the parent's position
+            parent_hidden = rows["hidden"].gather(1, parent_rows[:, :, None].expand(-1, -1, hidden.shape[-1]))
             step_logits, step_hidden = self.drafter.step(
-                rows["hidden"][parent_rows][None],
-                tokens.to(device)[None],
-                pos,
-                self.cache,
-                tree_mask=mask[None],
-                from_target=False,
-                project=self.vocab,
+                parent_hidden, tokens.to(device), pos, self.cache, tree_mask=mask, from_target=False, project=self.vocab
             )
-            rows["hidden"], rows["anc"] = step_hidden[0], anc
-            return log_probs(step_logits[0])  # (F, V)
+            rows["hidden"], rows["anc"] = step_hidden, anc
+            return log_probs(step_logits)  # (B, F, V)
 
-        return dynamic_tree(expand, int(state.tokens[0, -1]), self.depth, self.top_k, self.total_tokens)
+        roots = torch.cat([state.tokens[:, -1] for state in states])
+        return dynamic_trees(expand, roots, self.depth, self.top_k, self.total_tokens)
 
-    def commit(self, path: list[int]) -> None:
+    def commit(self, paths: Sequence[list[int]]) -> None:
+        self.cache.crop(self.committed)
+
+    def keep_rows(self, rows: list[int]) -> None:
+        self.cache.keep_rows(torch.tensor(rows, dtype=torch.long))
+        self.lengths = [self.lengths[r] for r in rows]
+        self.committed = max(self.lengths, default=0)
         self.cache.crop(self.committed)

@@ -10,6 +10,7 @@ mask `tree.mask_bits` (packed; `tree.dense_mask()` for a bool view), on top of a
     tree = medusa_tree(MEDUSA_63, num_heads=4)                      # static, shared by all requests
     tokens = medusa_tokens(tree, root_tokens, head_topk)            # (B, N) per-round candidates
     tree = dynamic_tree(expand_fn, root_token, depth=5, top_k=10, total_tokens=60)  # EAGLE-2, one request
+    trees = dynamic_trees(batch_expand_fn, root_tokens, depth=5, top_k=10, total_tokens=60)  # B requests at once
     batch = stack_trees([tree_a, tree_b])                           # same N: fields get a leading batch dim
 
 Verification, tree attention and KV commit live in `eval.reference` (semantics) and `eval.kernels` (Triton).
@@ -30,6 +31,7 @@ __all__ = [
     "calibrated_tree",
     "chain",
     "dynamic_tree",
+    "dynamic_trees",
     "medusa_rank_acc",
     "medusa_tokens",
     "medusa_tree",
@@ -274,45 +276,58 @@ ExpandFn = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
 
 
 def dynamic_tree(expand_fn: ExpandFn, root_token: int, depth: int, top_k: int, total_tokens: int) -> Tree:
-    """EAGLE-2 dynamic tree for one request (Li et al., 2024).
+    """EAGLE-2 dynamic tree for one request: `dynamic_trees` with a batch of one, where
+    `expand_fn(tokens (F,), parent_rows (F,), step) -> log_probs (F, V)`."""
+    batch_fn = lambda tokens, parent_rows, step: expand_fn(tokens[0], parent_rows[0], step)[None]  # noqa: E731
+    return dynamic_trees(batch_fn, torch.tensor([root_token]), depth, top_k, total_tokens)[0]
 
-    `expand_fn(tokens (F,), parent_rows (F,), step) -> log_probs (F, V)` runs the drafter on the F frontier nodes of
-    round `step` (0 … depth-1); `parent_rows[f]` is the row of the node's parent in the previous call (-1 for the
-    root in round 0), so a drafter can keep its per-row hidden states. Inputs are CPU tensors; the log-probs may
-    live on any device (only their top_k per row comes back to the host). Each round expands the top_k children of every
-    frontier node (score = cumulative draft log-probability) and the next frontier is the top_k of those children.
-    Finally the global top (total_tokens - 1) candidates are kept with the root; since scores never increase along a
-    path (and ties rank parents first) the kept set is connected. Nodes are returned in creation order.
+
+def dynamic_trees(
+    expand_fn: ExpandFn, root_tokens: torch.Tensor, depth: int, top_k: int, total_tokens: int
+) -> list[Tree]:
+    """EAGLE-2 dynamic trees (Li et al., 2024) for a batch of B requests, one tree each, grown in lockstep.
+
+    `expand_fn(tokens (B, F), parent_rows (B, F), step) -> log_probs (B, F, V)` runs the drafter on the F frontier
+    nodes of every request in round `step` (0 … depth-1); `parent_rows[b, f]` is the row of the node's parent in the
+    previous call (-1 for the root in round 0), so a drafter can keep its per-row hidden states. Inputs are CPU
+    tensors; the log-probs may live on any device (only their top_k per row comes back to the host). Each round
+    expands the top_k children of every frontier node (score = cumulative draft log-probability) and the next
+    frontier is the top_k of those children. Finally the global top (total_tokens - 1) candidates of each request
+    are kept with its root; since scores never increase along a path (and ties rank parents first) the kept set is
+    connected. Nodes are returned in creation order; every tree has the same node count.
     """
     if total_tokens < 1 or top_k < 1 or depth < 1:
         raise ValueError("depth, top_k and total_tokens must be positive")
-    cand_tokens: list[torch.Tensor] = []
+    bsz = root_tokens.shape[0]
+    cand_tokens: list[torch.Tensor] = []  # per round (B, F*k)
     cand_parents: list[torch.Tensor] = []  # candidate index of the parent, -1 = root
     cand_scores: list[torch.Tensor] = []
-    frontier_tokens = torch.tensor([root_token])
-    frontier_cand = torch.tensor([-1])  # candidate index of each frontier node
-    frontier_scores = torch.zeros(1, dtype=torch.float64)
-    parent_rows = torch.tensor([-1])
+    frontier_tokens = root_tokens.reshape(bsz, 1).cpu()
+    frontier_cand = torch.full((bsz, 1), -1)  # candidate index of each frontier node
+    frontier_scores = torch.zeros(bsz, 1, dtype=torch.float64)
+    parent_rows = torch.full((bsz, 1), -1)
     n_cand = 0
     for step in range(depth):
-        child_logp, child_tok = expand_fn(frontier_tokens, parent_rows, step).topk(top_k, dim=-1)  # (F, k)
+        child_logp, child_tok = expand_fn(frontier_tokens, parent_rows, step).topk(top_k, dim=-1)  # (B, F, k)
         child_logp, child_tok = child_logp.double().cpu(), child_tok.cpu()
-        scores = (frontier_scores[:, None] + child_logp).reshape(-1)  # (F*k,)
-        cand_tokens.append(child_tok.reshape(-1))
-        cand_parents.append(frontier_cand.repeat_interleave(top_k))
+        scores = (frontier_scores[:, :, None] + child_logp).reshape(bsz, -1)  # (B, F*k)
+        cand_tokens.append(child_tok.reshape(bsz, -1))
+        cand_parents.append(frontier_cand.repeat_interleave(top_k, dim=1))
         cand_scores.append(scores)
-        new_idx = torch.arange(n_cand, n_cand + scores.numel())
-        n_cand += scores.numel()
-        keep = torch.sort(-scores, stable=True).indices[:top_k]  # next frontier, best first
-        frontier_tokens, frontier_cand, frontier_scores = cand_tokens[-1][keep], new_idx[keep], scores[keep]
-        parent_rows = keep // top_k
-    tokens, parents, scores = torch.cat(cand_tokens), torch.cat(cand_parents), torch.cat(cand_scores)
-    kept = torch.sort(-scores, stable=True).indices[: total_tokens - 1].sort().values  # creation order
-    node_of = torch.full((n_cand,), -1, dtype=torch.long)
-    node_of[kept] = torch.arange(1, kept.numel() + 1)
-    kept_parents = parents[kept]
-    tree_parents = torch.where(kept_parents < 0, 0, node_of[kept_parents.clamp(min=0)])
-    assert bool((tree_parents >= 0).all()), "EAGLE-2 re-ranking kept a node without its parent"
-    return Tree.from_parents(
-        torch.cat([torch.tensor([-1]), tree_parents]), tokens=torch.cat([torch.tensor([root_token]), tokens[kept]])
-    )
+        new_idx = torch.arange(n_cand, n_cand + scores.shape[1])
+        n_cand += scores.shape[1]
+        keep = torch.sort(-scores, dim=-1, stable=True).indices[:, :top_k]  # (B, k) next frontier, best first
+        frontier_tokens, frontier_cand = cand_tokens[-1].gather(1, keep), new_idx[keep]
+        frontier_scores, parent_rows = scores.gather(1, keep), keep // top_k
+    tokens, parents, scores = torch.cat(cand_tokens, 1), torch.cat(cand_parents, 1), torch.cat(cand_scores, 1)
+    trees = []
+    for row in range(bsz):
+        kept = torch.sort(-scores[row], stable=True).indices[: total_tokens - 1].sort().values  # creation order
+        node_of = torch.full((n_cand,), -1, dtype=torch.long)
+        node_of[kept] = torch.arange(1, kept.numel() + 1)
+        kept_parents = parents[row, kept]
+        tree_parents = torch.where(kept_parents < 0, 0, node_of[kept_parents.clamp(min=0)])
+        assert bool((tree_parents >= 0).all()), "EAGLE-2 re-ranking kept a node without its parent"
+        node_tokens = torch.cat([root_tokens[row : row + 1].cpu(), tokens[row, kept]])
+        trees.append(Tree.from_parents(torch.cat([torch.tensor([-1]), tree_parents]), tokens=node_tokens))
+    return trees

@@ -191,6 +191,12 @@ class DraftCache:
             if k is not None:
                 self.keys[i], self.values[i] = k[:, :, :length], v[:, :, :length]
 
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """Keep batch rows `rows` (B',) in that order (requests that finished leave the batch)."""
+        for i, (k, v) in enumerate(zip(self.keys, self.values)):
+            if k is not None:
+                self.keys[i], self.values[i] = k[rows.to(k.device)], v[rows.to(v.device)]
+
     def select(self, keep: torch.Tensor) -> None:
         """Keep positions `keep`, in that order: (m,) for every row, or (B, m) per row (commit an accepted path)."""
         for i, (k, v) in enumerate(zip(self.keys, self.values)):
@@ -345,6 +351,7 @@ class EagleDrafter(nn.Module):
         from_target: bool = True,
         project: Callable[[torch.Tensor], torch.Tensor] | None = None,
         last_only: bool = False,
+        logits_at: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Run n new positions on top of `cache` (which they extend); returns logits (B, n, V), hidden_out (B, n, d).
 
@@ -360,7 +367,9 @@ class EagleDrafter(nn.Module):
         full mask over cache and new positions (multi-round tree drafting, where earlier tree nodes
         are in the cache and must be hidden from other branches).
         `project`: f̂ (..., d) -> logits (..., K) instead of the full lm_head (a draft vocabulary);
-        `last_only`: logits for the last new position only (B, 1, ·), as a catch-up step needs.
+        `last_only`: logits for the last new position only (B, 1, ·), as a catch-up step needs;
+        `logits_at` (B,): logits for new position logits_at[b] of row b only (B, 1, ·), the same for a
+        batch whose rows have different numbers of new positions (padded at the end).
         """
         B, n = input_ids.shape
         d = self.fc.in_features // 2
@@ -379,6 +388,8 @@ class EagleDrafter(nn.Module):
             tree_mask = torch.cat([seen, tree_mask.to(g.device)], dim=-1)  # (B, n, S+n)
         f_hat = self._predict(g, input_ids, position_ids, tree_mask, cache)  # (B, n, d)
         out = f_hat[:, -1:] if last_only else f_hat
+        if logits_at is not None:
+            out = f_hat[torch.arange(B, device=f_hat.device), logits_at.to(f_hat.device)][:, None]  # (B, 1, d)
         return (self.logits(out) if project is None else project(out)), f_hat
 
     # ---------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from eval.generate import (
     DecodeState,
     EagleProposer,
     MedusaProposer,
+    RowProposer,
     VocabProjection,
     plain_generate,
     round_stats,
@@ -150,7 +151,7 @@ def test_draft_vocabulary_keeps_greedy_output_and_drafts_only_from_it(target, ki
         proposer = MedusaProposer(_medusa(target), medusa_tree([(0,), (1,), (0, 0), (0, 1), (0, 0, 0)], 3), vocab)
     drafted = []
     propose = proposer.propose
-    proposer.propose = lambda state: drafted.append(tree := propose(state)) or tree
+    proposer.propose = lambda states: drafted.extend(trees := propose(states)) or trees
     settings = DecodeSettings(max_new_tokens=20)
     out = speculative_generate(target.model, proposer, PROMPT, settings)
     assert out.tokens == plain_generate(target.model, PROMPT, settings).tokens
@@ -194,9 +195,9 @@ def test_triton_path_matches_reference(family):
     runs, seen = {}, []
 
     class Watching(ScriptedProposer):
-        def propose(self, state):
+        def propose_row(self, state):
             seen.append(target.model.config._attn_implementation)
-            return super().propose(state)
+            return super().propose_row(state)
 
     for kernels in ("reference", "triton"):
         stub = Watching(plain.tokens, PROMPT.shape[1], TREE_SHAPES["wide"], "sometimes", 96, seed=3)
@@ -243,12 +244,12 @@ def test_eagle_drafts_what_it_would_draft_alone(target):
     proposer = EagleProposer(drafter, depth=3, top_k=2, total_tokens=6)
     trees = []
     propose = proposer.propose
-    proposer.propose = lambda state: trees.append((state.tokens.clone(), propose(state))) or trees[-1][1]
+    proposer.propose = lambda states: trees.append((states[0].tokens.clone(), propose(states)[0])) or [trees[-1][1]]
     speculative_generate(target.model, proposer, PROMPT, settings)
     tokens, tree = trees[-1]
     fresh = EagleProposer(drafter, depth=3, top_k=2, total_tokens=6)
     hidden = target.hidden_states(tokens[:, :-1], layers=[-1])  # (1, L-1, 1, d)
-    again = fresh.propose(DecodeState(tokens=tokens, new_hidden=hidden))
+    (again,) = fresh.propose([DecodeState(tokens=tokens, new_hidden=hidden)])
     assert torch.equal(again.tokens, tree.tokens) and torch.equal(again.parents, tree.parents)
 
 
@@ -298,22 +299,14 @@ def test_generation_result_counts(target):
 # Sampling: the output follows the target distribution
 
 
-class FixedTreeProposer:
+class FixedTreeProposer(RowProposer):
     """Deterministic drafts independent of the target's randomness: the same token tree every round."""
-
-    feature_layers: list[int] = []
 
     def __init__(self, parents: list[int], tokens: list[int]):
         self.parents, self.tokens = parents, tokens
 
-    def reset(self) -> None:
-        pass
-
-    def propose(self, state: DecodeState) -> Tree:
+    def propose_row(self, state: DecodeState) -> Tree:
         return Tree.from_parents(self.parents, tokens=[int(state.tokens[0, -1])] + self.tokens)
-
-    def commit(self, path: list[int]) -> None:
-        pass
 
 
 SMALL_PROMPT = torch.tensor([[1, 3, 0]])
@@ -402,23 +395,71 @@ def test_batch_greedy_stub_lossless_with_ragged_rows(target, kernels):
     assert batch[0].wall_s == batch[1].wall_s >= batch[0].target_s > 0  # the batch's times, shared
 
 
-@pytest.mark.parametrize("kind", ["eagle_dynamic", "medusa_tree"])
-def test_batch_greedy_real_drafters_lossless(target, kind):
-    """Real drafters, one proposer per row around the same modules: every row equals plain greedy decoding and
-    accepts what it accepts alone (EAGLE's per-row drafter caches stay separate)."""
+@pytest.mark.parametrize("kind", ["eagle_dynamic", "eagle_vocab", "medusa_tree"])
+@pytest.mark.parametrize("batched", [True, False], ids=["one-proposer", "per-row"])
+def test_batch_greedy_real_drafters_lossless(target, kind, batched):
+    """Real drafters over a batch, either one proposer drafting every row in the same forwards (EAGLE's ragged
+    drafter cache, Medusa's heads over all rows) or one proposer per row: every row equals plain greedy decoding and
+    accepts, round by round, what it accepts alone, so each row's drafts are the ones it would get alone."""
     settings = DecodeSettings(max_new_tokens=16)
-    drafter = _eagle(target) if kind == "eagle_dynamic" else _medusa(target)
+    drafter = _medusa(target) if kind == "medusa_tree" else _eagle(target)
     tree = medusa_tree([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)], 3)
+    vocab = torch.arange(0, 96, 2) if kind == "eagle_vocab" else None
 
-    def proposers():
-        if kind == "eagle_dynamic":
-            return [EagleProposer(drafter, depth=3, top_k=2, total_tokens=6) for _ in BATCH_PROMPTS]
-        return [MedusaProposer(drafter, tree) for _ in BATCH_PROMPTS]
+    def make():
+        if kind == "medusa_tree":
+            return MedusaProposer(drafter, tree)
+        return EagleProposer(drafter, depth=3, top_k=2, total_tokens=6, draft_vocab=vocab)
 
-    batch = speculative_generate_batch(target.model, proposers(), BATCH_PROMPTS, settings, "triton")
-    for row, (out, p, proposer) in enumerate(zip(batch, BATCH_PROMPTS, proposers())):
+    proposer = make() if batched else [make() for _ in BATCH_PROMPTS]
+    batch = speculative_generate_batch(target.model, proposer, BATCH_PROMPTS, settings, "triton")
+    for row, (out, p) in enumerate(zip(batch, BATCH_PROMPTS)):
         assert out.tokens == plain_generate(target.model, p[None], settings).tokens, row
-        assert out.accepted == speculative_generate(target.model, proposer, p[None], settings).accepted, row
+        assert out.accepted == speculative_generate(target.model, make(), p[None], settings).accepted, row
+
+
+@pytest.mark.parametrize("vocab", [None, torch.arange(0, 96, 2)], ids=["full-vocab", "draft-vocab"])
+def test_batched_eagle_drafts_what_each_row_drafts_alone(target, vocab):
+    """One EagleProposer for three rows whose prompts differ in length and whose rounds verify different numbers of
+    tokens (its ragged drafter cache is padded, packed, cropped, and loses a row midway) drafts for every row, round
+    after round, the tree a proposer of that row alone drafts."""
+    drafter = _eagle(target)
+    make = lambda: EagleProposer(drafter, depth=3, top_k=2, total_tokens=6, draft_vocab=vocab)  # noqa: E731
+    batch, alone = make(), [make() for _ in BATCH_PROMPTS]
+    gen = torch.Generator().manual_seed(4)
+    seqs = [p.clone() for p in BATCH_PROMPTS]
+    new = [len(p) - 1 for p in seqs]  # the prefill: every prompt position but the root
+    rows = [0, 1, 2]
+    batch.reset(3)
+    for proposer in alone:
+        proposer.reset(1)
+    for step, accepted in enumerate([None, [2, 0, 3], [0, 3, 1], [1, 1, 0], [3, 2, 2]]):
+        if accepted is not None:  # each row verified accepted + 1 more tokens
+            for b in rows:
+                seqs[b] = torch.cat([seqs[b], torch.randint(0, 96, (accepted[b] + 1,), generator=gen)])
+                new[b] = accepted[b] + 1
+        states = []
+        for b in rows:
+            tokens = seqs[b][None]
+            hidden = target.hidden_states(tokens[:, :-1], layers=[-1])[:, -new[b] :]  # (1, n_b, 1, d)
+            states.append(DecodeState(tokens=tokens, new_hidden=hidden))
+        trees = batch.propose(states)
+        for b, state, tree in zip(rows, states, trees):
+            (want,) = alone[b].propose([state])
+            assert torch.equal(tree.tokens, want.tokens) and torch.equal(tree.parents, want.parents), (step, b)
+        batch.commit([[0]] * len(rows))
+        for b in rows:
+            alone[b].commit([[0]])
+        if step == 2:  # row 1 finishes
+            batch.keep_rows([0, 2])
+            rows = [0, 2]
+    assert batch.lengths == [len(seqs[0]) - 1, len(seqs[2]) - 1]
+
+
+def test_one_prompt_proposer_refuses_a_batch(target):
+    stub = FixedTreeProposer([-1, 0], [1])
+    with pytest.raises(ValueError, match="drafts for one prompt"):
+        speculative_generate_batch(target.model, stub, BATCH_PROMPTS[:2], DecodeSettings(max_new_tokens=4))
 
 
 def test_batch_rows_finish_at_eos_and_leave_the_batch(target):

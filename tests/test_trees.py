@@ -11,6 +11,7 @@ from eval.trees import (
     calibrated_tree,
     chain,
     dynamic_tree,
+    dynamic_trees,
     medusa_rank_acc,
     medusa_tokens,
     medusa_tree,
@@ -151,3 +152,21 @@ def test_stack_trees_and_batched_positions():
     assert stacked.leaf_paths[1, 1].tolist() == [-1] * 8
     assert stacked.positions(torch.tensor([3, 7]))[:, 3].tolist() == [4, 10]
     assert a.batched(3).parents.shape == (3, 8)
+
+
+def test_dynamic_trees_batch_equals_one_request_at_a_time():
+    """Requests grown in lockstep get the trees they get alone, and the drafter sees each request's own frontier."""
+    vocab, top_k, depth, total = 9, 3, 4, 11
+    gen = torch.Generator().manual_seed(1)
+    tables = torch.log_softmax(torch.randn(3, vocab, vocab, generator=gen), -1)  # a different drafter per request
+    roots = torch.tensor([3, 0, 7])
+
+    def expand(tokens, parent_rows, step):  # (B, F) -> (B, F, V)
+        assert tokens.shape[0] == 3 and parent_rows.shape == tokens.shape
+        return tables[torch.arange(3)[:, None], tokens]
+
+    batch = dynamic_trees(expand, roots, depth=depth, top_k=top_k, total_tokens=total)
+    for row in range(3):
+        alone = dynamic_tree(lambda t, p, s, row=row: tables[row][t], int(roots[row]), depth, top_k, total)
+        assert torch.equal(batch[row].parents, alone.parents) and torch.equal(batch[row].tokens, alone.tokens)
+    assert len({t.num_nodes for t in batch}) == 1
