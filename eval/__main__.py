@@ -11,8 +11,10 @@ them across processes and, for every prompt, decodes with
 - speculative decoding with the drafter (`eval/generate.py`; tree per `eval.tree`),
 - transformers' prompt-lookup decoding (`generate(prompt_lookup_num_tokens=10)`): what a user gets
   without training a drafter.
-Decoding stops at the target's EOS tokens (and `<|end|>` where the vocabulary has it) or after
-`eval.max_new_tokens`. Greedy speculative output is checked against plain greedy output token for token.
+With `eval.batch_size: B` the speculative and plain runs decode B prompts at a time (speeds are batch
+throughputs; prompt lookup only runs at batch size 1). Decoding stops at the target's EOS tokens (and
+`<|end|>` where the vocabulary has it) or after `eval.max_new_tokens`. Greedy speculative output is
+checked against plain greedy output token for token.
 Process 0 writes `report.json`, `report.md` and `report.png` to `eval.output_dir` (default
 `<train.output_dir>/eval`).
 """
@@ -37,10 +39,13 @@ from data.shards import FeatureDataset, split_by_id
 from eval.generate import (
     DecodeSettings,
     EagleProposer,
+    GenerationResult,
     MedusaProposer,
     Proposer,
     plain_generate,
+    plain_generate_batch,
     speculative_generate,
+    speculative_generate_batch,
 )
 from eval.report import summarize, write_report
 from eval.trees import MEDUSA_63, calibrated_tree, chain, medusa_tree
@@ -254,6 +259,58 @@ def prompt_lookup_generate(model, ids: torch.Tensor, settings: DecodeSettings) -
     return out[0, ids.shape[1] :].tolist(), time.perf_counter() - start
 
 
+def evaluate_batch(
+    target: Target, proposer: Proposer, prompts: list[dict[str, Any]], settings: DecodeSettings, ev: EvalConfig
+) -> list[dict[str, Any]]:
+    """Decode a batch of prompts together with every method; one record per prompt, as `evaluate_prompt` writes.
+
+    A row's `wall_s` is its share (1 / B) of its batch's wall time, so pooled speeds are batch throughputs and a
+    prompt's speedup is its batch's."""
+    if len(prompts) == 1:
+        return [evaluate_prompt(target, proposer, prompts[0], settings, ev)]
+    ids = [torch.tensor(p["input_ids"], device=target.device) for p in prompts]
+    settings = dataclasses.replace(settings, seed=ev.seed + prompts[0]["index"])
+    share = 1 / len(prompts)
+    specs = speculative_generate_batch(target.model, proposer, ids, settings, ev.kernels)
+    plains = plain_generate_batch(target.model, ids, settings, ev.kernels) if "plain" in ev.baselines else None
+    records = []
+    for row, (prompt, spec) in enumerate(zip(prompts, specs)):
+        spec.wall_s, spec.target_s, spec.draft_s = spec.wall_s * share, spec.target_s * share, spec.draft_s * share
+        record = _record(target, prompt, spec) | {"batch_size": len(prompts)}
+        if plains is not None:
+            _compare_plain(record, spec.tokens, plains[row].tokens, plains[row].wall_s * share, settings)
+        records.append(record)
+    return records
+
+
+def _record(target: Target, prompt: dict[str, Any], spec: GenerationResult) -> dict[str, Any]:
+    return {
+        "index": prompt["index"],
+        "id": prompt["id"],
+        "prompt_tokens": len(prompt["input_ids"]),
+        "speculative": spec.stats()
+        | {
+            "accepted": spec.accepted,
+            "tree_depth": spec.tree_depth,
+            "extendable": spec.extendable,
+            "target_s": spec.target_s,
+            "draft_s": spec.draft_s,
+        },
+        "output": target.tokenizer.decode(spec.tokens) if target.tokenizer is not None else None,
+        "lossless": None,
+    }
+
+
+def _compare_plain(
+    record: dict[str, Any], spec: list[int], plain: list[int], wall_s: float, settings: DecodeSettings
+) -> None:
+    record["plain"] = {"new_tokens": len(plain), "wall_s": wall_s}
+    if settings.greedy:
+        record["lossless"] = spec == plain
+        mismatch = [i for i, (a, b) in enumerate(zip(spec, plain)) if a != b]
+        record["first_mismatch"] = mismatch[0] if mismatch else None
+
+
 def evaluate_prompt(
     target: Target, proposer: Proposer, prompt: dict[str, Any], settings: DecodeSettings, ev: EvalConfig
 ) -> dict[str, Any]:
@@ -261,24 +318,11 @@ def evaluate_prompt(
     device = target.device
     ids = torch.tensor([prompt["input_ids"]], device=device)
     settings = dataclasses.replace(settings, seed=ev.seed + prompt["index"])
-    record: dict[str, Any] = {"index": prompt["index"], "id": prompt["id"], "prompt_tokens": ids.shape[1]}
     spec = speculative_generate(target.model, proposer, ids, settings, ev.kernels)
-    record["speculative"] = spec.stats() | {
-        "accepted": spec.accepted,
-        "tree_depth": spec.tree_depth,
-        "extendable": spec.extendable,
-        "target_s": spec.target_s,
-        "draft_s": spec.draft_s,
-    }
-    record["output"] = target.tokenizer.decode(spec.tokens) if target.tokenizer is not None else None
-    record["lossless"] = None
+    record = _record(target, prompt, spec)
     if "plain" in ev.baselines:
         plain = plain_generate(target.model, ids, settings)
-        record["plain"] = {"new_tokens": len(plain.tokens), "wall_s": plain.wall_s}
-        if settings.greedy:
-            record["lossless"] = spec.tokens == plain.tokens
-            mismatch = [i for i, (a, b) in enumerate(zip(spec.tokens, plain.tokens)) if a != b]
-            record["first_mismatch"] = mismatch[0] if mismatch else None
+        _compare_plain(record, spec.tokens, plain.tokens, plain.wall_s, settings)
     if "prompt_lookup" in ev.baselines:
         tokens, seconds = prompt_lookup_generate(target.model, ids, settings)
         record["prompt_lookup"] = {"new_tokens": len(tokens), "wall_s": seconds}
@@ -369,10 +413,16 @@ def run(recipe: Recipe) -> dict[str, Any] | None:
         where = f" ({recipe.data.features_dir})" if draft_vocab is not None else ""
         raise EvalError(f"{recipe.source}: eval: {exc}{where}") from exc
     with state.split_between_processes(prompts) as local:
-        if local:  # warm-up (kernel compilation, allocator), not timed
-            evaluate_prompt(target, proposer, local[0], dataclasses.replace(settings, max_new_tokens=WARMUP_TOKENS), ev)
-        bar = tqdm(local, desc=f"eval {recipe.drafter.method}", disable=not state.is_local_main_process)
-        records = [evaluate_prompt(target, proposer, p, settings, ev) for p in bar]
+        batches = [local[i : i + ev.batch_size] for i in range(0, len(local), ev.batch_size)]
+        if batches:  # warm-up (kernel compilation, allocator), not timed
+            warm = dataclasses.replace(settings, max_new_tokens=WARMUP_TOKENS)
+            evaluate_batch(target, proposer, batches[0], warm, ev)
+        bar = tqdm(total=len(local), desc=f"eval {recipe.drafter.method}", disable=not state.is_local_main_process)
+        records = []
+        for batch in batches:
+            records += evaluate_batch(target, proposer, batch, settings, ev)
+            bar.update(len(batch))
+        bar.close()
     if state.num_processes > 1:
         records = gather_object(records)
     if not state.is_main_process:
@@ -390,6 +440,7 @@ def run(recipe: Recipe) -> dict[str, Any] | None:
         "kernels": ev.kernels,
         "device": str(target.device),
         "num_processes": state.num_processes,
+        "batch_size": ev.batch_size,
         "prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS,
         "tree_calibration": calibration[0] if calibration else None,
     }

@@ -421,6 +421,32 @@ def plain_generate(model: torch.nn.Module, prompt_ids: torch.Tensor, settings: D
     )
 
 
+class _RootOnly(RowProposer):
+    """Drafts nothing: a tree of just the root, so a round is one plain decoding step (verification draws the next
+    token from the target alone)."""
+
+    def __init__(self):
+        self.tree = Tree.from_parents([-1])
+
+    def reset(self, batch_size: int) -> None:
+        pass
+
+    def propose(self, states: Sequence[DecodeState]) -> list[Tree]:
+        return [dataclasses.replace(self.tree, tokens=state.tokens[0, -1:]) for state in states]
+
+
+def plain_generate_batch(
+    model: torch.nn.Module, prompts: Sequence[torch.Tensor], settings: DecodeSettings, kernels: Kernels = "reference"
+) -> list[GenerationResult]:
+    """Plain decoding of B prompts ((L_b,) ids) together, one target forward per token for the whole batch, over the
+    same ragged KV cache as `speculative_generate_batch` (it is that loop with trees of just the root): the batch-B
+    baseline. Greedy rows equal `plain_generate` of each prompt alone; times are the batch's."""
+    results = speculative_generate_batch(model, _RootOnly(), prompts, settings, kernels)
+    for result in results:
+        result.accepted, result.tree_depth, result.extendable, result.tree_nodes = [], [], [], []
+    return results
+
+
 def _verify(
     ops: TreeOps, tree: Tree, logits: torch.Tensor, settings: DecodeSettings, gen: torch.Generator
 ) -> tuple[list[int], torch.Tensor, list[int]]:

@@ -121,7 +121,8 @@ def to_markdown(s: dict[str, Any]) -> str:
             f"# Speculative decoding: {s['method']} on {s['target']}",
             f"{s['num_prompts']} prompts from `{s['prompts']}`, max {s['max_new_tokens']} new tokens, "
             f"temperature {s['temperature']}, acceptance `{s['acceptance']}`, kernels `{s['kernels']}`, "
-            f"device `{s['device']}`. τ = mean over {s['rounds']} rounds of (accepted + 1). "
+            f"device `{s['device']}`, batch size {s.get('batch_size', 1)}. "
+            f"τ = mean over {s['rounds']} rounds of (accepted + 1). "
             f"Prompt lookup (transformers, no training): {_fmt(pl, 1)} tok/s, "
             f"{_fmt(s['prompt_lookup_vs_plain'], 2, '×')} vs plain."
             + (f" Tree calibrated on {s['tree_calibration']}." if s.get("tree_calibration") else ""),

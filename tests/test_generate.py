@@ -20,6 +20,7 @@ from eval.generate import (
     RowProposer,
     VocabProjection,
     plain_generate,
+    plain_generate_batch,
     round_stats,
     speculative_generate,
     speculative_generate_batch,
@@ -454,6 +455,18 @@ def test_batched_eagle_drafts_what_each_row_drafts_alone(target, vocab):
             batch.keep_rows([0, 2])
             rows = [0, 2]
     assert batch.lengths == [len(seqs[0]) - 1, len(seqs[2]) - 1]
+
+
+@pytest.mark.parametrize("kernels", ["reference", "triton"])
+def test_plain_batch_equals_plain_alone(target, kernels):
+    """The batch-B plain baseline (one target forward per token for the whole ragged batch) gives every row the
+    tokens, and the forward count, of plain decoding of its prompt alone."""
+    settings = DecodeSettings(max_new_tokens=12)
+    batch = plain_generate_batch(target.model, BATCH_PROMPTS, settings, kernels)
+    for out, p in zip(batch, BATCH_PROMPTS):
+        alone = plain_generate(target.model, p[None], settings)
+        assert out.tokens == alone.tokens and out.target_forwards == alone.target_forwards == 12
+        assert out.accepted == [] and out.stats()["forwards_per_token"] == 1.0
 
 
 def test_one_prompt_proposer_refuses_a_batch(target):

@@ -193,6 +193,9 @@ class EvalConfig:
     as much; verification still uses the full vocabulary, so outputs are unchanged)."""
     kernels: Literal["triton", "reference"] = "triton"
     baselines: list[str] = field(default_factory=lambda: ["plain", "prompt_lookup"])
+    batch_size: int = 1
+    """Prompts decoded together (one target forward verifies every row's tree; the plain baseline decodes the same
+    batches). Speeds are then batch throughputs; prompt lookup only runs at batch size 1."""
     seed: int = 0
 
     def validate(self, err) -> None:
@@ -210,6 +213,14 @@ class EvalConfig:
         unknown = [b for b in self.baselines if b not in EVAL_BASELINES]
         if unknown:
             err("eval.baselines", f"unknown {unknown}; available: {list(EVAL_BASELINES)}")
+        if self.batch_size < 1:
+            err("eval.batch_size", f"must be >= 1, got {self.batch_size}")
+        if self.batch_size > 1 and "prompt_lookup" in self.baselines:
+            err(
+                "eval.batch_size",
+                "prompt lookup (transformers' assisted decoding) decodes one prompt at a time; with batch_size > 1 "
+                "set eval.baselines: [plain]",
+            )
         if self.acceptance == "typical" and self.temperature == 0:
             err("eval.acceptance", "typical acceptance needs temperature > 0 (greedy is already exact)")
 
