@@ -277,9 +277,15 @@ class TargetRunner:
         self.seconds = 0.0
 
     def _run(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None, logits_to_keep, context
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        mask: torch.Tensor | None,
+        logits_to_keep: int | torch.Tensor,
+        context: contextlib.AbstractContextManager,
+        start: float,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        start = clock(input_ids.device)
+        """The model forward; `seconds` grows by the time since `start` (building the forward's mask included)."""
         with context:
             out = self.model(
                 input_ids=input_ids,
@@ -310,12 +316,12 @@ class TargetRunner:
         positions = torch.arange(L, device=device)[None].expand(len(prompts), -1)
         self.lengths = lengths
         if len(set(lengths)) == 1:
-            logits, hidden = self._run(ids, positions, None, 1, contextlib.nullcontext())
+            logits, hidden = self._run(ids, positions, None, 1, contextlib.nullcontext(), clock(device))
             return logits[:, -1], hidden
         # logits only at the distinct last positions ((B, K, V) with K <= B), then each row's own
         last = sorted(set(n - 1 for n in lengths))
         keep = torch.tensor(last, device=device)
-        logits, hidden = self._run(ids, positions, None, keep, contextlib.nullcontext())
+        logits, hidden = self._run(ids, positions, None, keep, contextlib.nullcontext(), clock(device))
         pick = torch.tensor([last.index(n - 1) for n in lengths], device=device)
         return logits[torch.arange(len(lengths), device=device), pick], hidden
 
@@ -325,6 +331,7 @@ class TargetRunner:
         """(B, N) tokens at (B, N) positions after the cached rows -> logits (B, N, V), hidden (B, N, S, d) or None.
         Without a tree the block is causal (plain decoding; rows must then have equal lengths); with one (stacked
         for B > 1), tree attention over each row's own prefix."""
+        start = clock(input_ids.device)
         n = input_ids.shape[1]
         self.tree_start = self.cache.get_seq_length()
         ragged = any(length != self.tree_start for length in self.lengths)
@@ -336,7 +343,7 @@ class TargetRunner:
             mask = tree_attention_mask(tree, self.tree_start, self.model.dtype, lens)
         elif tree is not None:
             context = tree_context(tree.mask_bits, lens)
-        out = self._run(input_ids, position_ids, mask, 0, context)
+        out = self._run(input_ids, position_ids, mask, 0, context, start)
         if tree is None:
             self.lengths = [length + n for length in self.lengths]
         return out
@@ -352,8 +359,11 @@ class TargetRunner:
         (`ops.kv_commit`), then crop the cache to the longest row. Not timed as target time: it is the loop's."""
         layers = self.cache.layers
         keys, values = [x.keys for x in layers], [x.values for x in layers]
-        prefix = torch.tensor(self.lengths, device=accepted_nodes.device)
-        self.ops.kv_commit(keys, values, prefix, accepted_nodes, tree_start=self.tree_start)
+        if all(length == self.tree_start for length in self.lengths):  # not ragged: the tree starts at every prefix end
+            self.ops.kv_commit(keys, values, self.tree_start, accepted_nodes)
+        else:
+            prefix = torch.tensor(self.lengths, device=accepted_nodes.device)
+            self.ops.kv_commit(keys, values, prefix, accepted_nodes, tree_start=self.tree_start)
         self.lengths = [length + a + 1 for length, a in zip(self.lengths, accept_len)]
         self._crop(max(self.lengths))
 
@@ -535,24 +545,26 @@ def speculative_generate_batch(
             if len({t.num_nodes for t in trees}) != 1:
                 sizes = {b: t.num_nodes for b, t in zip(active, trees)}
                 raise ValueError(f"the trees of one round must have the same node count, got {sizes} (row: nodes)")
-            tree = stack_trees([t.to(device) for t in trees])  # (B, N)
-            prefix = torch.tensor(target.lengths, device=device)
-            logits, hidden = target.forward(tree.tokens, tree.positions(prefix), tree)  # (B, N, V)
+            tree = stack_trees([t.to(device) for t in trees]) if len(trees) > 1 else trees[0].to(device).batched(1)
+            lengths = target.lengths
+            prefix = lengths[0] if len(set(lengths)) == 1 else torch.tensor(lengths, device=device)
+            logits, hidden = target.forward(tree.tokens, tree.positions(prefix).expand_as(tree.tokens), tree)
             accepted, nodes, bonus = _verify(ops, tree, logits, settings, gen)
             target.commit(nodes, accepted)
-            paths = [nodes[i, : accepted[i] + 1] for i in range(len(active))]  # (k+1,) root first, per row
+            node_rows, token_rows, first_child = nodes.tolist(), tree.tokens.tolist(), tree.first_child.tolist()
+            paths = [row[: a + 1] for row, a in zip(node_rows, accepted)]  # node indices, root first, per row
 
             t0 = clock(device)
-            proposer.commit([path.tolist() for path in paths])
+            proposer.commit(paths)
             draft_s += clock(device) - t0
 
             still = []
             for i, (b, path) in enumerate(zip(active, paths)):
-                new = tree.tokens[i, path[1:]].tolist() + [bonus[i]]
+                new = [token_rows[i][node] for node in path[1:]] + [bonus[i]]
                 result = results[b]
                 result.accepted.append(accepted[i])
                 result.tree_depth.append(trees[i].max_depth)
-                result.extendable.append(bool(tree.first_child[i, path[-1]] >= 0))
+                result.extendable.append(first_child[i][path[-1]] >= 0)
                 result.tree_nodes.append(tree.num_nodes)
                 new_hidden[b] = hidden[i : i + 1, path] if hidden is not None else None  # (1, k+1, S, d)
                 tokens[b] = torch.cat([tokens[b], torch.tensor([new], device=device)], dim=1)
@@ -704,34 +716,56 @@ class EagleProposer:
         bsz, n = len(states), max(counts)
         device = feats[0].device
         cached = self.cache.length
-        inputs = feats[0].new_zeros(bsz, n, *feats[0].shape[2:])
-        ids = torch.zeros(bsz, n, dtype=torch.long, device=device)
-        positions = torch.zeros(bsz, n, dtype=torch.long, device=device)
-        for b, (state, f, m) in enumerate(zip(states, feats, counts)):
-            inputs[b, :m] = f[0]
-            ids[b, :m] = state.tokens[0, -m:]
-            positions[b] = state.prefix_len - m + torch.arange(n, device=device)  # past m: padding
-        own = torch.arange(cached, device=device) < torch.tensor(self.lengths, device=device)[:, None]  # (B, S)
-        new = torch.arange(n, device=device)
-        causal = (new[None, :] <= new[:, None]) & (new[None, :] < torch.tensor(counts, device=device)[:, None, None])
-        causal |= torch.eye(n, dtype=torch.bool, device=device)  # padded positions see themselves: no empty row
-        mask = torch.cat([own[:, None, :].expand(-1, n, -1), causal], dim=-1)  # (B, n, S + n)
-        last = torch.tensor(counts, device=device) - 1
+        padded = any(m != n for m in counts)
+        ragged = padded or any(length != cached for length in self.lengths)
+        if not padded:
+            inputs = torch.cat(feats)
+            ids = torch.cat([state.tokens[:, -n:] for state in states])
+            if bsz == 1:
+                positions = torch.arange(states[0].prefix_len - n, states[0].prefix_len, device=device)[None]
+            else:
+                prefix = torch.tensor([state.prefix_len for state in states], device=device)
+                positions = prefix[:, None] - n + torch.arange(n, device=device)  # (B, n)
+        else:  # rows with fewer new positions are padded at the end
+            inputs = feats[0].new_zeros(bsz, n, *feats[0].shape[2:])
+            ids = torch.zeros(bsz, n, dtype=torch.long, device=device)
+            positions = torch.zeros(bsz, n, dtype=torch.long, device=device)
+            for b, (state, f, m) in enumerate(zip(states, feats, counts)):
+                inputs[b, :m], ids[b, :m] = f[0], state.tokens[0, -m:]
+                positions[b] = state.prefix_len - m + torch.arange(n, device=device)  # past m: padding
+        mask, last = None, None  # without padding or stale rows: the step's own mask (causal, whole cache visible)
+        if ragged:
+            last = torch.tensor(counts, device=device) - 1
+            own = torch.arange(cached, device=device) < torch.tensor(self.lengths, device=device)[:, None]  # (B, S)
+            new = torch.arange(n, device=device)
+            causal = (new[None, :] <= new[:, None]) & (new[None, :] < last[:, None, None] + 1)  # (B, n, n)
+            causal |= torch.eye(n, dtype=torch.bool, device=device)  # padded positions see themselves: no empty row
+            mask = torch.cat([own[:, None, :].expand(-1, n, -1), causal], dim=-1)  # (B, n, S + n)
         logits, hidden = self.drafter.step(
-            inputs, ids, positions, self.cache, tree_mask=mask, project=self.vocab, logits_at=last
+            inputs,
+            ids,
+            positions,
+            self.cache,
+            tree_mask=mask,
+            project=self.vocab,
+            logits_at=last if padded else None,
+            last_only=not padded,
         )  # (B, 1, V or K), (B, n, d)
-        if any(length != cached for length in self.lengths) or any(m != n for m in counts):
+        if ragged:
             keep = [list(range(length)) + list(range(cached, cached + m)) for length, m in zip(self.lengths, counts)]
             width = max(len(k) for k in keep)
             self.cache.select(torch.tensor([k + [0] * (width - len(k)) for k in keep], device=device))  # packed
         self.lengths = [length + m for length, m in zip(self.lengths, counts)]
         self.committed = self.cache.length
-        return logits[:, 0], hidden[torch.arange(bsz, device=device), last]
+        return logits[:, 0], (hidden[torch.arange(bsz, device=device), last] if padded else hidden[:, -1])
 
     def propose(self, states: Sequence[DecodeState]) -> list[Tree]:
         logits, hidden = self._catch_up(states)
         device, committed = hidden.device, self.committed
-        own = torch.arange(committed, device=device) < torch.tensor(self.lengths, device=device)[:, None]  # (B, S)
+        if all(length == committed for length in self.lengths):
+            own = torch.ones(len(states), committed, dtype=torch.bool, device=device)  # (B, S)
+        else:
+            own = torch.arange(committed, device=device) < torch.tensor(self.lengths, device=device)[:, None]
         prefix = torch.tensor([state.prefix_len for state in states], device=device)
         rows = {"hidden": hidden[:, None], "anc": torch.zeros(len(states), 1, 0, dtype=torch.bool, device=device)}
 
