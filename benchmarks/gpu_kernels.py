@@ -152,7 +152,14 @@ def check_spread_target(devices: list[str], kernels_list: tuple[str, ...]) -> No
     stub drafter and with (untrained) drafters that borrow the target's lm_head: EAGLE over a draft vocabulary,
     Medusa heads sharing the lm_head."""
     from eval.checks import ScriptedProposer, spread_layers
-    from eval.generate import DecodeSettings, EagleProposer, MedusaProposer, plain_generate, speculative_generate
+    from eval.generate import (
+        DecodeSettings,
+        EagleProposer,
+        MedusaProposer,
+        plain_generate,
+        speculative_generate,
+        speculative_generate_batch,
+    )
     from eval.trees import chain
     from models.eagle import EagleConfig, EagleDrafter
     from models.medusa import MedusaConfig, MedusaHeads
@@ -189,6 +196,16 @@ def check_spread_target(devices: list[str], kernels_list: tuple[str, ...]) -> No
         ):
             out = speculative_generate(target.model, proposer, prompt, settings, kernels_kind)
             check(f"spread target over {'+'.join(caches_on)} {kernels_kind} {name}", out.tokens == plain.tokens)
+        # a batch of prompts of different lengths (padded prefill, ragged caches on every device)
+        prompts = [prompt[0], prompt[0, :3], torch.cat([prompt[0], prompt[0, 1:]])]
+        plains = [plain_generate(target.model, p[None], settings).tokens for p in prompts]
+        for name, proposer in (
+            ("eagle draft-vocab", EagleProposer(eagle, depth=3, top_k=2, total_tokens=6, draft_vocab=vocab)),
+            ("medusa shared-lm_head", MedusaProposer(medusa, chain(2))),
+        ):
+            out = speculative_generate_batch(target.model, proposer, prompts, settings, kernels_kind)
+            ok = [r.tokens for r in out] == plains
+            check(f"spread target over {'+'.join(caches_on)} {kernels_kind} {name} batch of 3", ok)
 
 
 def bench(fn: Callable[[], object], device) -> float:

@@ -320,7 +320,8 @@ class TargetRunner:
             return logits[:, -1], hidden
         # logits only at the distinct last positions ((B, K, V) with K <= B), then each row's own
         last = sorted(set(n - 1 for n in lengths))
-        keep = torch.tensor(last, device=device)
+        keep = torch.tensor(last)  # on the CPU: transformers indexes the last hidden states with it, and a
+        # `device_map` target's last hidden states live on its last GPU (a CPU index is valid on every device)
         logits, hidden = self._run(ids, positions, None, keep, contextlib.nullcontext(), clock(device))
         pick = torch.tensor([last.index(n - 1) for n in lengths], device=device)
         return logits[torch.arange(len(lengths), device=device), pick], hidden
@@ -335,7 +336,7 @@ class TargetRunner:
         n = input_ids.shape[1]
         self.tree_start = self.cache.get_seq_length()
         ragged = any(length != self.tree_start for length in self.lengths)
-        lens = torch.tensor(self.lengths, device=input_ids.device) if ragged else None
+        lens = torch.tensor(self.lengths, device=input_ids.device, dtype=torch.int32) if ragged else None
         mask, context = None, contextlib.nullcontext()
         if tree is None and ragged:
             raise ValueError("a causal block needs rows of equal cached length; a ragged batch decodes trees")

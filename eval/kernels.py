@@ -114,7 +114,7 @@ def _tree_attention_kernel(
     # the prefix: every tree query sees all of it; this program reads split pid_s of it
     p_end = P
     if RAGGED:
-        p_end = tl.load(PLEN + b).to(tl.int32)
+        p_end = tl.minimum(tl.load(PLEN + b).to(tl.int32), P)  # as the twin: at most the whole prefix
     p_lo = pid_s * split_len
     p_hi = tl.minimum(p_lo + split_len, p_end)
     for start in range(p_lo, p_hi, BLOCK_P):
@@ -248,7 +248,7 @@ def tree_attention(
     o_part = torch.empty((splits, rows, d), device=q.device, dtype=torch.float32) if splits > 1 else out
     l_part = torch.empty((splits, rows), device=q.device, dtype=torch.float32) if splits > 1 else out
     ragged = prefix_lens is not None
-    plen = prefix_lens.to(q.device, torch.int32).expand(bsz).contiguous() if ragged else out
+    plen = prefix_lens.to(q.device, torch.int32).expand(bsz).contiguous() if ragged else out  # no-op when int32
     _tree_attention_kernel[(bsz * hkv, m_blocks, splits)](
         q, k_prefix, v_prefix, k_tree, v_tree, mask_bits, plen, out, o_part, l_part,
         q.stride(0), q.stride(1), q.stride(2), k_prefix.stride(0), k_prefix.stride(1), k_prefix.stride(2),

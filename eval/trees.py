@@ -299,10 +299,11 @@ def dynamic_trees(
     if total_tokens < 1 or top_k < 1 or depth < 1:
         raise ValueError("depth, top_k and total_tokens must be positive")
     bsz = root_tokens.shape[0]
+    root_tokens = root_tokens.cpu()
     cand_tokens: list[torch.Tensor] = []  # per round (B, F*k)
     cand_parents: list[torch.Tensor] = []  # candidate index of the parent, -1 = root
     cand_scores: list[torch.Tensor] = []
-    frontier_tokens = root_tokens.reshape(bsz, 1).cpu()
+    frontier_tokens = root_tokens.reshape(bsz, 1)
     frontier_cand = torch.full((bsz, 1), -1)  # candidate index of each frontier node
     frontier_scores = torch.zeros(bsz, 1, dtype=torch.float64)
     parent_rows = torch.full((bsz, 1), -1)
@@ -328,6 +329,6 @@ def dynamic_trees(
         kept_parents = parents[row, kept]
         tree_parents = torch.where(kept_parents < 0, 0, node_of[kept_parents.clamp(min=0)])
         assert bool((tree_parents >= 0).all()), "EAGLE-2 re-ranking kept a node without its parent"
-        node_tokens = torch.cat([root_tokens[row : row + 1].cpu(), tokens[row, kept]])
+        node_tokens = torch.cat([root_tokens[row : row + 1], tokens[row, kept]])
         trees.append(Tree.from_parents(torch.cat([torch.tensor([-1]), tree_parents]), tokens=node_tokens))
     return trees

@@ -235,6 +235,10 @@ def test_greedy_lossless_with_layers_spread_behind_device_hooks():
             MedusaProposer(shared, chain(2)),
         ):
             assert speculative_generate(target.model, proposer, PROMPT, settings, kernels).tokens == plain.tokens
+        eagle = EagleProposer(_eagle(target), depth=3, top_k=2, total_tokens=6)  # a batch of prompts of 3 lengths
+        batch = speculative_generate_batch(target.model, eagle, BATCH_PROMPTS, settings, kernels)
+        plains = [plain_generate(target.model, p[None], settings).tokens for p in BATCH_PROMPTS]
+        assert [r.tokens for r in batch] == plains
 
 
 def test_eagle_drafts_what_it_would_draft_alone(target):
@@ -531,3 +535,14 @@ def test_batch_sampled_row_follows_target_distribution():
     joint = counts / trials
     assert _tv(joint.sum(1), exact.sum(1)) < 2 * noise
     assert _tv(joint, exact) < 2 * noise, (_tv(joint, exact), noise)
+
+    # rows draw independently: two copies of one prompt agree on the first verified token only by chance
+    same, runs = 0, 300
+    for seed in range(runs):
+        s = DecodeSettings(**{**vars(settings), "seed": seed})
+        rows = [FixedTreeProposer(parents, drafts), FixedTreeProposer(parents, drafts)]
+        out = speculative_generate_batch(target.model, rows, [SMALL_PROMPT[0], SMALL_PROMPT[0]], s)
+        same += out[0].tokens[1] == out[1].tokens[1]
+    p1 = exact.sum(1)
+    chance = float((p1**2).sum())
+    assert abs(same / runs - chance) < 4 * (chance * (1 - chance) / runs) ** 0.5, (same / runs, chance)

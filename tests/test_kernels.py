@@ -44,7 +44,7 @@ def test_tree_attention_ragged_prefix_matches_twin_and_ignores_stale_rows(dtype,
     trees = stack_trees([random_tree(n, gen) for _ in range(b)])
     rnd = lambda *shape: torch.randn(*shape, generator=gen).to(dtype)
     q, kp, vp, kt, vt = rnd(b, h, n, d), rnd(b, hkv, p, d), rnd(b, hkv, p, d), rnd(b, hkv, n, d), rnd(b, hkv, n, d)
-    lens = torch.tensor([37, 5, 0])
+    lens = torch.tensor([39, 5, 0])  # past the prefix end (39 > P) means the whole prefix
     want = reference.tree_attention(q, kp, vp, kt, vt, trees.mask_bits, d**-0.5, prefix_lens=lens)
     for row in range(b):
         alone = reference.tree_attention(
