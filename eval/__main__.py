@@ -7,12 +7,14 @@ Loads the recipe's target and the exported drafter (`eval.drafter`, default `<tr
 reads `eval.prompts` (JSONL: chat records with `messages` / `conversations`, rendered with the chat
 template up to the first assistant turn plus the generation prompt, or plain `prompt` records), splits
 them across processes and, for every prompt, decodes with
-- plain decoding (own KV-cached loop, one target forward per token),
+- plain decoding (own KV-cached loop, one target forward per token; for batches, left-padded batched decoding
+  with the model's own attention, as HF batched generation),
 - speculative decoding with the drafter (`eval/generate.py`; tree per `eval.tree`),
 - transformers' prompt-lookup decoding (`generate(prompt_lookup_num_tokens=10)`): what a user gets
   without training a drafter.
 With `eval.batch_size: B` the speculative and plain runs decode B prompts at a time (speeds are batch
-throughputs; prompt lookup only runs at batch size 1). Decoding stops at the target's EOS tokens (and
+throughputs; prompt lookup decodes one prompt at a time, so recipes with B > 1 are refused unless
+`eval.baselines` leaves it out). Decoding stops at the target's EOS tokens (and
 `<|end|>` where the vocabulary has it) or after `eval.max_new_tokens`. Greedy speculative output is
 checked against plain greedy output token for token.
 Process 0 writes `report.json`, `report.md` and `report.png` to `eval.output_dir` (default
@@ -262,17 +264,19 @@ def prompt_lookup_generate(model, ids: torch.Tensor, settings: DecodeSettings) -
 def evaluate_batch(
     target: Target, proposer: Proposer, prompts: list[dict[str, Any]], settings: DecodeSettings, ev: EvalConfig
 ) -> list[dict[str, Any]]:
-    """Decode a batch of prompts together with every method; one record per prompt, as `evaluate_prompt` writes.
+    """Decode a batch of prompts together (`eval.batch_size` > 1) with the speculative and the batched plain loop; one
+    record per prompt, as `evaluate_prompt` writes, plus the size of the batch it ran in (a last batch may be smaller).
 
-    A row's `wall_s` is its share (1 / B) of its batch's wall time, so pooled speeds are batch throughputs and a
-    prompt's speedup is its batch's."""
-    if len(prompts) == 1:
+    Prompt i samples with seed `eval.seed + i` in both loops, as at batch size 1, so outputs do not depend on the
+    batching. A row's `wall_s` is its share (1 / B) of its batch's wall time, so pooled speeds are batch
+    throughputs."""
+    if ev.batch_size == 1:
         return [evaluate_prompt(target, proposer, prompts[0], settings, ev)]
     ids = [torch.tensor(p["input_ids"], device=target.device) for p in prompts]
-    settings = dataclasses.replace(settings, seed=ev.seed + prompts[0]["index"])
+    seeds = [ev.seed + p["index"] for p in prompts]
     share = 1 / len(prompts)
-    specs = speculative_generate_batch(target.model, proposer, ids, settings, ev.kernels)
-    plains = plain_generate_batch(target.model, ids, settings, ev.kernels) if "plain" in ev.baselines else None
+    specs = speculative_generate_batch(target.model, proposer, ids, settings, ev.kernels, seeds=seeds)
+    plains = plain_generate_batch(target.model, ids, settings, seeds) if "plain" in ev.baselines else None
     records = []
     for row, (prompt, spec) in enumerate(zip(prompts, specs)):
         spec.wall_s, spec.target_s, spec.draft_s = spec.wall_s * share, spec.target_s * share, spec.draft_s * share

@@ -27,9 +27,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import inspect
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -63,7 +64,7 @@ class DecodeSettings:
 
 @dataclass
 class DecodeState:
-    """What a proposer sees before drafting.
+    """What a proposer sees of one row (prompt) before drafting.
 
     `tokens[:, -1]` is the root: chosen by the target, not yet in its KV cache, so the target cache
     holds `prefix_len = L - 1` positions. `new_hidden` holds the target hidden states (at the
@@ -71,8 +72,8 @@ class DecodeState:
     `L-1-n .. L-2`, whose next tokens are `tokens[:, L-n:]`.
     """
 
-    tokens: torch.Tensor  # (B, L) int64, prompt + generated
-    new_hidden: torch.Tensor | None  # (B, n, S, d) or None when the proposer wants no features
+    tokens: torch.Tensor  # (1, L) int64, prompt + generated
+    new_hidden: torch.Tensor | None  # (1, n, S, d) or None when the proposer wants no features
 
     @property
     def prefix_len(self) -> int:
@@ -243,6 +244,22 @@ def tree_attention_mask(
     return torch.where(visible, 0.0, torch.finfo(dtype).min).to(dtype)[:, None]
 
 
+def cache_arg(model: torch.nn.Module) -> str:
+    """The name under which `model.forward` takes its KV cache: transformers renamed `past_key_values` to `cache`
+    in 5.x, and an unknown name would be swallowed by **kwargs."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def select_cache_rows(cache: DynamicCache, rows: list[int]) -> None:
+    """Keep only these batch rows of every layer (each on its own device under a `device_map`)."""
+    index: dict[torch.device, torch.Tensor] = {}
+    for layer in cache.layers:
+        device = layer.keys.device
+        if device not in index:
+            index[device] = torch.tensor(rows, dtype=torch.long, device=device)
+        layer.keys, layer.values = layer.keys[index[device]], layer.values[index[device]]
+
+
 class TargetRunner:
     """The frozen target with its KV cache for a batch of rows: prefill, tree forwards, commits, dropping finished
     rows; `seconds` = time in forwards.
@@ -269,8 +286,7 @@ class TargetRunner:
             if model.config._attn_implementation != name:
                 model.set_attn_implementation(name)
         self.cache = DynamicCache(config=model.config)
-        # transformers renamed `past_key_values` to `cache` in 5.x; an unknown name would be swallowed by **kwargs
-        self.cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        self.cache_arg = cache_arg(model)
         self.lengths: list[int] = []  # per row: cached positions that are its own (the rest up to S are stale)
         self.tree_start = 0  # where the last tree block starts in the cache (S before it was appended)
         self.forwards = 0
@@ -372,12 +388,7 @@ class TargetRunner:
         """Keep only these batch rows (the others finished decoding) and crop to the longest kept row."""
         if rows == list(range(len(self.lengths))):
             return
-        index: dict[torch.device, torch.Tensor] = {}
-        for layer in self.cache.layers:
-            device = layer.keys.device
-            if device not in index:
-                index[device] = torch.tensor(rows, dtype=torch.long, device=device)
-            layer.keys, layer.values = layer.keys[index[device]], layer.values[index[device]]
+        select_cache_rows(self.cache, rows)
         self.lengths = [self.lengths[r] for r in rows]
         self._crop(max(self.lengths, default=0))
 
@@ -390,12 +401,17 @@ class TargetRunner:
 # Decoding loops
 
 
-def _first_token(logits: torch.Tensor, settings: DecodeSettings, gen: torch.Generator) -> torch.Tensor:
-    """(B, V) last-position logits -> (B,) next token (argmax or a sample of the processed distribution)."""
+def _first_token(
+    logits: torch.Tensor, settings: DecodeSettings, gens: torch.Generator | Sequence[torch.Generator]
+) -> torch.Tensor:
+    """(B, V) last-position logits -> (B,) next token (argmax, or a sample of the processed distribution drawn
+    with each row's own generator)."""
     if settings.greedy:
         return logits.argmax(-1)
     probs = target_probs(logits, settings.temperature, settings.top_p)
-    return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+    if isinstance(gens, torch.Generator):
+        return torch.multinomial(probs, 1, generator=gens).squeeze(-1)
+    return torch.cat([torch.multinomial(row[None], 1, generator=g) for row, g in zip(probs, gens)]).squeeze(-1)
 
 
 def _finish(generated: list[int], new: list[int], settings: DecodeSettings) -> bool:
@@ -432,37 +448,74 @@ def plain_generate(model: torch.nn.Module, prompt_ids: torch.Tensor, settings: D
     )
 
 
-class _RootOnly(RowProposer):
-    """Drafts nothing: a tree of just the root, so a round is one plain decoding step (verification draws the next
-    token from the target alone)."""
-
-    def __init__(self):
-        self.tree = Tree.from_parents([-1])
-
-    def reset(self, batch_size: int) -> None:
-        pass
-
-    def propose(self, states: Sequence[DecodeState]) -> list[Tree]:
-        return [dataclasses.replace(self.tree, tokens=state.tokens[0, -1:]) for state in states]
-
-
+@torch.inference_mode()
 def plain_generate_batch(
-    model: torch.nn.Module, prompts: Sequence[torch.Tensor], settings: DecodeSettings, kernels: Kernels = "reference"
+    model: torch.nn.Module,
+    prompts: Sequence[torch.Tensor],
+    settings: DecodeSettings,
+    seeds: Sequence[int] | None = None,
 ) -> list[GenerationResult]:
-    """Plain decoding of B prompts ((L_b,) ids) together, one target forward per token for the whole batch, over the
-    same ragged KV cache as `speculative_generate_batch` (it is that loop with trees of just the root): the batch-B
-    baseline. Greedy rows equal `plain_generate` of each prompt alone; times are the batch's."""
-    results = speculative_generate_batch(model, _RootOnly(), prompts, settings, kernels)
+    """Plain decoding of B prompts ((L_b,) ids) together: the batch-B baseline, one target forward per token for
+    the whole batch, as batched HF generation does it (left padding, a 2D padding mask, the model's own attention;
+    none of the tree kernels), rows leaving the batch when they finish. Row b samples with its own generator seeded
+    `seeds[b]` (default `settings.seed + b`), so every row decodes what `plain_generate` gives its prompt alone with
+    that seed. Times are the batch's."""
+    prompts = [p.reshape(-1) for p in prompts]
+    device, lengths = prompts[0].device, [int(p.shape[0]) for p in prompts]
+    seeds = [settings.seed + b for b in range(len(prompts))] if seeds is None else list(seeds)
+    gens = [torch.Generator(device=device).manual_seed(seed) for seed in seeds]
+    start = clock(device)
+    L = max(lengths)
+    ids = torch.zeros(len(prompts), L, dtype=torch.long, device=device)
+    mask = torch.zeros(len(prompts), L, dtype=torch.long, device=device)
+    for b, p in enumerate(prompts):
+        ids[b, L - lengths[b] :], mask[b, L - lengths[b] :] = p, 1
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    cache = DynamicCache(config=model.config)
+    kwargs = {cache_arg(model): cache, "use_cache": True, "logits_to_keep": 1}
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, **kwargs).logits[:, -1]
+    results = [GenerationResult(tokens=[]) for _ in prompts]
+    active, next_pos = list(range(len(prompts))), torch.tensor(lengths, device=device)
+    while True:
+        toks = _first_token(logits, settings, [gens[b] for b in active])
+        new = toks.tolist()
+        still = [i for i, b in enumerate(active) if not _finish(results[b].tokens, [new[i]], settings)]
+        if not still:
+            break
+        if len(still) < len(active):
+            select_cache_rows(cache, still)
+            keep = torch.tensor(still, device=device)
+            toks, mask, next_pos, active = toks[keep], mask[keep], next_pos[keep], [active[i] for i in still]
+        mask = torch.cat([mask, mask.new_ones(len(active), 1)], dim=1)
+        logits = model(input_ids=toks[:, None], attention_mask=mask, position_ids=next_pos[:, None], **kwargs).logits
+        logits, next_pos = logits[:, -1], next_pos + 1
+    wall = clock(device) - start
     for result in results:
-        result.accepted, result.tree_depth, result.extendable, result.tree_nodes = [], [], [], []
+        result.target_forwards, result.wall_s, result.target_s = len(result.tokens), wall, wall
     return results
 
 
+def _coins(ops: TreeOps, trees: list[Tree], gens: Sequence[torch.Generator], device: torch.device) -> torch.Tensor:
+    """Sampled verification's uniforms for B trees, each row drawn with its own generator for its own tree's shape
+    (so a row uses the numbers it would use alone), zero-padded to the batch's (B, D+1, C)."""
+    rows = [ops.draw_coins(tree, 1, gen) for tree, gen in zip(trees, gens)]
+    if len(rows) == 1:
+        return rows[0].to(device)
+    coins = torch.zeros(len(rows), max(r.shape[1] for r in rows), max(r.shape[2] for r in rows), device=device)
+    for b, row in enumerate(rows):
+        coins[b, : row.shape[1], : row.shape[2]] = row[0]
+    return coins
+
+
 def _verify(
-    ops: TreeOps, tree: Tree, logits: torch.Tensor, settings: DecodeSettings, gen: torch.Generator
+    ops: TreeOps,
+    tree: Tree,
+    logits: torch.Tensor,
+    settings: DecodeSettings,
+    coins: Callable[[], torch.Tensor],
 ) -> tuple[list[int], torch.Tensor, list[int]]:
     """Target logits over B stacked trees (B, N, V) -> (accepted drafts per row, accepted nodes (B, D+1) root first,
-    bonus token per row)."""
+    bonus token per row). `coins()` gives sampled verification its uniforms."""
     tokens = tree.tokens  # (B, N)
     if settings.greedy:
         accept_len, nodes, bonus = ops.verify_greedy(tokens, logits, tree)
@@ -471,9 +524,8 @@ def _verify(
             tokens, logits, tree, settings.typical_epsilon, settings.typical_delta, settings.temperature
         )
     else:
-        coins = ops.draw_coins(tree, tokens.shape[0], gen)
         accept_len, nodes, bonus = ops.verify_sampled(
-            tokens, logits, tree, coins, temperature=settings.temperature, top_p=settings.top_p
+            tokens, logits, tree, coins(), temperature=settings.temperature, top_p=settings.top_p
         )
     return accept_len.tolist(), nodes, bonus.tolist()
 
@@ -505,15 +557,17 @@ def speculative_generate_batch(
     settings: DecodeSettings,
     kernels: Kernels = "reference",
     ops: TreeOps | None = None,
+    seeds: Sequence[int] | None = None,
 ) -> list[GenerationResult]:
     """Speculative decoding of B prompts ((L_b,) ids, any lengths) together: one result per prompt.
 
     `proposer` drafts for the whole batch (`EagleProposer` and `MedusaProposer` draft all rows in one pass), or is a
     list of one proposer per prompt (run as `PerRow`). Each round the B trees, which must have the same node count,
     are verified in one target forward and committed into a ragged KV cache (see `TargetRunner`); rows leave the
-    batch when they finish. Greedy outputs equal plain greedy decoding of each prompt alone; sampled rows draw from
-    one generator, so they follow the target distribution but are not the tokens a batch-1 run with the same seed
-    gives. Times (`wall_s`, `target_s`, `draft_s`) are the batch's, shared by its rows.
+    batch when they finish. Row b draws its samples with its own generator seeded `seeds[b]` (default
+    `settings.seed + b`) and the uniforms of its own tree, so every row decodes what it decodes alone with that seed
+    (greedy: plain greedy decoding of its prompt). Times (`wall_s`, `target_s`, `draft_s`) are the batch's, shared
+    by its rows.
     """
     proposer = PerRow(proposer) if isinstance(proposer, (list, tuple)) else proposer
     if not prompts:
@@ -522,7 +576,10 @@ def speculative_generate_batch(
     if any(p.numel() == 0 for p in prompts):
         raise ValueError(f"empty prompt at batch row {next(i for i, p in enumerate(prompts) if p.numel() == 0)}")
     device = prompts[0].device
-    gen = torch.Generator(device=device).manual_seed(settings.seed)
+    seeds = [settings.seed + b for b in range(len(prompts))] if seeds is None else list(seeds)
+    if len(seeds) != len(prompts):
+        raise ValueError(f"one seed per prompt: got {len(seeds)} seeds for {len(prompts)} prompts")
+    gens = [torch.Generator(device=device).manual_seed(seed) for seed in seeds]
     start = clock(device)
     target = TargetRunner(model, list(proposer.feature_layers), kernels, ops)
     ops = target.ops
@@ -532,7 +589,7 @@ def speculative_generate_batch(
 
     try:
         logits, hidden = target.prefill(prompts)
-        roots = _first_token(logits, settings, gen).tolist()
+        roots = _first_token(logits, settings, gens).tolist()
         tokens = [torch.cat([p, p.new_tensor([r])])[None] for p, r in zip(prompts, roots)]  # (1, L_b + 1) per row
         new_hidden = [None if hidden is None else hidden[b : b + 1, : p.shape[0]] for b, p in enumerate(prompts)]
         active = [b for b in range(len(prompts)) if not _finish(results[b].tokens, [roots[b]], settings)]
@@ -550,7 +607,8 @@ def speculative_generate_batch(
             lengths = target.lengths
             prefix = lengths[0] if len(set(lengths)) == 1 else torch.tensor(lengths, device=device)
             logits, hidden = target.forward(tree.tokens, tree.positions(prefix).expand_as(tree.tokens), tree)
-            accepted, nodes, bonus = _verify(ops, tree, logits, settings, gen)
+            coins = functools.partial(_coins, ops, trees, [gens[b] for b in active], device)
+            accepted, nodes, bonus = _verify(ops, tree, logits, settings, coins)
             target.commit(nodes, accepted)
             node_rows, token_rows, first_child = nodes.tolist(), tree.tokens.tolist(), tree.first_child.tolist()
             paths = [row[: a + 1] for row, a in zip(node_rows, accepted)]  # node indices, root first, per row

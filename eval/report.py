@@ -50,8 +50,15 @@ def summarize(records: list[dict[str, Any]], meta: dict[str, Any]) -> dict[str, 
         "lossless": all(checked) if checked else None,
         "lossless_prompts": f"{sum(checked)}/{len(checked)}" if checked else "n/a (sampled)",
         "tokens_per_round_histogram": _histogram([a + 1 for a in accepted]),
+        "batches": _batches(records),
         "per_prompt": records,
     }
+
+
+def _batches(records: list[dict[str, Any]]) -> dict[str, int]:
+    """How many batches of each size ran (rows of a batch of k carry batch_size k; batch size 1 records carry none)."""
+    rows = _histogram([r.get("batch_size", 1) for r in records])
+    return {k: n // int(k) for k, n in rows.items()}
 
 
 def _histogram(values: list[int]) -> dict[str, int]:
@@ -110,7 +117,11 @@ def to_markdown(s: dict[str, Any]) -> str:
             str(r["index"]),
             str(r["speculative"]["new_tokens"]),
             _fmt(round_stats(r["speculative"]["accepted"], r["speculative"]["extendable"])["accept_len"]),
-            _fmt(_ratio(_speed([r], "speculative"), _speed([r], "plain")), 2, "×"),
+            _fmt(
+                _ratio(_speed([r], "speculative"), _speed([r], "plain")) if r.get("batch_size", 1) == 1 else None,
+                2,
+                "×",
+            ),
             lossless_mark(r.get("lossless")),
         ]
         for r in s["per_prompt"]
@@ -121,7 +132,7 @@ def to_markdown(s: dict[str, Any]) -> str:
             f"# Speculative decoding: {s['method']} on {s['target']}",
             f"{s['num_prompts']} prompts from `{s['prompts']}`, max {s['max_new_tokens']} new tokens, "
             f"temperature {s['temperature']}, acceptance `{s['acceptance']}`, kernels `{s['kernels']}`, "
-            f"device `{s['device']}`, batch size {s.get('batch_size', 1)}. "
+            f"device `{s['device']}`, batch size {s.get('batch_size', 1)}{_batch_note(s)}. "
             f"τ = mean over {s['rounds']} rounds of (accepted + 1). "
             f"Prompt lookup (transformers, no training): {_fmt(pl, 1)} tok/s, "
             f"{_fmt(s['prompt_lookup_vs_plain'], 2, '×')} vs plain."
@@ -130,6 +141,17 @@ def to_markdown(s: dict[str, Any]) -> str:
             "## Acceptance by depth\n\n" + markdown_table(depth_header, depth_rows),
             "## Per prompt\n\n" + markdown_table(["prompt", "new tokens", "τ", "speedup", "lossless"], prompt_rows),
         ]
+    )
+
+
+def _batch_note(s: dict[str, Any]) -> str:
+    """For batched runs: the batches that ran, and what per-prompt figures mean there."""
+    if s.get("batch_size", 1) == 1:
+        return ""
+    ran = ", ".join(f"{n} of {k}" for k, n in sorted(s["batches"].items(), key=lambda kv: -int(kv[0])))
+    return (
+        f" (batches run: {ran}; speeds are batch throughputs, forwards per token count each row's own rounds, and "
+        "a prompt in a batch has no speedup of its own)"
     )
 
 

@@ -134,24 +134,26 @@ def test_eval_cli_end_to_end(tmp_path, target, method, tree, capsys):
 
 def test_eval_batches_decode_what_batch_one_decodes(tmp_path, target):
     """`eval.batch_size: 2` over 3 prompts (a batch of 2, then 1): greedy rows stay lossless against the batched
-    plain baseline and accept, round by round, what a batch-1 run accepts; speeds are batch throughputs."""
+    plain baseline, and every prompt, greedy or sampled, decodes and accepts what a batch-1 run gives it; speeds are
+    batch throughputs."""
     torch.manual_seed(0)
     save_native(tmp_path / "run" / "export", EagleDrafter(EagleConfig(), target.parts([-1])), target)
     section = {"tree": "dynamic", "tree_depth": 3, "tree_top_k": 2, "tree_total_tokens": 6, "baselines": ["plain"]}
     reports = {}
-    for batch_size in (1, 2):
-        out = {"batch_size": batch_size, "output_dir": str(tmp_path / f"b{batch_size}")}
-        recipe = _recipe(tmp_path, "eagle2", {}, section | out)
-        main([recipe])
-        reports[batch_size] = json.loads((tmp_path / f"b{batch_size}" / "report.json").read_text())
-    one, two = reports[1], reports[2]
-    assert two["batch_size"] == 2 and two["lossless_prompts"] == "3/3"
-    assert [r.get("batch_size", 1) for r in two["per_prompt"]] == [2, 2, 1]
-    for a, b in zip(one["per_prompt"], two["per_prompt"]):
-        assert a["speculative"]["accepted"] == b["speculative"]["accepted"] and a["output"] == b["output"]
-    assert two["accept_len"] == one["accept_len"] and two["speedup_vs_plain"] > 0
-    assert two["speedup_vs_prompt_lookup"] is None
-    assert "batch size 2" in (tmp_path / "b2" / "report.md").read_text()
+    for temperature in (0.0, 0.8):
+        for batch_size in (1, 2):
+            out = f"t{temperature}-b{batch_size}"
+            run = {"batch_size": batch_size, "output_dir": str(tmp_path / out), "temperature": temperature}
+            main([_recipe(tmp_path, "eagle2", {}, section | run)])
+            reports[temperature, batch_size] = json.loads((tmp_path / out / "report.json").read_text())
+        one, two = reports[temperature, 1], reports[temperature, 2]
+        for a, b in zip(one["per_prompt"], two["per_prompt"]):
+            assert a["speculative"]["accepted"] == b["speculative"]["accepted"] and a["output"] == b["output"]
+        assert two["accept_len"] == one["accept_len"] and two["speedup_vs_plain"] > 0
+    two = reports[0.0, 2]
+    assert two["batch_size"] == 2 and two["lossless_prompts"] == "3/3" and two["speedup_vs_prompt_lookup"] is None
+    assert [r["batch_size"] for r in two["per_prompt"]] == [2, 2, 1] and two["batches"] == {"1": 1, "2": 1}
+    assert "batch size 2 (batches run: 1 of 2, 1 of 1;" in (tmp_path / "t0.0-b2" / "report.md").read_text()
 
 
 def test_eval_two_processes_split_and_gather(tmp_path, target):

@@ -461,16 +461,42 @@ def test_batched_eagle_drafts_what_each_row_drafts_alone(target, vocab):
     assert batch.lengths == [len(seqs[0]) - 1, len(seqs[2]) - 1]
 
 
-@pytest.mark.parametrize("kernels", ["reference", "triton"])
-def test_plain_batch_equals_plain_alone(target, kernels):
-    """The batch-B plain baseline (one target forward per token for the whole ragged batch) gives every row the
-    tokens, and the forward count, of plain decoding of its prompt alone."""
-    settings = DecodeSettings(max_new_tokens=12)
-    batch = plain_generate_batch(target.model, BATCH_PROMPTS, settings, kernels)
-    for out, p in zip(batch, BATCH_PROMPTS):
-        alone = plain_generate(target.model, p[None], settings)
-        assert out.tokens == alone.tokens and out.target_forwards == alone.target_forwards == 12
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_plain_batch_equals_plain_alone(target, temperature):
+    """The batch-B plain baseline (left-padded HF-style batched decoding, rows leaving at EOS) gives every row the
+    tokens, and the forward count, of plain decoding of its prompt alone with the row's seed, sampled included."""
+    settings = DecodeSettings(max_new_tokens=12, temperature=temperature, seed=3)
+    alone = [
+        plain_generate(target.model, p[None], dataclasses.replace(settings, seed=3 + b))
+        for b, p in enumerate(BATCH_PROMPTS)
+    ]
+    eos = alone[1].tokens[4]  # row 1 stops early (others too, wherever they emit it)
+    settings = dataclasses.replace(settings, eos_token_ids=[eos])
+    alone = [
+        plain_generate(target.model, p[None], dataclasses.replace(settings, seed=3 + b))
+        for b, p in enumerate(BATCH_PROMPTS)
+    ]
+    batch = plain_generate_batch(target.model, BATCH_PROMPTS, settings)
+    for out, single in zip(batch, alone):
+        assert out.tokens == single.tokens and out.target_forwards == single.target_forwards
         assert out.accepted == [] and out.stats()["forwards_per_token"] == 1.0
+    assert len(batch[1].tokens) <= 5 < max(len(out.tokens) for out in batch)
+
+
+@pytest.mark.parametrize("kind", ["eagle", "medusa"])
+def test_sampled_batch_rows_decode_what_they_decode_alone(target, kind):
+    """With per-row generators and per-row uniforms, a sampled (or typical-acceptance) row of a batch decodes exactly
+    what it decodes alone with its seed: batch size and neighbours do not change outputs."""
+    make = {
+        "eagle": lambda: EagleProposer(_eagle(target), depth=3, top_k=2, total_tokens=6),
+        "medusa": lambda: MedusaProposer(_medusa(target), medusa_tree([(0,), (1,), (0, 0), (1, 0), (0, 0, 0)], 3)),
+    }[kind]
+    for acceptance in ("exact", "typical"):
+        settings = DecodeSettings(max_new_tokens=14, temperature=0.9, top_p=0.95, acceptance=acceptance, seed=11)
+        batch = speculative_generate_batch(target.model, make(), BATCH_PROMPTS, settings, seeds=[5, 6, 7])
+        for b, (out, p) in enumerate(zip(batch, BATCH_PROMPTS)):
+            single = speculative_generate(target.model, make(), p[None], dataclasses.replace(settings, seed=5 + b))
+            assert out.tokens == single.tokens and out.accepted == single.accepted, (acceptance, b)
 
 
 def test_one_prompt_proposer_refuses_a_batch(target):

@@ -71,7 +71,7 @@ BAD = {
     "unknown tree": (["eval.tree=bushy"], "eval.tree", "must be one of"),
     "unknown baseline": (["eval.baselines=[plane]"], "eval.baselines", "unknown ['plane']"),
     "empty eval batches": (["eval.batch_size=0"], "eval.batch_size", "must be >= 1"),
-    "prompt lookup in a batch": (["eval.batch_size=4"], "eval.batch_size", "set eval.baselines: [plain]"),
+    "prompt lookup in a batch": (["eval.batch_size=4"], "eval.batch_size", "eval.baselines=[plain]"),
     "medusa63 over a tiny draft vocabulary": (
         ["drafter.num_heads=4", "eval.tree=medusa63", "eval.tree_top_k=4", "eval.draft_vocab=4"],
         "eval.draft_vocab",

@@ -195,7 +195,8 @@ class EvalConfig:
     baselines: list[str] = field(default_factory=lambda: ["plain", "prompt_lookup"])
     batch_size: int = 1
     """Prompts decoded together (one target forward verifies every row's tree; the plain baseline decodes the same
-    batches). Speeds are then batch throughputs; prompt lookup only runs at batch size 1."""
+    batches). Speeds are then batch throughputs. Prompt lookup decodes one prompt at a time: with batch_size > 1,
+    `baselines` must leave it out."""
     seed: int = 0
 
     def validate(self, err) -> None:
@@ -219,7 +220,7 @@ class EvalConfig:
             err(
                 "eval.batch_size",
                 "prompt lookup (transformers' assisted decoding) decodes one prompt at a time; with batch_size > 1 "
-                "set eval.baselines: [plain]",
+                "leave it out of the baselines (eval.baselines=[plain] on the command line)",
             )
         if self.acceptance == "typical" and self.temperature == 0:
             err("eval.acceptance", "typical acceptance needs temperature > 0 (greedy is already exact)")
