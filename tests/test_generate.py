@@ -417,7 +417,7 @@ def test_batch_greedy_real_drafters_lossless(target, kind, batched):
         return EagleProposer(drafter, depth=3, top_k=2, total_tokens=6, draft_vocab=vocab)
 
     proposer = make() if batched else [make() for _ in BATCH_PROMPTS]
-    batch = speculative_generate_batch(target.model, proposer, BATCH_PROMPTS, settings, "triton")
+    batch = speculative_generate_batch(target.model, proposer, BATCH_PROMPTS, settings)
     for row, (out, p) in enumerate(zip(batch, BATCH_PROMPTS)):
         assert out.tokens == plain_generate(target.model, p[None], settings).tokens, row
         assert out.accepted == speculative_generate(target.model, make(), p[None], settings).accepted, row
