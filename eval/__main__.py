@@ -466,10 +466,10 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"error: {exc}")
     if summary is not None:
         out = recipe.eval.output_dir or str(Path(recipe.train.output_dir) / "eval")
-        fmt = lambda key, spec: "n/a" if summary[key] is None else format(summary[key], spec)
+        fmt = lambda key, spec, unit="": "n/a" if summary[key] is None else format(summary[key], spec) + unit
         print(
-            f"eval/accept_len {fmt('accept_len', '.3f')}  speedup vs plain {fmt('speedup_vs_plain', '.2f')}x  "
-            f"vs prompt lookup {fmt('speedup_vs_prompt_lookup', '.2f')}x  lossless {summary['lossless_prompts']}"
+            f"eval/accept_len {fmt('accept_len', '.3f')}  speedup vs plain {fmt('speedup_vs_plain', '.2f', 'x')}  "
+            f"vs prompt lookup {fmt('speedup_vs_prompt_lookup', '.2f', 'x')}  lossless {summary['lossless_prompts']}"
             f"  -> {out}/report.md"
         )
 
