@@ -157,6 +157,7 @@ def check_spread_target(devices: list[str], kernels_list: tuple[str, ...]) -> No
         EagleProposer,
         MedusaProposer,
         plain_generate,
+        plain_generate_batch,
         speculative_generate,
         speculative_generate_batch,
     )
@@ -199,6 +200,8 @@ def check_spread_target(devices: list[str], kernels_list: tuple[str, ...]) -> No
         # a batch of prompts of different lengths (padded prefill, ragged caches on every device)
         prompts = [prompt[0], prompt[0, :3], torch.cat([prompt[0], prompt[0, 1:]])]
         plains = [plain_generate(target.model, p[None], settings).tokens for p in prompts]
+        batched_plain = [r.tokens for r in plain_generate_batch(target.model, prompts, settings)]
+        check(f"spread target over {'+'.join(caches_on)} batched plain decoding", batched_plain == plains)
         for name, proposer in (
             ("eagle draft-vocab", EagleProposer(eagle, depth=3, top_k=2, total_tokens=6, draft_vocab=vocab)),
             ("medusa shared-lm_head", MedusaProposer(medusa, chain(2))),

@@ -36,6 +36,7 @@ from typing import Any, Literal, Protocol
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from eval.kernels import TreeOps, get_ops, register_tree_attention, tree_context
 from eval.reference import target_probs
@@ -460,12 +461,12 @@ def plain_generate_batch(
     none of the tree kernels), rows leaving the batch when they finish. Row b samples with its own generator seeded
     `seeds[b]` (default `settings.seed + b`), so every row decodes what `plain_generate` gives its prompt alone with
     that seed. Times are the batch's."""
-    prompts = [p.reshape(-1) for p in prompts]
+    prompts, seeds = _check_batch(prompts, seeds, settings)
     device, lengths = prompts[0].device, [int(p.shape[0]) for p in prompts]
-    seeds = [settings.seed + b for b in range(len(prompts))] if seeds is None else list(seeds)
     gens = [torch.Generator(device=device).manual_seed(seed) for seed in seeds]
     start = clock(device)
     L = max(lengths)
+    pads = [L - n for n in lengths]  # left padding per row
     ids = torch.zeros(len(prompts), L, dtype=torch.long, device=device)
     mask = torch.zeros(len(prompts), L, dtype=torch.long, device=device)
     for b, p in enumerate(prompts):
@@ -473,7 +474,7 @@ def plain_generate_batch(
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     cache = DynamicCache(config=model.config)
     kwargs = {cache_arg(model): cache, "use_cache": True, "logits_to_keep": 1}
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, **kwargs).logits[:, -1]
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, **kwargs).logits[:, -1].to(device)
     results = [GenerationResult(tokens=[]) for _ in prompts]
     active, next_pos = list(range(len(prompts))), torch.tensor(lengths, device=device)
     while True:
@@ -486,9 +487,16 @@ def plain_generate_batch(
             select_cache_rows(cache, still)
             keep = torch.tensor(still, device=device)
             toks, mask, next_pos, active = toks[keep], mask[keep], next_pos[keep], [active[i] for i in still]
+            pads = [pads[i] for i in still]
+            full = all(type(layer) is DynamicLayer for layer in cache.layers)  # not sliding-window layers
+            if full and min(pads) > 0:  # padding columns no remaining row needs (positions are explicit)
+                cut = min(pads)
+                for layer in cache.layers:
+                    layer.keys, layer.values = layer.keys[:, :, cut:], layer.values[:, :, cut:]
+                mask, pads = mask[:, cut:], [pad - cut for pad in pads]
         mask = torch.cat([mask, mask.new_ones(len(active), 1)], dim=1)
         logits = model(input_ids=toks[:, None], attention_mask=mask, position_ids=next_pos[:, None], **kwargs).logits
-        logits, next_pos = logits[:, -1], next_pos + 1
+        logits, next_pos = logits[:, -1].to(device), next_pos + 1
     wall = clock(device) - start
     for result in results:
         result.target_forwards, result.wall_s, result.target_s = len(result.tokens), wall, wall
@@ -498,7 +506,7 @@ def plain_generate_batch(
 def _coins(ops: TreeOps, trees: list[Tree], gens: Sequence[torch.Generator], device: torch.device) -> torch.Tensor:
     """Sampled verification's uniforms for B trees, each row drawn with its own generator for its own tree's shape
     (so a row uses the numbers it would use alone), zero-padded to the batch's (B, D+1, C)."""
-    rows = [ops.draw_coins(tree, 1, gen) for tree, gen in zip(trees, gens)]
+    rows = [ops.draw_coins(tree, 1, gen, device=gen.device) for tree, gen in zip(trees, gens)]  # shapes: host trees
     if len(rows) == 1:
         return rows[0].to(device)
     coins = torch.zeros(len(rows), max(r.shape[1] for r in rows), max(r.shape[2] for r in rows), device=device)
@@ -570,15 +578,8 @@ def speculative_generate_batch(
     by its rows.
     """
     proposer = PerRow(proposer) if isinstance(proposer, (list, tuple)) else proposer
-    if not prompts:
-        raise ValueError("no prompts to decode")
-    prompts = [p.reshape(-1) for p in prompts]
-    if any(p.numel() == 0 for p in prompts):
-        raise ValueError(f"empty prompt at batch row {next(i for i, p in enumerate(prompts) if p.numel() == 0)}")
+    prompts, seeds = _check_batch(prompts, seeds, settings)
     device = prompts[0].device
-    seeds = [settings.seed + b for b in range(len(prompts))] if seeds is None else list(seeds)
-    if len(seeds) != len(prompts):
-        raise ValueError(f"one seed per prompt: got {len(seeds)} seeds for {len(prompts)} prompts")
     gens = [torch.Generator(device=device).manual_seed(seed) for seed in seeds]
     start = clock(device)
     target = TargetRunner(model, list(proposer.feature_layers), kernels, ops)
@@ -641,6 +642,21 @@ def speculative_generate_batch(
     finally:
         target.close()
     return results
+
+
+def _check_batch(
+    prompts: Sequence[torch.Tensor], seeds: Sequence[int] | None, settings: DecodeSettings
+) -> tuple[list[torch.Tensor], list[int]]:
+    """Prompts as (L_b,) tensors and one seed per prompt (default settings.seed + row), or a clear error."""
+    if not prompts:
+        raise ValueError("no prompts to decode")
+    prompts = [p.reshape(-1) for p in prompts]
+    if any(p.numel() == 0 for p in prompts):
+        raise ValueError(f"empty prompt at batch row {next(i for i, p in enumerate(prompts) if p.numel() == 0)}")
+    seeds = [settings.seed + b for b in range(len(prompts))] if seeds is None else list(seeds)
+    if len(seeds) != len(prompts):
+        raise ValueError(f"one seed per prompt: got {len(seeds)} seeds for {len(prompts)} prompts")
+    return prompts, seeds
 
 
 def _check_one_prompt(prompt_ids: torch.Tensor) -> None:

@@ -169,10 +169,13 @@ def max_children(tree: Tree) -> int:
     return int(counts.max())
 
 
-def draw_coins(tree: Tree, batch_size: int, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Fresh uniforms for one sampled verification round: (B, D+1, max children + 1) on the tree's device."""
+def draw_coins(
+    tree: Tree, batch_size: int, generator: torch.Generator | None = None, device: torch.device | None = None
+) -> torch.Tensor:
+    """Fresh uniforms for one sampled verification round: (B, D+1, max children + 1) on `device` (default the
+    tree's), drawn on the generator's device."""
     shape = (batch_size, tree.max_depth + 1, max_children(tree) + 1)
-    device = tree.parents.device
+    device = tree.parents.device if device is None else device
     return torch.rand(shape, generator=generator, device=device if generator is None else generator.device).to(device)
 
 

@@ -483,6 +483,32 @@ def test_plain_batch_equals_plain_alone(target, temperature):
     assert len(batch[1].tokens) <= 5 < max(len(out.tokens) for out in batch)
 
 
+def test_plain_batch_positions_and_padding_follow_each_row(target):
+    """Left padding never shifts a row's positions: its prompt sits at 0..L_b-1 and its t-th new token at L_b + t - 1,
+    before and after the longest row leaves; then the padding nobody needs is cropped from the cache and mask."""
+    settings = DecodeSettings(max_new_tokens=10)
+    plains = [plain_generate(target.model, p[None], settings).tokens for p in BATCH_PROMPTS]
+    eos = next(t for t in plains[2][1:5] if t not in plains[0] + plains[1])  # the longest prompt leaves early
+    settings = dataclasses.replace(settings, eos_token_ids=[eos])
+    seen = []
+    hook = target.model.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append((kwargs["position_ids"].clone(), kwargs["attention_mask"].clone())),
+        with_kwargs=True,
+    )
+    try:
+        out = plain_generate_batch(target.model, BATCH_PROMPTS, settings)
+    finally:
+        hook.remove()
+    lengths = [len(p) for p in BATCH_PROMPTS]
+    assert len(out[2].tokens) < 5 < len(out[0].tokens) == len(out[1].tokens) == 10
+    positions, mask = seen[0]
+    assert [positions[b][mask[b] == 1].tolist() for b in range(3)] == [list(range(n)) for n in lengths]
+    for t, (positions, mask) in enumerate(seen[1:], 1):
+        active = [b for b in range(3) if len(out[b].tokens) > t]
+        assert positions[:, 0].tolist() == [lengths[b] + t - 1 for b in active]
+        assert mask.shape == (len(active), max(lengths[b] for b in active) + t)  # no column only padding
+
+
 @pytest.mark.parametrize("kind", ["eagle", "medusa"])
 def test_sampled_batch_rows_decode_what_they_decode_alone(target, kind):
     """With per-row generators and per-row uniforms, a sampled (or typical-acceptance) row of a batch decodes exactly
