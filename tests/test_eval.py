@@ -156,6 +156,28 @@ def test_eval_batches_decode_what_batch_one_decodes(tmp_path, target):
     assert "batch size 2 (batches run: 1 of 2, 1 of 1;" in (tmp_path / "t0.0-b2" / "report.md").read_text()
 
 
+def test_eval_batch_rechecks_a_differing_batched_plain_row_alone(tmp_path, target, monkeypatch):
+    """If the batched plain baseline disagrees with a speculative row (a padding mask breaking a near-tie), the row is
+    judged against plain decoding of its prompt alone, and the record says so."""
+    import eval.__main__ as cli
+
+    torch.manual_seed(0)
+    save_native(tmp_path / "run" / "export", EagleDrafter(EagleConfig(), target.parts([-1])), target)
+    batched = cli.plain_generate_batch
+
+    def off_by_one(*args, **kwargs):
+        results = batched(*args, **kwargs)
+        results[0].tokens[0] = (results[0].tokens[0] + 1) % TARGET["vocab_size"]  # a flipped near-tie, simulated
+        return results
+
+    monkeypatch.setattr(cli, "plain_generate_batch", off_by_one)
+    section = {"tree": "dynamic", "tree_depth": 2, "tree_top_k": 2, "tree_total_tokens": 4, "baselines": ["plain"]}
+    main([_recipe(tmp_path, "eagle2", {}, section | {"batch_size": 3})])
+    report = json.loads((tmp_path / "run" / "eval" / "report.json").read_text())
+    assert report["lossless_prompts"] == "3/3"
+    assert [("lossless_baseline" in r) for r in report["per_prompt"]] == [True, False, False]
+
+
 def test_eval_two_processes_split_and_gather(tmp_path, target):
     """`accelerate launch` with 2 CPU processes (gloo): prompts are split, records gathered into one report."""
     torch.manual_seed(0)
