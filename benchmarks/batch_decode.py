@@ -24,7 +24,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.eval_overhead import POCKET_SHAPE  # noqa: E402
+from benchmarks.eval_overhead import pocket_target  # noqa: E402
 from eval.checks import ScriptedProposer  # noqa: E402
 from eval.generate import (  # noqa: E402
     DecodeSettings,
@@ -39,7 +39,6 @@ from eval.generate import (  # noqa: E402
 from eval.trees import calibrated_tree, medusa_rank_acc  # noqa: E402
 from models.eagle import EagleConfig, EagleDrafter  # noqa: E402
 from models.medusa import MedusaConfig, MedusaHeads  # noqa: E402
-from models.target import load_target  # noqa: E402
 
 GOAL = 1.5
 
@@ -75,22 +74,28 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
 
-    if (Path(args.target) / "config.json").is_file():
-        target = load_target(path=args.target, dtype="float32")
-    else:
-        print(f"no target at {args.target}: a random model of the pocket target's shape")
-        target = load_target(random_init=POCKET_SHAPE, dtype="float32")
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = target.model.to(device)
+    target, device = pocket_target(args.target)
+    model = target.model
     gen = torch.Generator().manual_seed(0)
     lengths = torch.randint(24, 72, (args.prompts,), generator=gen).tolist()
     prompts = [torch.randint(3, target.config.vocab_size, (n,), generator=gen).to(device) for n in lengths]
     settings = DecodeSettings(max_new_tokens=args.tokens)
     eagle = EagleDrafter(EagleConfig(), target.parts([-1])).to(device).eval()
     medusa = MedusaHeads(MedusaConfig(num_heads=3), target.parts([-1])).to(device).eval()
-    runs = {
-        "eagle2 dynamic d3 k2 n6": EagleProposer(eagle, depth=3, top_k=2, total_tokens=6),
-        "medusa1 calibrated n6": MedusaProposer(medusa, calibrated_tree(medusa_rank_acc(top_k=3)[:3], 5)),
+    eagle_proposer = EagleProposer(eagle, depth=3, top_k=2, total_tokens=6)
+    medusa_proposer = MedusaProposer(medusa, calibrated_tree(medusa_rank_acc(top_k=3)[:3], 5))
+    # drafts right at random (scripted against the plain continuation): rows accept different lengths every round,
+    # so the caches grow apart and rows finish in different rounds
+    truth = {id(p): plain_generate(model, p[None], settings).tokens for p in prompts}
+
+    def scripted(p):
+        vocab = target.config.vocab_size
+        return ScriptedProposer(truth[id(p)], len(p), [-1, 0, 0, 1, 2, 3], "sometimes", vocab, seed=len(p))
+
+    runs = {  # name: (proposer for one prompt, proposer for a batch)
+        "eagle2 dynamic d3 k2 n6": (lambda p: eagle_proposer, lambda ps: eagle_proposer),
+        "medusa1 calibrated n6": (lambda p: medusa_proposer, lambda ps: medusa_proposer),
+        "scripted drafts right 60% of the time": (scripted, lambda ps: [scripted(p) for p in ps]),
     }
     print(f"{args.prompts} prompts of {min(lengths)}-{max(lengths)} tokens, {args.tokens} new tokens, {args.kernels}")
     one_plain, batch_plain, same = timed_runs(
@@ -107,10 +112,10 @@ def main() -> None:
     )
     pooled_one = pooled_batch = 0.0
     failed = not same
-    for name, proposer in runs.items():
+    for name, (for_one, for_batch) in runs.items():
         one, batch, same = timed_runs(
-            lambda p, proposer=proposer: speculative_generate(model, proposer, p[None], settings, args.kernels),
-            lambda ps, proposer=proposer: speculative_generate_batch(model, proposer, ps, settings, args.kernels),
+            lambda p, make=for_one: speculative_generate(model, make(p), p[None], settings, args.kernels),
+            lambda ps, make=for_batch: speculative_generate_batch(model, make(ps), ps, settings, args.kernels),
             prompts,
             args.batch,
             device,
@@ -123,29 +128,6 @@ def main() -> None:
             f"vs plain at the same batch size {one / one_plain:.2f}x / {batch / batch_plain:.2f}x"
             f"{'' if same else '  MISMATCH'}"
         )
-    # drafts right at random (scripted against the plain continuation): rows accept different lengths every round,
-    # so the caches grow apart, EAGLE-style catch-ups would be padded, and rows finish in different rounds
-    truth = {id(p): plain_generate(model, p[None], settings).tokens for p in prompts}
-    shape = [-1, 0, 0, 1, 2, 3]
-
-    def scripted(p):
-        return ScriptedProposer(truth[id(p)], len(p), shape, "sometimes", target.config.vocab_size, seed=len(p))
-
-    one, batch, same = timed_runs(
-        lambda p: speculative_generate(model, scripted(p), p[None], settings, args.kernels),
-        lambda ps: speculative_generate_batch(model, [scripted(p) for p in ps], ps, settings, args.kernels),
-        prompts,
-        args.batch,
-        device,
-        args.repeats,
-    )
-    failed |= not same
-    pooled_one, pooled_batch = pooled_one + 1 / one, pooled_batch + 1 / batch
-    print(
-        f"scripted drafts right 60% of the time: {one:.1f} tok/s at batch 1, {batch:.1f} at batch {args.batch} "
-        f"({batch / one:.2f}x); vs plain at the same batch size {one / one_plain:.2f}x / {batch / batch_plain:.2f}x"
-        f"{'' if same else '  MISMATCH'}"
-    )
     if failed:
         sys.exit("batched decoding gave other tokens than decoding one prompt at a time")
     print(f"eval/batch_throughput: {pooled_one / pooled_batch:.2f} (goal >= {GOAL})")

@@ -37,6 +37,18 @@ POCKET_SHAPE = {
 GOAL = 1.15
 
 
+def pocket_target(path: str):
+    """(the fp32 target at `path`, or a random model of the pocket target's shape when it is absent; its device)."""
+    if (Path(path) / "config.json").is_file():
+        target = load_target(path=path, dtype="float32")
+    else:
+        print(f"no target at {path}: a random model of the pocket target's shape")
+        target = load_target(random_init=POCKET_SHAPE, dtype="float32")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    target.model.to(device)
+    return target, device
+
+
 def timed(fn, total: list[float], device: str):
     """`fn` that adds its own run time (device work included: `eval.generate.clock`) to total[0]."""
 
@@ -71,13 +83,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
 
-    if (Path(args.target) / "config.json").is_file():
-        target = load_target(path=args.target, dtype="float32")
-    else:
-        print(f"no target at {args.target}: a random model of the pocket target's shape")
-        target = load_target(random_init=POCKET_SHAPE, dtype="float32")
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    target.model.to(device)
+    target, device = pocket_target(args.target)
     vocab = target.config.vocab_size
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, vocab, (1, 48), generator=gen).to(device) for _ in range(args.prompts)]
