@@ -290,6 +290,7 @@ class TargetRunner:
         self.cache_arg = cache_arg(model)
         self.lengths: list[int] = []  # per row: cached positions that are its own (the rest up to S are stale)
         self.tree_start = 0  # where the last tree block starts in the cache (S before it was appended)
+        self.prefix_ends: int | torch.Tensor = 0  # the rows' prefix ends at the last tree: an int unless ragged
         self.forwards = 0
         self.seconds = 0.0
 
@@ -343,28 +344,31 @@ class TargetRunner:
         pick = torch.tensor([last.index(n - 1) for n in lengths], device=device)
         return logits[torch.arange(len(lengths), device=device), pick], hidden
 
-    def forward(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor, tree: Tree | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(B, N) tokens at (B, N) positions after the cached rows -> logits (B, N, V), hidden (B, N, S, d) or None.
-        Without a tree the block is causal (plain decoding; rows must then have equal lengths); with one (stacked
-        for B > 1), tree attention over each row's own prefix."""
-        start = clock(input_ids.device)
-        n = input_ids.shape[1]
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A causal block (plain decoding; rows of equal cached length): (B, N) tokens at (B, N) positions after the
+        cached rows -> logits (B, N, V), hidden (B, N, S, d) or None."""
+        if any(length != self.cache.get_seq_length() for length in self.lengths):
+            raise ValueError("a causal block needs rows of equal cached length; a ragged batch decodes trees")
+        out = self._run(input_ids, position_ids, None, 0, contextlib.nullcontext(), clock(input_ids.device))
+        self.lengths = [length + input_ids.shape[1] for length in self.lengths]
+        return out
+
+    def verify(self, tree: Tree) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """B stacked trees, each after its row's own prefix (positions prefix end + depth) -> logits (B, N, V),
+        hidden (B, N, S, d) or None; tree attention sees each row's own prefix only."""
+        start = clock(tree.tokens.device)
         self.tree_start = self.cache.get_seq_length()
         ragged = any(length != self.tree_start for length in self.lengths)
-        lens = torch.tensor(self.lengths, device=input_ids.device, dtype=torch.int32) if ragged else None
+        self.prefix_ends = (
+            torch.tensor(self.lengths, device=tree.tokens.device, dtype=torch.int32) if ragged else self.tree_start
+        )  # one int when every row ends where the cache does
+        lens = self.prefix_ends if ragged else None
         mask, context = None, contextlib.nullcontext()
-        if tree is None and ragged:
-            raise ValueError("a causal block needs rows of equal cached length; a ragged batch decodes trees")
-        if tree is not None and self.kernels == "reference":
+        if self.kernels == "reference":
             mask = tree_attention_mask(tree, self.tree_start, self.model.dtype, lens)
-        elif tree is not None:
+        else:
             context = tree_context(tree.mask_bits, lens)
-        out = self._run(input_ids, position_ids, mask, 0, context, start)
-        if tree is None:
-            self.lengths = [length + n for length in self.lengths]
-        return out
+        return self._run(tree.tokens, tree.positions(self.prefix_ends), mask, 0, context, start)
 
     def close(self) -> None:
         """Give the model back its own attention implementation (plain baselines must not run through ours)."""
@@ -377,11 +381,8 @@ class TargetRunner:
         (`ops.kv_commit`), then crop the cache to the longest row. Not timed as target time: it is the loop's."""
         layers = self.cache.layers
         keys, values = [x.keys for x in layers], [x.values for x in layers]
-        if all(length == self.tree_start for length in self.lengths):  # not ragged: the tree starts at every prefix end
-            self.ops.kv_commit(keys, values, self.tree_start, accepted_nodes)
-        else:
-            prefix = torch.tensor(self.lengths, device=accepted_nodes.device)
-            self.ops.kv_commit(keys, values, prefix, accepted_nodes, tree_start=self.tree_start)
+        ragged = not isinstance(self.prefix_ends, int)  # else every tree block starts at its row's prefix end
+        self.ops.kv_commit(keys, values, self.prefix_ends, accepted_nodes, self.tree_start if ragged else None)
         self.lengths = [length + a + 1 for length, a in zip(self.lengths, accept_len)]
         self._crop(max(self.lengths))
 
@@ -402,16 +403,12 @@ class TargetRunner:
 # Decoding loops
 
 
-def _first_token(
-    logits: torch.Tensor, settings: DecodeSettings, gens: torch.Generator | Sequence[torch.Generator]
-) -> torch.Tensor:
+def _first_token(logits: torch.Tensor, settings: DecodeSettings, gens: Sequence[torch.Generator]) -> torch.Tensor:
     """(B, V) last-position logits -> (B,) next token (argmax, or a sample of the processed distribution drawn
     with each row's own generator)."""
     if settings.greedy:
         return logits.argmax(-1)
     probs = target_probs(logits, settings.temperature, settings.top_p)
-    if isinstance(gens, torch.Generator):
-        return torch.multinomial(probs, 1, generator=gens).squeeze(-1)
     return torch.cat([torch.multinomial(row[None], 1, generator=g) for row, g in zip(probs, gens)]).squeeze(-1)
 
 
@@ -436,7 +433,7 @@ def plain_generate(model: torch.nn.Module, prompt_ids: torch.Tensor, settings: D
     logits, _ = target.prefill([prompt_ids[0]])
     generated: list[int] = []
     while True:
-        tok = _first_token(logits, settings, gen)
+        tok = _first_token(logits, settings, [gen])
         if _finish(generated, [int(tok)], settings):
             break
         logits, _ = target.forward(tok[:, None], torch.tensor([[L + len(generated) - 1]], device=tok.device))
@@ -604,10 +601,8 @@ def speculative_generate_batch(
             if len({t.num_nodes for t in trees}) != 1:
                 sizes = {b: t.num_nodes for b, t in zip(active, trees)}
                 raise ValueError(f"the trees of one round must have the same node count, got {sizes} (row: nodes)")
-            tree = stack_trees([t.to(device) for t in trees]) if len(trees) > 1 else trees[0].to(device).batched(1)
-            lengths = target.lengths
-            prefix = lengths[0] if len(set(lengths)) == 1 else torch.tensor(lengths, device=device)
-            logits, hidden = target.forward(tree.tokens, tree.positions(prefix).expand_as(tree.tokens), tree)
+            tree = stack_trees([t.to(device) for t in trees])  # (B, N)
+            logits, hidden = target.verify(tree)  # (B, N, V)
             coins = functools.partial(_coins, ops, trees, [gens[b] for b in active], device)
             accepted, nodes, bonus = _verify(ops, tree, logits, settings, coins)
             target.commit(nodes, accepted)

@@ -169,9 +169,11 @@ def unpack_mask(mask_bits: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def stack_trees(trees: Sequence[Tree]) -> Tree:
-    """Stack B unbatched trees with the same node count; leaf paths are padded with -1."""
+    """Stack B unbatched trees with the same node count; leaf paths are padded with -1 (one tree: a view)."""
     if len({t.num_nodes for t in trees}) != 1:
         raise ValueError(f"trees to stack need the same node count, got {[t.num_nodes for t in trees]}")
+    if len(trees) == 1:
+        return trees[0].batched(1)
     n_leaves = max(t.leaf_paths.shape[0] for t in trees)
     width = max(t.leaf_paths.shape[1] for t in trees)
     leaf_paths = torch.full((len(trees), n_leaves, width), -1, dtype=torch.long, device=trees[0].parents.device)
