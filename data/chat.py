@@ -144,3 +144,37 @@ def render_with_assistant_mask(
         if (start < hi and end > lo) or (start == end and lo <= start < hi):
             mask[t] = 1
     return ids, mask
+
+
+def render_with_turn_ids(
+    messages: list[dict[str, str]],
+    tokenizer: Any,
+    turn_ids: list[list[int]],
+    cut_turns: frozenset[int] = frozenset(),
+    generation_prompt: bool = False,
+) -> tuple[list[int], list[int]]:
+    """Like `render_with_assistant_mask`, but every assistant turn is the token ids the target generated for it
+    (`turn_ids[k]` for the k-th assistant turn, its stop token last unless a length limit cut it) instead of its
+    text re-encoded: decoding then encoding does not give the same tokens back (a target that writes a paragraph
+    break as two "\\n" tokens gets one "\\n\\n" from the tokenizer). The template text between assistant turns is
+    encoded piece by piece, exactly as self-distillation encoded the prompt of each turn it generated.
+    With `generation_prompt`, the rendering ends with the template's generation prompt (the input for the next
+    assistant turn) and the mask is all zero there."""
+    text, spans = assistant_char_spans(messages, tokenizer, cut_turns)
+    if len(turn_ids) != len(spans):
+        raise DataError(f"{len(turn_ids)} lists of assistant token ids for {len(spans)} assistant turns")
+    if generation_prompt:
+        full = _render(tokenizer, messages, generation_prompt=True)
+        if not full.startswith(text):
+            raise ChatTemplateError("the generation prompt is not appended to the rendered conversation")
+        text = full
+    ids: list[int] = []
+    mask: list[int] = []
+    end = 0
+    for (lo, hi), generated in zip(spans, turn_ids):
+        between = tokenizer(text[end:lo], add_special_tokens=False)["input_ids"] if lo > end else []
+        ids += [*between, *generated]
+        mask += [0] * len(between) + [1] * len(generated)
+        end = hi
+    tail = tokenizer(text[end:], add_special_tokens=False)["input_ids"] if end < len(text) else []
+    return ids + tail, mask + [0] * len(tail)

@@ -19,7 +19,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, TypedDict
 
-from data.chat import ChatTemplateError, DataError, normalize_messages, render_with_assistant_mask
+from data.chat import (
+    ChatTemplateError,
+    DataError,
+    normalize_messages,
+    render_with_assistant_mask,
+    render_with_turn_ids,
+)
 
 if TYPE_CHECKING:  # train.config pulls in every drafter; data preparation needs none of them
     from train.config import DataConfig
@@ -93,9 +99,9 @@ def cut_turns(record: dict[str, Any]) -> frozenset[int]:
     return frozenset(i for i, reason in enumerate(reasons) if reason == "length")
 
 
-def _token_ids(value: Any, vocab_size: int) -> list[int]:
+def _token_ids(value: Any, vocab_size: int, key: str = "completion_ids") -> list[int]:
     if not isinstance(value, list) or not all(isinstance(t, int) and 0 <= t < vocab_size for t in value):
-        raise DataError(f"`completion_ids` must be a list of token ids below the vocabulary size {vocab_size}")
+        raise DataError(f"`{key}` must be a list of token ids below the vocabulary size {vocab_size}")
     return value
 
 
@@ -129,7 +135,15 @@ def _tokenize_full(record: Any, tokenizer: Any, fmt: str) -> TokenizedRecord:
         return _tokenize_plain(record, tokenizer)
     if found == "sharegpt" and record.get("messages") is not None:
         raise DataError("record has both `conversations` and `messages`")
-    return TokenizedRecord(*render_with_assistant_mask(normalize_messages(record), tokenizer, cut_turns(record)))
+    messages, cut = normalize_messages(record), cut_turns(record)
+    if record.get("assistant_ids") is None:
+        return TokenizedRecord(*render_with_assistant_mask(messages, tokenizer, cut))
+    # Self-distilled: the target's own tokens for every assistant turn, not its text re-encoded.
+    turns = record["assistant_ids"]
+    if not isinstance(turns, list):
+        raise DataError("`assistant_ids` must be a list with one list of token ids per assistant turn")
+    turn_ids = [_token_ids(t, len(tokenizer), f"assistant_ids[{k}]") for k, t in enumerate(turns)]
+    return TokenizedRecord(*render_with_turn_ids(messages, tokenizer, turn_ids, cut))
 
 
 def tokenize_record(record: dict[str, Any], tokenizer: Any, fmt: str, max_len: int) -> TokenizedRecord:

@@ -2,6 +2,7 @@
 
     python -m data.selfdistill --target PATH --prompts FILE.jsonl --out OUT.jsonl \
         [--max-new-tokens 256 --temperature 0 --top-p 1 --seed 0 --batch-size 8 --limit N]
+    accelerate launch --num_processes N -m data.selfdistill ...   (same arguments, prompts split by batch)
 
 Reads prompt records, one JSON object a line, in either format that `data.prepare` reads:
   * plain `{"id"?, "prompt": str}` -> `{"id", "prompt", "completion", "completion_ids", "generation"}`; the
@@ -10,18 +11,26 @@ Reads prompt records, one JSON object a line, in either format that `data.prepar
     (decoding then encoding does not always give the same tokens back);
   * chat `{"messages": [...]}` (OpenAI) or `{"conversations": [...]}` (ShareGPT) -> the same record
     with every assistant turn written by the target (turn by turn, through the tokenizer's chat
-    template with the generation prompt, after the already regenerated earlier turns). A user turn
-    with no assistant reply after it (prompts-only chats) gets one inserted.
+    template with the generation prompt, after the already regenerated earlier turns), plus
+    `assistant_ids`: the generated token ids of each assistant turn (stop token last when it stopped), which
+    data.prepare splices into the rendered conversation instead of re-encoding the text; the input of a later
+    turn holds the earlier turns' ids in the same way. A user turn with no assistant reply after it
+    (prompts-only chats) gets one inserted.
 A record's id is its `id` field, else `line<N>`. Decoding is greedy when --temperature is 0, else
-sampled with temperature / top-p from a generator seeded by (--seed, id, turn), so a record's
-output does not depend on the batch it lands in or on resuming. Generation stops at the target's
-EOS tokens (generation config and tokenizer) and `<|end|>` when the vocabulary has it; the stop
+sampled with temperature / top-p from a generator seeded by (--seed, id, turn). Generation stops at the
+target's EOS tokens (generation config and tokenizer) and `<|end|>` when the vocabulary has it; the stop
 token is not part of the text. Every record carries `"generation"` (settings, per-turn seeds,
 finish reasons "stop" / "length"); OUT.jsonl.meta.json holds the settings and the target's identity.
 
-Re-running with the same OUT resumes: existing records are kept (a truncated last line, left by an
-interrupted run, is dropped), their ids are skipped, new records are appended. Resuming with
-different settings or a different target is refused.
+Several processes (`accelerate launch -m data.selfdistill ...`): the prompts are cut into batches of
+--batch-size in file order and batch k goes to process k mod N; each process appends to OUT.part<rank>
+and the main process merges the parts into OUT in prompt order at the end. Batches never depend on the
+number of processes or on resuming, so OUT holds the same records for 1 or N processes (a batch's
+left padding changes a row's bf16 numerics, so the batch size is part of the settings).
+
+Re-running with the same OUT resumes: parts left by an interrupted run are merged first (a truncated
+last line is dropped), batches whose records are all done are skipped. Resuming onto other prompts
+(compared by content, not file name), other settings or another target is refused.
 """
 
 from __future__ import annotations
@@ -39,7 +48,7 @@ import torch
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LogitsProcessor, LogitsProcessorList
 
-from data.chat import SHAREGPT_ROLES
+from data.chat import SHAREGPT_ROLES, render_with_turn_ids
 
 
 class SelfDistillError(ValueError):
@@ -51,11 +60,14 @@ class GenerationSettings:
     """Everything that determines the output; a resumed run must match it exactly."""
 
     prompts: str
+    """sha256 of the prompt records used (ids and content)."""
     max_new_tokens: int
     temperature: float
     top_p: float
     seed: int
     dtype: str
+    batch_size: int
+    """Part of the output: a batch's padding changes bf16 numerics, so batches are fixed by the prompt list."""
 
 
 def read_prompts(path: Path, limit: int | None) -> list[tuple[str, dict[str, Any]]]:
@@ -206,6 +218,7 @@ def distill_batch(batch: list[tuple[str, dict[str, Any]]], generate: Generator) 
         out["generation"] = asdict(settings) | {"record_seeds": [], "finish_reason": []}
         if is_chat(out):
             out[chat_keys(out)[0]] = chat_turns(out)
+            out["assistant_ids"] = []
 
     plain = [i for i, out in enumerate(outputs) if not is_chat(out)]
     if plain:
@@ -232,15 +245,21 @@ def distill_batch(batch: list[tuple[str, dict[str, Any]]], generate: Generator) 
         for i, j in slots:
             key, _, text_key = chat_keys(outputs[i])
             messages = [{"role": role_of(outputs[i], t), "content": t[text_key]} for t in outputs[i][key][:j]]
-            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            inputs.append(tok(text, add_special_tokens=False)["input_ids"])
+            # The earlier turns as the target wrote them (its token ids), the template's text around them.
+            written = outputs[i]["assistant_ids"]
+            cut = frozenset(k for k, r in enumerate(outputs[i]["generation"]["finish_reason"]) if r == "length")
+            ids, _ = render_with_turn_ids(messages, tok, written, cut, generation_prompt=True)
+            inputs.append(ids)
             seeds.append(record_seed(settings.seed, batch[i][0], r))
-        for (i, j), seed, (text, reason, _) in zip(slots, seeds, generate(inputs, seeds)):
+        for (i, j), seed, (text, reason, ids) in zip(slots, seeds, generate(inputs, seeds)):
             key, _, text_key = chat_keys(outputs[i])
             outputs[i][key][j][text_key] = text
+            outputs[i]["assistant_ids"].append(ids)
             outputs[i]["generation"]["record_seeds"].append(seed)
             outputs[i]["generation"]["finish_reason"].append(reason)
     for out in outputs:
+        if "assistant_ids" in out:
+            out["assistant_ids"] = out.pop("assistant_ids")
         out["generation"] = out.pop("generation")  # last, so records read prompt -> completion -> settings
     return outputs
 
@@ -294,6 +313,36 @@ def read_done(out: Path) -> set[str]:
     return done
 
 
+def part_path(out: Path, rank: int) -> Path:
+    return out.with_name(f"{out.name}.part{rank}")
+
+
+def merge_parts(out: Path, records: list[tuple[str, dict[str, Any]]]) -> int:
+    """Fold every process's part file into OUT, records in prompt order, through a temporary file and a rename;
+    then delete the parts. Returns the number of records in OUT."""
+    by_id: dict[str, str] = {}
+    sources = [out, *sorted(out.parent.glob(f"{out.name}.part*"))]
+    for path in sources:
+        if path.exists():
+            read_done(path)  # validates, drops a torn last line
+            for line in path.read_text(encoding="utf-8").splitlines():
+                if line.strip():
+                    by_id.setdefault(str(json.loads(line)["id"]), line)
+    order = [rid for rid, _ in records if rid in by_id] + sorted(set(by_id) - {rid for rid, _ in records})
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text("".join(by_id[rid] + "\n" for rid in order), encoding="utf-8")
+    tmp.replace(out)
+    for path in sources[1:]:
+        path.unlink()
+    return len(order)
+
+
+def prompts_sha256(records: list[tuple[str, dict[str, Any]]]) -> str:
+    """What the prompts say, not what their file is called: a resumed run must continue the same prompts."""
+    blob = json.dumps([[rid, record] for rid, record in records], sort_keys=True, ensure_ascii=False)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", required=True, help="HF causal LM directory (model + tokenizer)")
@@ -306,53 +355,83 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--limit", type=int, default=None, help="only the first N prompt records")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", default=None, help="default: this process's accelerator, else cpu")
     parser.add_argument("--trust-remote-code", action="store_true")
     args = parser.parse_args(argv)
     if args.temperature < 0 or not 0 < args.top_p <= 1 or args.max_new_tokens < 1 or args.batch_size < 1:
         parser.error("need --temperature >= 0, 0 < --top-p <= 1, --max-new-tokens >= 1, --batch-size >= 1")
+    if args.limit is not None and args.limit < 1:
+        parser.error("--limit must be >= 1")
+    if not args.prompts.is_file():
+        raise SelfDistillError(f"{args.prompts}: no such prompts file")
+    if not (Path(args.target) / "config.json").is_file():
+        raise SelfDistillError(f"{args.target}: not a Hugging Face model directory (no config.json)")
 
+    from accelerate import PartialState
+    from accelerate.utils import parse_flag_from_env
+
+    # one process without `accelerate launch`; several CPU processes talk gloo (`--multi_gpu` with ACCELERATE_USE_CPU)
+    state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU") or not torch.cuda.is_available())
+    records = read_prompts(args.prompts, args.limit)
+    if not records:
+        raise SelfDistillError(f"{args.prompts}: no prompt records")
     settings = GenerationSettings(
-        prompts=args.prompts.name,
+        prompts=prompts_sha256(records),
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         top_p=args.top_p if args.temperature > 0 else 1.0,
         seed=args.seed,
         dtype=args.dtype,
+        batch_size=args.batch_size,
     )
     meta = {"settings": asdict(settings), "target": target_identity(args.target)}
     meta_path = args.out.with_name(args.out.name + ".meta.json")
-    records = read_prompts(args.prompts, args.limit)
-    done = read_done(args.out)
-    if done:
-        previous = json.loads(meta_path.read_text()) if meta_path.exists() else None
-        if previous != meta:
-            raise SelfDistillError(
-                f"{args.out} holds {len(done)} records made with other settings or another target "
-                f"(see {meta_path}); refusing to resume. Now: {json.dumps(meta)}"
-            )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    meta_path.write_text(json.dumps(meta, indent=2) + "\n")
-    todo = [(rid, rec) for rid, rec in records if rid not in done]
-    if not todo:
-        print(f"{args.out}: all {len(records)} records done")
-        return
+    if state.is_main_process:
+        parts = sorted(args.out.parent.glob(f"{args.out.name}.part*")) if args.out.parent.is_dir() else []
+        if args.out.exists() or parts:
+            previous = json.loads(meta_path.read_text()) if meta_path.exists() else None
+            if previous != meta:
+                raise SelfDistillError(
+                    f"{args.out} holds records made from other prompts, with other settings or another target "
+                    f"(see {meta_path}); refusing to resume: delete it (and its .part files) to start over"
+                )
+            merge_parts(args.out, records)  # parts left by an interrupted run join OUT before anything is skipped
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        meta_path.write_text(json.dumps(meta, indent=2) + "\n")
+    state.wait_for_everyone()
+    done = read_done(args.out) if args.out.exists() else set()
 
-    tokenizer = AutoTokenizer.from_pretrained(args.target, trust_remote_code=args.trust_remote_code)
-    if any(is_chat(rec) for _, rec in todo) and not tokenizer.chat_template:
-        raise SelfDistillError(f"{args.prompts} has chat records but the target's tokenizer has no chat_template")
-    dtype = args.dtype if args.dtype == "auto" else getattr(torch, args.dtype)
-    model = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype, trust_remote_code=args.trust_remote_code)
-    model.to(args.device).eval()
-    generate = Generator(model, tokenizer, settings)
-    with open(args.out, "a", encoding="utf-8") as f, tqdm(total=len(todo), desc="self-distill") as bar:
-        for start in range(0, len(todo), args.batch_size):
-            batch = todo[start : start + args.batch_size]
-            for out in distill_batch(batch, generate):
-                f.write(json.dumps(out, ensure_ascii=False) + "\n")
-            f.flush()
-            bar.update(len(batch))
-    print(f"{args.out}: {len(done) + len(todo)} records ({len(todo)} new)")
+    # Batches are cut from the whole prompt list, so each record's batch (its padding, hence its bf16 numerics)
+    # is the same whatever the number of processes and however often the run was resumed. Batch k goes to
+    # process k mod world_size.
+    batches = [records[k : k + args.batch_size] for k in range(0, len(records), args.batch_size)]
+    mine = [b for k, b in enumerate(batches) if k % state.num_processes == state.process_index]
+    todo = [b for b in mine if any(rid not in done for rid, _ in b)]
+    remaining = sum(1 for b in batches for rid, _ in b if rid not in done)
+    if remaining and todo:
+        tokenizer = AutoTokenizer.from_pretrained(args.target, trust_remote_code=args.trust_remote_code)
+        if any(is_chat(rec) for b in todo for _, rec in b) and not tokenizer.chat_template:
+            raise SelfDistillError(f"{args.prompts} has chat records but the target's tokenizer has no chat_template")
+        dtype = args.dtype if args.dtype == "auto" else getattr(torch, args.dtype)
+        model = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype, trust_remote_code=args.trust_remote_code)
+        model.to(args.device or state.device).eval()
+        generate = Generator(model, tokenizer, settings)
+        part = part_path(args.out, state.process_index)
+        desc = (
+            f"self-distill [{state.process_index}/{state.num_processes}]" if state.num_processes > 1 else "self-distill"
+        )
+        total = sum(len(b) for b in todo)
+        with open(part, "a", encoding="utf-8") as f, tqdm(total=total, desc=desc, unit="rec") as bar:
+            for batch in todo:
+                for out in distill_batch(batch, generate):
+                    if str(out["id"]) not in done:
+                        f.write(json.dumps(out, ensure_ascii=False) + "\n")
+                f.flush()  # a whole batch at a time: a crash loses at most the batch being written
+                bar.update(len(batch))
+    state.wait_for_everyone()
+    if state.is_main_process:
+        n = merge_parts(args.out, records)
+        print(f"{args.out}: {n} records ({remaining} new)")
 
 
 if __name__ == "__main__":

@@ -1,16 +1,21 @@
 """Self-distillation on a tiny random Llama with the pocket tokenizer: formats, resume, errors."""
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-from data.selfdistill import SelfDistillError, main, read_done
+from data.prepare import tokenize_record
+from data.selfdistill import SelfDistillError, main
 
-POCKET = Path(__file__).resolve().parents[1] / "recipes" / "pocket" / "target"
+ROOT = Path(__file__).resolve().parents[1]
+POCKET = ROOT / "recipes" / "pocket" / "target"
 
 PLAIN = [{"id": f"p{i}", "prompt": f"def function_{i}(x):\n    return x + {i}\n"} for i in range(5)] + [
     {"prompt": "import os\n"}  # no id: gets one from its line number
@@ -99,22 +104,62 @@ def test_chat_records_keep_structure(tiny_target, tmp_path):
 @pytest.mark.parametrize("sampling", [[], ["--temperature", "0.9", "--top-p", "0.9", "--seed", "3"]])
 def test_resume_equals_uninterrupted_run(tiny_target, tmp_path, sampling):
     prompts = write_jsonl(tmp_path / "mixed.jsonl", PLAIN + CHAT)
-    run(tiny_target, prompts, tmp_path / "full.jsonl", "--batch-size", "3", *sampling)
-    run(tiny_target, prompts, tmp_path / "resumed.jsonl", "--batch-size", "2", "--limit", "3", *sampling)
-    with open(tmp_path / "resumed.jsonl", "a") as f:
-        f.write('{"id": "p3", "prompt": "trunc')  # an interrupted write: dropped on resume
-    resumed = run(tiny_target, prompts, tmp_path / "resumed.jsonl", "--batch-size", "4", *sampling)
+    full = run(tiny_target, prompts, tmp_path / "full.jsonl", "--batch-size", "3", *sampling)
+    # An interrupted run: two records merged, one batch in a part file, and a torn line in another.
+    lines = (tmp_path / "full.jsonl").read_text().splitlines(keepends=True)
+    (tmp_path / "resumed.jsonl").write_text("".join(lines[:2]))
+    (tmp_path / "resumed.jsonl.part1").write_text("".join(lines[3:6]) + '{"id": "p7", "prompt": "trunc')
+    shutil.copy(tmp_path / "full.jsonl.meta.json", tmp_path / "resumed.jsonl.meta.json")
+    resumed = run(tiny_target, prompts, tmp_path / "resumed.jsonl", "--batch-size", "3", *sampling)
     assert (tmp_path / "resumed.jsonl").read_text() == (tmp_path / "full.jsonl").read_text()
-    ids = [r["id"] for r in resumed]
-    assert len(ids) == len(set(ids)) == len(PLAIN + CHAT)
-    assert len(read_done(tmp_path / "resumed.jsonl")) == len(ids)  # a finished file is left as is
+    assert [r["id"] for r in resumed] == [r["id"] for r in full] and len(full) == len(PLAIN + CHAT)
+    assert not list(tmp_path.glob("*.part*"))  # merged and removed
 
 
-def test_refuses_resume_with_other_settings(tiny_target, tmp_path):
+def test_two_processes_write_the_records_of_one(tiny_target, tmp_path):
+    """`accelerate launch` with 2 CPU processes: batches split by index, parts merged in prompt order."""
+    prompts = write_jsonl(tmp_path / "mixed.jsonl", PLAIN + CHAT)
+    one = run(tiny_target, prompts, tmp_path / "one.jsonl", "--batch-size", "2")
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
+    args = ["-m", "data.selfdistill", "--target", str(tiny_target), "--prompts", str(prompts)]
+    args += ["--out", str(tmp_path / "two.jsonl"), "--max-new-tokens", "6", "--batch-size", "2"]
+    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([*launch, *args], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "[1/2]" in done.stderr  # the second process did generate
+    assert (tmp_path / "two.jsonl").read_text() == (tmp_path / "one.jsonl").read_text()
+    assert len(one) == len(PLAIN + CHAT)
+
+
+def test_chat_records_keep_the_targets_token_ids(tiny_target, tmp_path):
+    """`assistant_ids` hold what the target generated; data.prepare trains on exactly those ids."""
+    out = run(tiny_target, write_jsonl(tmp_path / "c.jsonl", CHAT), tmp_path / "out.jsonl", "--max-new-tokens", "9")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_target)
+    for record in out:
+        turns = record["assistant_ids"]
+        assert len(turns) == len(record["generation"]["finish_reason"]) >= 1
+        ids, mask = tokenize_record(record, tokenizer, "auto", max_len=10_000)
+        assert [t for t, m in zip(ids, mask) if m] == [t for turn in turns for t in turn]
+        key, text_key = ("messages", "content") if "messages" in record else ("conversations", "value")
+        texts = [t[text_key] for t in record[key] if t.get("role", t.get("from")) in ("assistant", "gpt")]
+        for turn, text, reason in zip(turns, texts, record["generation"]["finish_reason"]):
+            body = turn if reason == "length" else turn[:-1]
+            assert tokenizer.decode(body, skip_special_tokens=True, clean_up_tokenization_spaces=False) == text
+
+
+@pytest.mark.parametrize("change", [["--temperature", "0.7"], ["--limit", "3"], ["--batch-size", "3"]])
+def test_refuses_resume_with_other_settings_or_prompts(tiny_target, tmp_path, change):
     prompts = write_jsonl(tmp_path / "p.jsonl", PLAIN)
     run(tiny_target, prompts, tmp_path / "out.jsonl", "--limit", "2")
     with pytest.raises(SelfDistillError, match="refusing to resume"):
-        run(tiny_target, prompts, tmp_path / "out.jsonl", "--temperature", "0.7")
+        run(tiny_target, prompts, tmp_path / "out.jsonl", "--limit", "2", *change)
+
+
+def test_prompts_compared_by_content_not_name(tiny_target, tmp_path):
+    run(tiny_target, write_jsonl(tmp_path / "p.jsonl", PLAIN[:2]), tmp_path / "out.jsonl")
+    edited = [dict(PLAIN[0], prompt="something else"), PLAIN[1]]
+    with pytest.raises(SelfDistillError, match="other prompts"):
+        run(tiny_target, write_jsonl(tmp_path / "p.jsonl", edited), tmp_path / "out.jsonl")
 
 
 @pytest.mark.parametrize(
