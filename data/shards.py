@@ -291,3 +291,19 @@ class FeatureDataset:
     def split(self, heldout_fraction: float, seed: int = 0) -> tuple[list[int], list[int]]:
         """(train, heldout) positions, deterministic by sample id hash (see `split_by_id`)."""
         return split_by_id(self.sample_ids, heldout_fraction, seed)
+
+
+def frequent_loss_tokens(dataset: FeatureDataset, size: int) -> torch.Tensor:
+    """The `size` most frequent loss tokens of a feature dataset's shards, most frequent first (ties: lower id
+    first): (<= size,) int64. Training's `train.loss_vocab` and evaluation's `eval.draft_vocab` both use it, so the
+    same size gives the same tokens."""
+    counts = torch.zeros(0, dtype=torch.int64)
+    for entry in dataset.shards:
+        with safe_open(str(dataset.directory / entry["file"]), framework="pt") as shard:
+            ids = shard.get_tensor("input_ids").to(torch.int64)[shard.get_tensor("loss_mask") > 0]
+        new = torch.bincount(ids)
+        if len(new) > len(counts):
+            counts = torch.nn.functional.pad(counts, (0, len(new) - len(counts)))
+        counts[: len(new)] += new
+    seen = int((counts > 0).sum())
+    return counts.argsort(descending=True, stable=True)[: min(size, seen)]

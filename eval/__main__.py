@@ -33,11 +33,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
 from data.chat import SHAREGPT_ROLES, DataError
 from data.prepare import prepare_dataset, read_jsonl
-from data.shards import FeatureDataset, split_by_id
+from data.shards import FeatureDataset, frequent_loss_tokens, split_by_id
 from eval.generate import (
     DecodeSettings,
     EagleProposer,
@@ -186,21 +185,6 @@ def calibration_sequences(target: Target, samples: list[tuple[torch.Tensor, torc
         ids = ids.to(target.device)
         hidden = target.hidden_states(ids[None], layers=[-1])[0, :, 0].to(ids.device)  # device_map: last GPU
         yield hidden, ids, scored.to(ids.device)
-
-
-def draft_vocabulary(features_dir: str | Path, size: int) -> torch.Tensor:
-    """The `size` most frequent loss tokens of a feature directory's shards, most frequent first: (<= size,) int64."""
-    dataset = FeatureDataset(features_dir)
-    counts = torch.zeros(0, dtype=torch.int64)
-    for entry in dataset.shards:
-        with safe_open(str(dataset.directory / entry["file"]), framework="pt") as shard:
-            ids = shard.get_tensor("input_ids").to(torch.int64)[shard.get_tensor("loss_mask") > 0]
-        new = torch.bincount(ids)
-        if len(new) > len(counts):
-            counts = torch.nn.functional.pad(counts, (0, len(new) - len(counts)))
-        counts[: len(new)] += new
-    seen = int((counts > 0).sum())
-    return counts.argsort(descending=True, stable=True)[: min(size, seen)]
 
 
 def build_proposer(
@@ -412,7 +396,7 @@ def run(recipe: Recipe) -> dict[str, Any] | None:
             raise EvalError(
                 f"{recipe.source}: eval.draft_vocab: needs the feature shards of data.features_dir to count tokens"
             )
-        draft_vocab = draft_vocabulary(recipe.data.features_dir, ev.draft_vocab).to(target.device)
+        draft_vocab = frequent_loss_tokens(FeatureDataset(recipe.data.features_dir), ev.draft_vocab).to(target.device)
     try:
         proposer, tree_desc = build_proposer(drafter, ev, calibrate, draft_vocab)
     except EvalError:

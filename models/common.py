@@ -32,7 +32,9 @@ class TargetParts:
 
     `config` is the target's transformers config (hidden_size, vocab_size, rope, heads...);
     `stored_layers` lists the hidden-state indices present in `DraftBatch.hidden`, in order;
-    `model` is the whole frozen HF model, for drafters that run the target themselves (Medusa-2).
+    `model` is the whole frozen HF model, for drafters that run the target themselves (Medusa-2);
+    `vocab_ids` is set when `lm_head` covers a subset of the vocabulary (training with `train.loss_vocab`):
+    row i of `lm_head` scores target token `vocab_ids[i]`.
     """
 
     config: object
@@ -40,6 +42,20 @@ class TargetParts:
     lm_head: nn.Linear
     stored_layers: list[int]
     model: nn.Module | None = None
+    vocab_ids: torch.Tensor | None = None
+
+    def restricted(self, vocab_ids: torch.Tensor) -> TargetParts:
+        """The same parts with an lm_head that scores only the tokens `vocab_ids` (K,): a frozen (K, d) copy."""
+        head = self.lm_head
+        sub = nn.Linear(head.in_features, len(vocab_ids), bias=head.bias is not None)
+        sub = sub.to(device=head.weight.device, dtype=head.weight.dtype)
+        with torch.no_grad():
+            sub.weight.copy_(head.weight[vocab_ids.to(head.weight.device)])
+            if head.bias is not None:
+                sub.bias.copy_(head.bias[vocab_ids.to(head.weight.device)])
+        return TargetParts(
+            self.config, self.embed_tokens, sub.requires_grad_(False), self.stored_layers, self.model, vocab_ids
+        )
 
     def layer_slot(self, layer: int) -> int:
         """Position of hidden-state index `layer` in `DraftBatch.hidden`'s third axis."""

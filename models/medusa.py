@@ -55,6 +55,8 @@ class MedusaConfig:
             err("eval.tree", f"medusa63 is 4 deep and needs >= 4 heads, drafter.num_heads is {self.num_heads}")
         if recipe.eval.tree == "medusa63" and 0 < recipe.eval.draft_vocab < 8:
             err("eval.draft_vocab", f"medusa63 drafts each head's top 8 tokens, got {recipe.eval.draft_vocab}")
+        if recipe.train.loss_vocab and not self.share_lm_head:
+            err("train.loss_vocab", "needs drafter.share_lm_head: heads with their own lm_head train every row of it")
 
 
 class ResidualStack(nn.Module):
@@ -102,6 +104,12 @@ class MedusaHeads(nn.Module):
         else:
             self._lm_head = None
             self.lm_heads = nn.ModuleList(_copy_linear(target.lm_head) for _ in range(cfg.num_heads))
+        # Training over a vocabulary subset (train.loss_vocab): token id -> row of the projection, -1 outside.
+        rows = None
+        if target.vocab_ids is not None:
+            rows = torch.full((target.config.vocab_size,), -1, dtype=torch.long)
+            rows[target.vocab_ids.cpu()] = torch.arange(len(target.vocab_ids))
+        self.register_buffer("label_rows", rows, persistent=False)
 
     # ---------------------------------------------------------------------------------------
     # Heads on any hidden states (evaluation, Medusa-2 on a live backbone)
@@ -147,9 +155,13 @@ class MedusaHeads(nn.Module):
         for k in range(1, self.cfg.num_heads + 1):
             shift = k + 1
             valid = shifted_valid(batch, shift)[:, :-shift]  # (B, T - shift): x_{t+k+1} is a loss token
+            labels = ids[:, shift:]  # (B, T - shift)
+            if self.label_rows is not None:
+                labels = self.label_rows[labels]
+                valid = valid & (labels >= 0)  # a label outside the loss vocabulary teaches nothing here
             # Only valid positions go through the head: the (N, V) logits dominate memory.
             logits = self.head(k, hidden[:, :-shift][valid]).float()  # (N, V)
-            labels = ids[:, shift:][valid]  # (N,)
+            labels = labels[valid]  # (N,)
             ce = F.cross_entropy(logits, labels, reduction="sum")
             loss = loss + self.cfg.decay**k * ce
             with torch.no_grad():

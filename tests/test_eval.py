@@ -17,12 +17,11 @@ import torch
 import yaml
 
 from data.extract import main as extract_main
-from data.shards import FeatureDataset
+from data.shards import FeatureDataset, frequent_loss_tokens
 from eval.__main__ import (
     EvalError,
     calibration_samples,
     calibration_sequences,
-    draft_vocabulary,
     load_prompts,
     main,
     medusa_rank_accuracy,
@@ -202,8 +201,8 @@ def test_draft_vocabulary_counts_loss_tokens_of_the_shards(tmp_path, monkeypatch
     all_ids = torch.cat([item["input_ids"] for item in items])
     assert len(loss_ids) < len(all_ids)  # prompts are in the shards but never counted
     counts = torch.bincount(loss_ids)
-    assert draft_vocabulary(features, 10).tolist() == counts.argsort(descending=True, stable=True)[:10].tolist()
-    assert len(draft_vocabulary(features, 10**6)) == int((counts > 0).sum())  # never pads with unseen tokens
+    assert frequent_loss_tokens(dataset, 10).tolist() == counts.argsort(descending=True, stable=True)[:10].tolist()
+    assert len(frequent_loss_tokens(dataset, 10**6)) == int((counts > 0).sum())  # never pads with unseen tokens
 
     # Medusa tree calibration reads the training run's held-out split (the shards' token ids, or the prepared
     # data without shards), never the eval prompts; the verifying target computes the hidden states

@@ -152,6 +152,36 @@ def test_grad_accum_4x1_equals_1x4(method, features, tmp_path):
         torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-5, msg=name)
 
 
+def test_restricted_lm_head_scores_exactly_the_chosen_rows(features):
+    target = load_target(**vars(load_recipe(RECIPES["eagle2"], [f"data.features_dir={features}"]).target))
+    ids = torch.tensor([7, 3, 100, 42])
+    parts = target.parts([-1]).restricted(ids)
+    h = torch.randn(5, target.config.hidden_size)
+    torch.testing.assert_close(parts.lm_head(h), target.lm_head(h)[:, ids])  # the same rows, other GEMM blocking
+    assert not parts.lm_head.weight.requires_grad and torch.equal(parts.vocab_ids, ids)
+
+
+@pytest.mark.parametrize("method", ["eagle2", "medusa1"])
+def test_loss_vocab_trains_on_the_frequent_tokens_and_exports_the_same_tensors(method, features, tmp_path):
+    """train.loss_vocab: losses over the shards' most frequent loss tokens; the trained tensors are the usual ones."""
+    common = ["train.max_steps=2", "train.warmup_steps=0"] + (
+        ["drafter.share_lm_head=true"] if method == "medusa1" else []
+    )
+    train(recipe(method, features, tmp_path / "full", *common))
+    reset_accelerate()
+    train(recipe(method, features, tmp_path / "one", "train.loss_vocab=1", *common))
+    full, one = trained(tmp_path / "full"), trained(tmp_path / "one")
+    assert {k: v.shape for k, v in full.items()} == {k: v.shape for k, v in one.items()}
+    assert any(not torch.equal(full[k], one[k]) for k in full)  # other losses, other updates
+    first = json.loads((tmp_path / "one" / METRICS_FILE).read_text().splitlines()[0])
+    if method == "eagle2":  # a one-token vocabulary: the target's and the drafter's distributions agree exactly
+        assert first["train/loss_ce"] == 0.0 and first["train/acc@1"] == 1.0
+    else:  # only positions labelled with the most frequent token count (one row: CE 0, and it always ranks first)
+        rows = [json.loads(line) for line in (tmp_path / "one" / METRICS_FILE).read_text().splitlines()]
+        heads = [(row[f"train/loss/head{k}"], row[f"train/acc@1/head{k}"]) for row in rows for k in (1, 2, 3)]
+        assert all(loss == 0.0 and acc in (0.0, 1.0) for loss, acc in heads) and (0.0, 1.0) in heads, heads
+
+
 def test_stop_and_resume_reproduces_the_uninterrupted_run(features, tmp_path):
     # input noise draws from the torch RNG; held-out evaluation in between must not disturb anything
     common = ["train.max_steps=6", "train.save_every=3", "train.eval_every=2", "drafter.input_noise=0.05"]

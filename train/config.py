@@ -144,6 +144,11 @@ class TrainConfig:
     """Checkpoint every N optimizer steps (0 = only at the end)."""
     keep_checkpoints: int = 2
     log_every: int = 10
+    loss_vocab: int = 0
+    """Compute the training losses over the N most frequent loss tokens of the feature shards only (0 = the whole
+    vocabulary). On a large vocabulary the lm_head projections dominate a drafter's step; EAGLE's soft CE is then
+    taken over that subset (target distribution renormalised on it), Medusa's CE skips positions whose label is
+    outside it. The exported drafter is unchanged: it drafts with the target's full lm_head (or `eval.draft_vocab`)."""
     head_lr_mult: float = 1.0
     """Learning-rate multiplier for parameters the drafter marks as heads (Medusa-2 default 4)."""
     resume: str | None = None
@@ -163,6 +168,10 @@ class TrainConfig:
             err("train.clip_grad_norm", f"must be > 0 or null, got {self.clip_grad_norm}")
         if self.head_lr_mult <= 0:
             err("train.head_lr_mult", f"must be > 0, got {self.head_lr_mult}")
+        if self.loss_vocab < 0:
+            err("train.loss_vocab", f"must be 0 (the whole vocabulary) or a token count, got {self.loss_vocab}")
+        if self.loss_vocab and self.online:
+            err("train.loss_vocab", "counts tokens in the feature shards: offline training only (train.online=false)")
 
 
 @dataclass

@@ -32,7 +32,7 @@ from transformers.integrations import set_hf_deepspeed_config, unset_hf_deepspee
 
 from data.loader import BatchLoader
 from data.prepare import data_sources, prepare_dataset, template_fingerprint
-from data.shards import FeatureDataset, FeatureMismatchError, split_by_id
+from data.shards import FeatureDataset, FeatureMismatchError, frequent_loss_tokens, split_by_id
 from models import DRAFTERS
 from models.common import DraftBatch
 from models.target import Target, load_target
@@ -363,9 +363,12 @@ def train(recipe: Recipe, stop_after: int | None = None) -> Path:
     resume = _resume_from(recipe, accelerator)
     set_seed(cfg.seed)
     target = build_target(recipe, accelerator)
-    drafter = DRAFTERS[recipe.drafter.method][1](recipe.drafter, target.parts(recipe.data.layers))
-    _check_zero3_sharing(accelerator, recipe, target, drafter)
     train_loader, heldout_loader = build_loaders(recipe, target, accelerator)
+    parts = target.parts(recipe.data.layers)
+    if cfg.loss_vocab:  # offline only (checked at load): the loader's samples are the feature shards
+        parts = parts.restricted(frequent_loss_tokens(train_loader.samples, cfg.loss_vocab).to(accelerator.device))
+    drafter = DRAFTERS[recipe.drafter.method][1](recipe.drafter, parts)
+    _check_zero3_sharing(accelerator, recipe, target, drafter)
     optimizer = build_optimizer(drafter, cfg)
     scheduler = build_scheduler(optimizer, cfg)
     model, optimizer = accelerator.prepare(drafter, optimizer)
