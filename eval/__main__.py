@@ -27,7 +27,6 @@ import argparse
 import dataclasses
 import os
 import sys
-import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -37,12 +36,14 @@ import torch
 from data.chat import SHAREGPT_ROLES, DataError
 from data.prepare import prepare_dataset, read_jsonl
 from data.shards import FeatureDataset, frequent_loss_tokens, split_by_id
+from eval.checks import near_tie, tie_margin
 from eval.generate import (
     DecodeSettings,
     EagleProposer,
     GenerationResult,
     MedusaProposer,
     Proposer,
+    clock,
     plain_generate,
     plain_generate_batch,
     speculative_generate,
@@ -226,23 +227,28 @@ def build_proposer(
 
 
 @torch.inference_mode()
-def prompt_lookup_generate(model, ids: torch.Tensor, settings: DecodeSettings) -> tuple[list[int], float]:
-    """transformers' prompt-lookup decoding (n-gram drafts copied from the context); (tokens, seconds)."""
+def hf_generate(
+    model, ids: torch.Tensor, settings: DecodeSettings, prompt_lookup: bool = False
+) -> tuple[list[int], float]:
+    """transformers' own `generate` on one prompt: plain decoding (the baseline the speculative output is checked
+    against, sharing no code with the speculative loop), or prompt-lookup decoding (n-gram drafts copied from the
+    context). -> (new tokens, the stop token included, seconds)."""
     kwargs: dict[str, Any] = {"do_sample": False}
     if not settings.greedy:
         kwargs = {"do_sample": True, "temperature": settings.temperature, "top_p": settings.top_p, "top_k": 0}
         torch.manual_seed(settings.seed)
-    start = time.perf_counter()
+    if prompt_lookup:
+        kwargs["prompt_lookup_num_tokens"] = PROMPT_LOOKUP_TOKENS
+    start = clock(ids.device)
     out = model.generate(
         input_ids=ids,
         attention_mask=torch.ones_like(ids),
         max_new_tokens=settings.max_new_tokens,
-        prompt_lookup_num_tokens=PROMPT_LOOKUP_TOKENS,
         eos_token_id=settings.eos_token_ids or None,
         pad_token_id=(settings.eos_token_ids or [0])[0],
         **kwargs,
     )
-    return out[0, ids.shape[1] :].tolist(), time.perf_counter() - start
+    return out[0, ids.shape[1] :].tolist(), clock(ids.device) - start
 
 
 def evaluate_batch(
@@ -271,6 +277,7 @@ def evaluate_batch(
                 alone = plain_generate(target.model, ids[row][None], dataclasses.replace(settings, seed=seeds[row]))
                 _compare_plain(record, spec.tokens, alone.tokens, record["plain"]["wall_s"], settings)
                 record["lossless_baseline"] = "plain decoding of the prompt alone (the batched plain output differed)"
+                _judge_mismatch(record, target, prompt["input_ids"], spec.tokens, alone.tokens, ev)
         records.append(record)
     return records
 
@@ -313,12 +320,27 @@ def evaluate_prompt(
     spec = speculative_generate(target.model, proposer, ids, settings, ev.kernels)
     record = _record(target, prompt, spec)
     if "plain" in ev.baselines:
-        plain = plain_generate(target.model, ids, settings)
-        _compare_plain(record, spec.tokens, plain.tokens, plain.wall_s, settings)
+        tokens, seconds = hf_generate(target.model, ids, settings)
+        _compare_plain(record, spec.tokens, tokens, seconds, settings)
+        _judge_mismatch(record, target, prompt["input_ids"], spec.tokens, tokens, ev)
     if "prompt_lookup" in ev.baselines:
-        tokens, seconds = prompt_lookup_generate(target.model, ids, settings)
+        tokens, seconds = hf_generate(target.model, ids, settings, prompt_lookup=True)
         record["prompt_lookup"] = {"new_tokens": len(tokens), "wall_s": seconds}
     return record
+
+
+def _judge_mismatch(
+    record: dict[str, Any], target: Target, prompt: list[int], spec: list[int], plain: list[int], ev: EvalConfig
+) -> None:
+    """A greedy output that differs from plain decoding is a failure, unless the first differing position is a
+    near-tie of the target (`eval.checks.near_tie`): then both tokens are the target's own greedy choice up to
+    rounding, the prompt counts as lossless, and the record says where and by how much."""
+    if record["lossless"] is not False or record["first_mismatch"] is None:
+        return
+    i = record["first_mismatch"]
+    tie = near_tie(target.model, prompt + plain[:i], spec[i], plain[i], tie_margin(ev, target))
+    record["near_tie"] = tie
+    record["lossless"] = tie["tie"]
 
 
 # --------------------------------------------------------------------------------------------

@@ -9,7 +9,9 @@
 
 from __future__ import annotations
 
+import copy
 import random
+import weakref
 
 import torch
 
@@ -86,3 +88,46 @@ def spread_layers(model: torch.nn.Module, devices: list[str | torch.device]) -> 
         module.to(device)
         add_hook_to_module(module, AlignDevicesHook(execution_device=device, skip_keys=skip))
     return placement
+
+
+# --------------------------------------------------------------------------------------------
+# What "lossless" means for a target in bf16 or fp16
+
+BF16_TIE_MARGIN = 0.25
+"""Default `eval.tie_margin` for bf16 / fp16 targets, in logits of the float32 reference (see `near_tie`)."""
+
+_FLOAT32_COPIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def float32_reference(model: torch.nn.Module) -> torch.nn.Module:
+    """A float32 copy of a (bf16 / fp16) target, made once per model on its first use, with transformers' own
+    attention: the judge of near-ties, independent of the precision and the code paths being checked."""
+    if model not in _FLOAT32_COPIES:
+        reference = copy.deepcopy(model).float().eval()
+        reference.set_attn_implementation("sdpa")
+        _FLOAT32_COPIES[model] = reference
+    return _FLOAT32_COPIES[model]
+
+
+@torch.inference_mode()
+def near_tie(model: torch.nn.Module, prefix: list[int], a: int, b: int, margin: float) -> dict:
+    """Is the choice between tokens `a` and `b` after `prefix` a rounding tie of the target?
+
+    In bf16 a forward over several tokens does not give bit-identical logits to one-token forwards, so speculative
+    and plain greedy decoding can pick different tokens where the target's two best tokens are within rounding of
+    each other. The float32 copy of the target scores `prefix` in one plain forward; the choice is a tie when `a`
+    and `b` are its two best tokens and their logits differ by at most `margin`. Anything else (a token outside the
+    top two, a clear winner) is a real mismatch. -> {"tie", "position" (set by the caller), "tokens", "margin"}."""
+    reference = float32_reference(model)
+    device = next(reference.parameters()).device
+    logits = reference(input_ids=torch.tensor([prefix], device=device)).logits[0, -1].float()  # (V,)
+    top2 = logits.topk(2).indices.tolist()
+    gap = float((logits[a] - logits[b]).abs())
+    return {"tie": set(top2) == {a, b} and gap <= margin, "tokens": [a, b], "margin": round(gap, 5)}
+
+
+def tie_margin(ev, target) -> float:
+    """`eval.tie_margin`, or by default 0 for a float32 target (exact) and BF16_TIE_MARGIN for bf16 / fp16."""
+    if ev.tie_margin is not None:
+        return ev.tie_margin
+    return 0.0 if target.dtype == torch.float32 else BF16_TIE_MARGIN

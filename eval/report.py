@@ -37,6 +37,7 @@ def summarize(records: list[dict[str, Any]], meta: dict[str, Any]) -> dict[str, 
     extendable = [e for r in records for e in r["speculative"]["extendable"]]
     speed = {m: _speed(records, m) for m in METHODS}
     checked = [r["lossless"] for r in records if r.get("lossless") is not None]
+    ties = [r["near_tie"] for r in records if r.get("near_tie") and r["near_tie"]["tie"]]
     spec_tokens = sum(r["speculative"]["new_tokens"] for r in records)
     return {
         **meta,
@@ -48,7 +49,11 @@ def summarize(records: list[dict[str, Any]], meta: dict[str, Any]) -> dict[str, 
         "speedup_vs_prompt_lookup": _ratio(speed["speculative"], speed["prompt_lookup"]),
         "prompt_lookup_vs_plain": _ratio(speed["prompt_lookup"], speed["plain"]),
         "lossless": all(checked) if checked else None,
-        "lossless_prompts": f"{sum(checked)}/{len(checked)}" if checked else "n/a (sampled)",
+        "lossless_prompts": (f"{sum(checked)}/{len(checked)}" + (f" ({len(ties)} at a near-tie)" if ties else ""))
+        if checked
+        else "n/a (sampled)",
+        "near_ties": len(ties),
+        "near_tie_margins": [t["margin"] for t in ties],
         "tokens_per_round_histogram": _histogram([a + 1 for a in accepted]),
         "batches": _batches(records),
         "per_prompt": records,

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from tiny import tiny_llama
 
 from data.extract import main as extract_main
 from data.shards import FeatureDataset, frequent_loss_tokens
@@ -28,6 +29,7 @@ from eval.__main__ import (
     process_gpus,
     prompt_token_ids,
 )
+from eval.checks import near_tie
 from eval.report import summarize, to_markdown, write_report
 from models.eagle import EagleConfig, EagleDrafter
 from models.io import save_native
@@ -328,3 +330,18 @@ def test_process_gpus_are_disjoint_equal_shares():
     assert process_gpus(0, 1, 0) == []
     with pytest.raises(EvalError, match="at most one process per GPU"):
         process_gpus(0, 4, 2)
+
+
+def test_near_tie_judges_a_differing_greedy_token_by_the_float32_target():
+    """Two tokens with identical lm_head rows tie exactly; any other pair, or a token outside the top two, does not."""
+    model = tiny_llama(seed=3, tie_word_embeddings=False).to(torch.bfloat16)
+    prefix = [5, 17, 42, 9]
+    with torch.no_grad():
+        logits = model.float()(torch.tensor([prefix])).logits[0, -1]
+        model.to(torch.bfloat16)
+        best, second, worst = logits.argsort(descending=True)[[0, 1, -1]].tolist()
+        model.lm_head.weight[second] = model.lm_head.weight[best]  # the target can't tell them apart
+    tie = near_tie(model, prefix, best, second, margin=0.25)
+    assert tie["tie"] and tie["margin"] == 0.0
+    assert not near_tie(model, prefix, best, second, margin=-1.0)["tie"]  # beyond the margin
+    assert not near_tie(model, prefix, best, worst, margin=1e9)["tie"]  # not the target's top two

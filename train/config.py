@@ -200,6 +200,10 @@ class EvalConfig:
     """0: draft over the whole vocabulary. N > 0: draft only among the N most frequent loss tokens of
     `data.features_dir` (an EAGLE-3-style draft vocabulary: each draft step's vocabulary projection costs N/V
     as much; verification still uses the full vocabulary, so outputs are unchanged)."""
+    tie_margin: float | None = None
+    """Greedy losslessness on a bf16 / fp16 target: a first differing token still counts as lossless when it and
+    plain decoding's token are the float32 target's two best with logits at most this far apart (a rounding tie;
+    counted in the report). None = 0 for float32 targets, 0.25 for bf16 / fp16."""
     kernels: Literal["triton", "reference"] = "triton"
     baselines: list[str] = field(default_factory=lambda: ["plain", "prompt_lookup"])
     batch_size: int = 1
@@ -231,6 +235,8 @@ class EvalConfig:
                 "prompt lookup (transformers' assisted decoding) decodes one prompt at a time; with batch_size > 1 "
                 "leave it out of the baselines (eval.baselines=[plain] on the command line)",
             )
+        if self.tie_margin is not None and not 0 <= self.tie_margin < float("inf"):
+            err("eval.tie_margin", f"must be a finite number >= 0, got {self.tie_margin}")
         if self.acceptance == "typical" and self.temperature == 0:
             err("eval.acceptance", "typical acceptance needs temperature > 0 (greedy is already exact)")
 
