@@ -52,7 +52,7 @@ from eval.generate import (
 from eval.report import summarize, write_report
 from eval.trees import MEDUSA_63, calibrated_tree, chain, medusa_tree
 from models.eagle import EagleDrafter
-from models.io import ExportError, load_drafter
+from models.io import ExportError, load_draft_vocab, load_drafter
 from models.medusa import MedusaHeads
 from models.target import Target, load_target
 from train.config import EvalConfig, Recipe, RecipeError, load_recipe
@@ -186,6 +186,22 @@ def calibration_sequences(target: Target, samples: list[tuple[torch.Tensor, torc
         ids = ids.to(target.device)
         hidden = target.hidden_states(ids[None], layers=[-1])[0, :, 0].to(ids.device)  # device_map: last GPU
         yield hidden, ids, scored.to(ids.device)
+
+
+def draft_vocabulary(recipe: Recipe, drafter_dir: str, size: int) -> torch.Tensor:
+    """The `size` most frequent loss tokens of the training data: from the export's own draft vocabulary when it
+    has one with that many tokens (shipped drafters), else counted in the feature shards of data.features_dir."""
+    shipped = load_draft_vocab(drafter_dir)
+    if shipped is not None and len(shipped) >= size:
+        return shipped[:size]
+    features = recipe.data.features_dir
+    if features is None or not (Path(features) / "manifest.json").is_file():
+        have = f"{drafter_dir} ships {len(shipped)} draft tokens and n" if shipped is not None else "N"
+        raise EvalError(
+            f"{recipe.source}: eval.draft_vocab: {size}: {have}o feature shards at data.features_dir ({features}) "
+            "to count the training data's tokens in"
+        )
+    return frequent_loss_tokens(FeatureDataset(features), size)
 
 
 def build_proposer(
@@ -414,11 +430,7 @@ def run(recipe: Recipe) -> dict[str, Any] | None:
 
     draft_vocab = None
     if ev.draft_vocab:
-        if recipe.data.features_dir is None or not (Path(recipe.data.features_dir) / "manifest.json").is_file():
-            raise EvalError(
-                f"{recipe.source}: eval.draft_vocab: needs the feature shards of data.features_dir to count tokens"
-            )
-        draft_vocab = frequent_loss_tokens(FeatureDataset(recipe.data.features_dir), ev.draft_vocab).to(target.device)
+        draft_vocab = draft_vocabulary(recipe, drafter_dir, ev.draft_vocab).to(target.device)
     try:
         proposer, tree_desc = build_proposer(drafter, ev, calibrate, draft_vocab)
     except EvalError:

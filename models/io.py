@@ -31,6 +31,9 @@ FORMAT = "specdraft"
 FORMAT_VERSION = 1
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
+DRAFT_VOCAB_FILE = "draft_vocab.safetensors"
+"""Optional: `token_ids` (K,) int64, the training data's K most frequent loss tokens, most frequent first; evaluation
+drafts among its first `eval.draft_vocab` entries (an export carries it, so it needs no feature shards)."""
 # Identity fields that must match between the training target and the one a drafter is loaded with.
 # (dtype and the weight fingerprint change when the same model is loaded in another precision.)
 _IDENTITY_KEYS = ("model_type", "num_layers", "hidden_size", "config_sha256")
@@ -144,3 +147,21 @@ def load_drafter(export_dir: str | Path, target: Target, check_identity: bool = 
             raise ExportError(f"{weights}: {name} is a frozen target tensor and differs from the target's")
     module.load_state_dict({k: state[k] for k in expected}, strict=False)
     return module.to(target.device).eval()
+
+
+def save_draft_vocab(directory: str | Path, token_ids: torch.Tensor) -> None:
+    write_safetensors({"token_ids": token_ids.to(torch.int64)}, Path(directory) / DRAFT_VOCAB_FILE)
+
+
+def load_draft_vocab(directory: str | Path) -> torch.Tensor | None:
+    """The export's draft vocabulary (K,) int64, or None when it has none."""
+    path = Path(directory) / DRAFT_VOCAB_FILE
+    if not path.is_file():
+        return None
+    try:
+        ids = load_file(str(path))["token_ids"]
+    except Exception as exc:  # a truncated or foreign file
+        raise ExportError(f"{path}: not a draft vocabulary file ({type(exc).__name__}: {exc})") from None
+    if ids.dim() != 1 or ids.dtype != torch.int64:
+        raise ExportError(f"{path}: token_ids must be a 1-D int64 tensor, got {tuple(ids.shape)} {ids.dtype}")
+    return ids

@@ -16,9 +16,10 @@ from safetensors.torch import load_file, save_file
 
 from data.extract import main as extract_main
 from data.loader import BatchLoader
-from data.shards import FeatureDataset
+from data.shards import FeatureDataset, frequent_loss_tokens
+from eval.__main__ import EvalError, draft_vocabulary
 from models import DRAFTERS
-from models.io import CONFIG_FILE, WEIGHTS_FILE, ExportError, load_drafter, save_native
+from models.io import CONFIG_FILE, WEIGHTS_FILE, ExportError, load_draft_vocab, load_drafter, save_native
 from models.target import load_target
 from train.config import load_recipe
 from train.export import ENGINE_WEIGHTS, MEDUSA_WEIGHTS, export, load_run, medusa_names
@@ -49,6 +50,7 @@ def runs(tmp_path_factory) -> dict[str, Path]:
         ("medusa1-shared", "medusa1", ["drafter.share_lm_head=true"]),
         ("eagle2-plain", "eagle2", plain),
         ("eagle2-vllm", "eagle2", [*plain, "drafter.fc_bias=false"]),  # vLLM's EAGLE fc has no bias
+        ("eagle2-vocab", "eagle2", ["eval.draft_vocab=16"]),
     ]:
         reset_accelerate()
         out[name] = root / name
@@ -274,3 +276,16 @@ def test_engine_formats_refuse_what_they_cannot_hold(runs, tmp_path):
         export(runs["medusa1"], tmp_path / "c", fmt="sglang")
     with pytest.raises(ExportError, match="drafter.fc_bias=false"):  # vLLM would drop fc.bias without a word
         export(runs["eagle2-plain"], tmp_path / "d", fmt="vllm")
+
+
+def test_native_export_carries_the_draft_vocabulary(runs, tmp_path):
+    """eval.draft_vocab: the export ships the data's most frequent loss tokens, so evaluation needs no shards."""
+    out = export(runs["eagle2-vocab"], tmp_path / "export")
+    recipe = load_recipe(runs["eagle2-vocab"] / "recipe.yaml")
+    counted = frequent_loss_tokens(FeatureDataset(recipe.data.features_dir), 16)
+    assert torch.equal(load_draft_vocab(out), counted)
+    no_shards = load_recipe(runs["eagle2-vocab"] / "recipe.yaml", [f"data.features_dir={tmp_path / 'none'}"])
+    assert torch.equal(draft_vocabulary(no_shards, str(out), 8), counted[:8])
+    with pytest.raises(EvalError, match="ships 16 draft tokens and no feature shards"):
+        draft_vocabulary(no_shards, str(out), 32)
+    assert load_draft_vocab(export(runs["eagle2"], tmp_path / "plain")) is None  # drafts over the whole vocabulary

@@ -6,7 +6,9 @@
 Reads the run's resolved recipe (`RUN_DIR/recipe.yaml`) and the newest checkpoint's gathered drafter
 tensors (`drafter.safetensors`, written by every checkpoint whatever the parallelism), rebuilds the
 drafter on the recipe's target and writes `config.json` + `model.safetensors` (never pickle) to
-`--out` (default `export.out`, else `RUN_DIR/export`). The export is then reloaded strictly
+`--out` (default `export.out`, else `RUN_DIR/export`), with `draft_vocab.safetensors` (the data's most frequent
+loss tokens) when the recipe drafts from a vocabulary subset (`eval.draft_vocab`, `train.loss_vocab`). The export is
+then reloaded strictly
 (`models.io.load_drafter`) before the command reports success. Drafters with an `export_extra` hook add
 their method-specific files next to it (Medusa-2: `heads/`, the LoRA `adapter/`, `merged/` with --merge-lora).
 
@@ -35,9 +37,10 @@ from pathlib import Path
 from safetensors.torch import load_file
 from torch import nn
 
+from data.shards import FeatureDataset, frequent_loss_tokens
 from models import DRAFTERS
 from models.eagle import EagleDrafter
-from models.io import ExportError, load_drafter, save_native, write_safetensors
+from models.io import ExportError, load_drafter, save_draft_vocab, save_native, write_safetensors
 from models.medusa import MedusaHeads
 from models.target import Target, load_target
 from train.checkpoint import DRAFTER_FILE, RECIPE_FILE, latest_checkpoint, read_state
@@ -195,6 +198,9 @@ def export(
         ENGINE_FORMATS[fmt](out, recipe, target, drafter, include_target_weights)
         return out
     save_native(out, drafter, target, recipe.to_dict(), include_target_weights)
+    vocab = max(recipe.eval.draft_vocab, recipe.train.loss_vocab)
+    if vocab and recipe.data.features_dir and (Path(recipe.data.features_dir) / "manifest.json").is_file():
+        save_draft_vocab(out, frequent_loss_tokens(FeatureDataset(recipe.data.features_dir), vocab))
     if hasattr(drafter, "export_extra"):
         drafter.export_extra(out, target, merge_lora=recipe.export.merge_lora if merge_lora is None else merge_lora)
     load_drafter(out, target)  # strict round trip before reporting success
