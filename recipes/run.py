@@ -1,0 +1,245 @@
+"""The whole pipeline for a recipe set: self-distil -> extract -> train -> export -> evaluate, then one table.
+
+    python recipes/run.py recipes/smollm2                  # SmolLM2-135M-Instruct: hours on 2 CPU cores
+    python recipes/run.py recipes/pocket                   # the bundled pocket target: ~10 minutes
+    python recipes/run.py recipes/smollm2 --shipped        # only evaluate the drafters shipped in the set
+    python recipes/run.py my-recipes/ --methods eagle2 --large-trees
+
+A recipe set is a directory with `pipeline.yaml` and one training recipe per method; `pipeline.yaml` says
+
+    target: artifacts/smollm2-135m-instruct     # the HF directory every recipe of the set names in target.path
+    fetch: smollm2-135m-instruct                # optional: `python -m models.fetch NAME` when the target is missing
+    selfdistill:                                # the target writes the answers the drafters learn (data.selfdistill)
+      prompts: recipes/smollm2/prompts/train.jsonl
+      out: artifacts/smollm2-run/selfdistill.jsonl   # the recipes' data.train_files
+      limit: 1536                               # the first N prompts
+      max_new_tokens: 160
+      batch_size: 32
+      dtype: bfloat16
+      processes: 2                              # `accelerate launch` processes (CPU: gloo)
+    recipes: {eagle2: recipes/smollm2/eagle2.yaml, medusa1: recipes/smollm2/medusa1.yaml}
+    shipped: {eagle2: recipes/smollm2/drafters/eagle2}   # optional: committed exports, for --shipped
+    large_trees:                                # optional, for --large-trees: name -> [method, [overrides]]
+      eagle2-dynamic-d5-k10-n60: [eagle2, [eval.tree=dynamic, eval.tree_depth=5, eval.tree_top_k=10]]
+
+Every step is a subprocess with its log under <first recipe's output parent>/logs/ (or --logs); steps whose output
+is complete are skipped, so re-running resumes (training resumes from its last checkpoint). The features of the
+first recipe are shared by the others (same target, data and layers: each recipe must agree). The table gives, per
+method, τ, tokens/s and speedups over plain decoding (transformers' `generate`) and prompt lookup.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+PIPELINE = "pipeline.yaml"
+SELFDISTILL_KEYS = {"prompts", "out", "limit", "max_new_tokens", "batch_size", "dtype", "processes", "temperature"}
+
+
+def banner(text: str) -> None:
+    print(f"\n=== {text} " + "=" * max(0, 100 - len(text)), flush=True)
+
+
+def run_step(name: str, cmd: list[str], log_dir: Path, env: dict[str, str]) -> None:
+    """Run one step as a subprocess, its output to a log file; on failure show the log's tail and stop."""
+    log = log_dir / f"{name}.log"
+    shown = log.relative_to(ROOT) if log.is_relative_to(ROOT) else log
+    print(f"$ {' '.join(cmd)}\n  (log: {shown})", flush=True)
+    start = time.perf_counter()
+    with open(log, "w") as f:
+        code = subprocess.call(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
+    if code != 0:
+        tail = log.read_text().replace("\r", "\n").splitlines()[-25:]
+        sys.exit("\n".join([*tail, f"run: step {name!r} failed (exit {code}); full log: {log}"]))
+    last = [line for line in log.read_text().replace("\r", "\n").splitlines() if line.strip()][-1:]
+    print(f"  done in {time.perf_counter() - start:.0f}s" + (f": {last[0][:150]}" if last else ""), flush=True)
+
+
+def skip(what: str) -> None:
+    print(f"  skipped: {what} is complete", flush=True)
+
+
+def load_pipeline(directory: Path) -> dict[str, Any]:
+    """pipeline.yaml of a recipe set, checked; errors name the file and key."""
+    path = directory / PIPELINE
+    if not path.is_file():
+        sys.exit(f"run: {path}: no such file (a recipe set is a directory with {PIPELINE}; see --help)")
+    spec = yaml.safe_load(path.read_text()) or {}
+    where = str(path.relative_to(ROOT) if path.resolve().is_relative_to(ROOT) else path)
+    unknown = set(spec) - {"target", "fetch", "selfdistill", "recipes", "shipped", "large_trees"}
+    if unknown:
+        sys.exit(f"run: {where}: unknown keys {sorted(unknown)}")
+    if not isinstance(spec.get("target"), str):
+        sys.exit(f"run: {where}: target: must name the target's HF directory")
+    if not isinstance(spec.get("recipes"), dict) or not spec["recipes"]:
+        sys.exit(f"run: {where}: recipes: must map each method to its recipe file")
+    for method, recipe in spec["recipes"].items():
+        if not (ROOT / recipe).is_file():
+            sys.exit(f"run: {where}: recipes.{method}: {recipe} does not exist")
+    distill = spec.get("selfdistill")
+    if distill is not None and (not isinstance(distill, dict) or set(distill) - SELFDISTILL_KEYS):
+        sys.exit(f"run: {where}: selfdistill: takes the keys {sorted(SELFDISTILL_KEYS)}")
+    if distill is not None and not {"prompts", "out"} <= set(distill):
+        sys.exit(f"run: {where}: selfdistill: needs prompts and out")
+    return spec
+
+
+def records_in(path: Path) -> int:
+    return sum(1 for line in path.read_text().splitlines() if line.strip()) if path.is_file() else 0
+
+
+def read_recipe(path: str) -> dict[str, Any]:
+    return yaml.safe_load((ROOT / path).read_text())
+
+
+def selfdistill_cmd(distill: dict[str, Any], target: str) -> list[str]:
+    py, n = sys.executable, int(distill.get("processes", 1))
+    launch = [py, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(n), "--num_machines", "1"]
+    launch += ["--mixed_precision", "no", "--dynamo_backend", "no"]
+    cmd = (launch if n > 1 else [py]) + ["-m", "data.selfdistill", "--target", target]
+    cmd += ["--prompts", distill["prompts"], "--out", distill["out"], "--seed", "0"]
+    for key in ("limit", "max_new_tokens", "batch_size", "dtype", "temperature"):
+        if key in distill:
+            cmd += [f"--{key.replace('_', '-')}", str(distill[key])]
+    return cmd
+
+
+def table(reports: dict[str, dict[str, Any]]) -> str:
+    """One row per decoder: the plain baseline, prompt lookup (where measured), then each drafter."""
+    from eval.report import lossless_mark, markdown_table
+
+    first = next(iter(reports.values()))
+    plain = first["tokens_per_s"]["plain"]
+    rows = [["plain decoding (transformers `generate`)", "-", "1.00", f"{plain:.1f}" if plain else "n/a", "-", "-"]]
+    lookup = first["tokens_per_s"].get("prompt_lookup")
+    if lookup:
+        rows.append(["prompt lookup (transformers)", "-", "-", f"{lookup:.1f}", f"{lookup / plain:.2f}×", "-"])
+    for name, r in reports.items():
+        speed = r["tokens_per_s"]["speculative"]
+        vs = r["speedup_vs_plain"]
+        rows.append(
+            [
+                f"{name}: {r['tree']}",
+                f"{r['accept_len']:.2f}",
+                " / ".join("-" if a is None else f"{a:.2f}" for a in r["accept_rate_by_depth"][:5]) or "-",
+                f"{speed:.1f}",
+                "n/a" if vs is None else f"{vs:.2f}×",
+                f"{lossless_mark(r['lossless'])} {r['lossless_prompts']}",
+            ]
+        )
+    header = ["decoder", "τ", "acceptance by depth", "tok/s", "vs plain", "lossless"]
+    return markdown_table(header, rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("recipe_set", type=Path, help="a directory with pipeline.yaml (recipes/pocket, recipes/smollm2)")
+    parser.add_argument("--methods", nargs="*", default=None, help="default: every recipe of the set")
+    parser.add_argument("--shipped", action="store_true", help="evaluate the set's shipped drafters; train nothing")
+    parser.add_argument("--large-trees", action="store_true", help="also evaluate the set's large_trees")
+    parser.add_argument("--prompts", type=int, default=None, help="held-out prompts per evaluation (recipe's default)")
+    parser.add_argument("--out", type=Path, default=None, help="evaluation outputs (default: the recipes' eval dirs)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads for decoding (self-distil, eval)")
+    parser.add_argument("--train-threads", type=int, default=1, help="for extraction and training")
+    args = parser.parse_args()
+
+    directory = args.recipe_set if args.recipe_set.is_absolute() else ROOT / args.recipe_set
+    spec = load_pipeline(directory)
+    methods = args.methods or list(spec["recipes"])
+    for method in methods:
+        if method not in spec["recipes"]:
+            sys.exit(f"run: {directory / PIPELINE}: no recipe for method {method!r} (has {sorted(spec['recipes'])})")
+        if args.shipped and method not in (spec.get("shipped") or {}):
+            sys.exit(f"run: {directory / PIPELINE}: shipped: has no drafter for {method!r}")
+    recipes = {m: spec["recipes"][m] for m in methods}
+    first = read_recipe(next(iter(recipes.values())))
+    out_root = args.out or Path(first["train"]["output_dir"]).parent
+    log_dir = (out_root if out_root.is_absolute() else ROOT / out_root) / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false"}
+    train_env = {**env, "OMP_NUM_THREADS": str(args.train_threads)}
+    distill_env = {**env, "ACCELERATE_USE_CPU": os.environ.get("ACCELERATE_USE_CPU", "true")}
+    py, start = sys.executable, time.perf_counter()
+
+    banner(f"target: {spec['target']}")
+    if (ROOT / spec["target"] / "config.json").is_file():
+        skip(spec["target"])
+    elif spec.get("fetch"):
+        run_step("fetch", [py, "-m", "models.fetch", spec["fetch"], "--out", spec["target"]], log_dir, env)
+    else:
+        sys.exit(f"run: {spec['target']}: no target there (config.json missing), and the set names no `fetch`")
+
+    if not args.shipped:
+        distill = spec.get("selfdistill")
+        if distill is not None:
+            banner(f"self-distillation: the target answers {distill['prompts']} ({distill.get('limit', 'all')})")
+            out = ROOT / distill["out"]
+            if records_in(out) >= int(distill.get("limit", 0)) > 0 and not list(out.parent.glob(out.name + ".part*")):
+                skip(distill["out"])
+            else:
+                run_step("selfdistill", selfdistill_cmd(distill, spec["target"]), log_dir, distill_env)
+
+        banner("feature extraction (shared by every recipe of the set: same target, data and layers)")
+        features = ROOT / first["data"]["features_dir"]
+        if (features / "manifest.json").is_file():
+            skip(first["data"]["features_dir"])
+        else:
+            run_step("extract", [py, "-m", "data.extract", next(iter(recipes.values()))], log_dir, train_env)
+
+        for method, recipe in recipes.items():
+            banner(f"train + export {method} ({recipe})")
+            run_dir = read_recipe(recipe)["train"]["output_dir"]
+            if (ROOT / run_dir / "export" / "config.json").is_file():
+                skip(f"{run_dir}/export")
+                continue
+            run_step(f"train-{method}", [py, "-m", "train", recipe, "train.resume=auto"], log_dir, train_env)
+            run_step(f"export-{method}", [py, "-m", "train.export", run_dir], log_dir, env)
+
+    evals: dict[str, tuple[str, list[str]]] = {m: (m, []) for m in methods}
+    if args.large_trees:
+        for name, (method, overrides) in (spec.get("large_trees") or {}).items():
+            if method in methods:
+                evals[name] = (method, list(overrides))
+    reports: dict[str, dict[str, Any]] = {}
+    for i, (name, (method, overrides)) in enumerate(evals.items()):
+        recipe = recipes[method]
+        conf = read_recipe(recipe)
+        eval_dir = Path(args.out / name) if args.out else Path(conf["eval"]["output_dir"]).parent / f"eval-{name}"
+        if name == method and args.out is None:
+            eval_dir = Path(conf["eval"]["output_dir"])
+        keys = [f"eval.output_dir={eval_dir}", *overrides]
+        if args.shipped:
+            keys.append(f"eval.drafter={spec['shipped'][method]}")
+        if args.prompts:
+            keys.append(f"eval.max_prompts={args.prompts}")
+        if i > 0:  # the baselines are measured once, with the first evaluation
+            keys.append("eval.baselines=[plain]")
+        banner(f"eval {name}: speculative vs plain decoding on held-out prompts")
+        report = ROOT / eval_dir / "report.json"
+        if report.is_file() and json.loads(report.read_text()).get("overrides") == keys:
+            skip(f"{eval_dir}/report.json")
+        else:
+            run_step(f"eval-{name}", [py, "-m", "eval", recipe, *keys], log_dir, env)
+            summary = json.loads(report.read_text())
+            report.write_text(json.dumps(summary | {"overrides": keys}, indent=1) + "\n")
+        reports[name] = json.loads(report.read_text())
+
+    first_report = next(iter(reports.values()))
+    n, tokens = first_report["num_prompts"], first_report["max_new_tokens"]
+    banner(f"{directory.name}: {n} held-out prompts, up to {tokens} new tokens each, greedy, batch 1")
+    print(table(reports))
+    print(f"\nReports: <eval dir>/report.md (+ report.png). Total {time.perf_counter() - start:.0f}s.")
+
+
+if __name__ == "__main__":
+    main()
