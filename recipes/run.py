@@ -143,7 +143,7 @@ def table(reports: dict[str, dict[str, Any]]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("recipe_set", type=Path, help="a directory with pipeline.yaml (recipes/pocket, recipes/smollm2)")
+    parser.add_argument("recipe_set", type=Path, help="a directory with pipeline.yaml, e.g. recipes/smollm2")
     parser.add_argument("--methods", nargs="*", default=None, help="default: every recipe of the set")
     parser.add_argument("--shipped", action="store_true", help="evaluate the set's shipped drafters; train nothing")
     parser.add_argument("--large-trees", action="store_true", help="also evaluate the set's large_trees")
