@@ -111,7 +111,8 @@ def load_prompts(path: str, tokenizer, limit: int | None) -> list[dict[str, Any]
         if isinstance(record, DataError):  # a line that is not JSON
             raise EvalError(str(record))
         ids = prompt_token_ids(record, tokenizer, where)
-        prompts.append({"index": len(prompts), "id": str(record.get("id", where)), "input_ids": ids})
+        group = record.get("category", record.get("kind"))  # MT-bench's categories, the SmolLM2 sets' kinds
+        prompts.append({"index": len(prompts), "id": str(record.get("id", where)), "input_ids": ids, "group": group})
     if not prompts:
         raise EvalError(f"{path}: no prompts")
     return prompts
@@ -303,6 +304,7 @@ def _record(target: Target, prompt: dict[str, Any], spec: GenerationResult) -> d
         "index": prompt["index"],
         "id": prompt["id"],
         "prompt_tokens": len(prompt["input_ids"]),
+        "group": prompt.get("group"),
         "speculative": spec.stats()
         | {
             "accepted": spec.accepted,

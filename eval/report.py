@@ -55,9 +55,26 @@ def summarize(records: list[dict[str, Any]], meta: dict[str, Any]) -> dict[str, 
         "near_ties": len(ties),
         "near_tie_margins": [t["margin"] for t in ties],
         "tokens_per_round_histogram": _histogram([a + 1 for a in accepted]),
+        "by_group": _by_group(records),
         "batches": _batches(records),
         "per_prompt": records,
     }
+
+
+def _by_group(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """τ, speed-up and acceptance by depth per prompt group (a prompt record's `category` or `kind`, e.g. MT-bench's
+    categories); empty when no prompt names one."""
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for r in records:
+        if r.get("group") is not None:
+            groups.setdefault(str(r["group"]), []).append(r)
+    out = {}
+    for name, rows in sorted(groups.items()):
+        spec = [r["speculative"] for r in rows]
+        stats = round_stats([a for x in spec for a in x["accepted"]], [e for x in spec for e in x["extendable"]])
+        speedup = _ratio(_speed(rows, "speculative"), _speed(rows, "plain"))
+        out[name] = {"prompts": len(rows), **stats, "speedup_vs_plain": speedup}
+    return out
 
 
 def _batches(records: list[dict[str, Any]]) -> dict[str, int]:
@@ -144,9 +161,25 @@ def to_markdown(s: dict[str, Any]) -> str:
             + (f" Tree calibrated on {s['tree_calibration']}." if s.get("tree_calibration") else ""),
             markdown_table(SUMMARY_HEADER, [summary_row(s)]),
             "## Acceptance by depth\n\n" + markdown_table(depth_header, depth_rows),
+            *([_group_table(s["by_group"])] if s.get("by_group") else []),
             "## Per prompt\n\n" + markdown_table(["prompt", "new tokens", "τ", "speedup", "lossless"], prompt_rows),
         ]
     )
+
+
+def _group_table(groups: dict[str, dict[str, Any]]) -> str:
+    rows = [
+        [
+            name,
+            str(g["prompts"]),
+            _fmt(g["accept_len"]),
+            " / ".join(_fmt(x) for x in g["accept_rate_by_depth"][:4]),
+            _fmt(g["speedup_vs_plain"], 2, "×"),
+        ]
+        for name, g in groups.items()
+    ]
+    header = ["group", "prompts", "τ", "acceptance by depth", "vs plain"]
+    return "## By prompt group (category / kind)\n\n" + markdown_table(header, rows)
 
 
 def _batch_note(s: dict[str, Any]) -> str:

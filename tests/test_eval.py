@@ -296,6 +296,24 @@ def test_summary_pools_rounds():
     assert "✗" in to_markdown(s)
 
 
+def test_report_breaks_tau_down_by_prompt_group():
+    """MT-bench categories (or the prompt sets' kinds): τ and speedup per group, in report.json and report.md."""
+    records = [_record(0, [3, 1], [True, True], True), _record(1, [0], [True], True), _record(2, [2], [True], True)]
+    for record, group in zip(records, ["coding", "writing", "coding"]):
+        record["group"] = group
+    s = summarize(records, REPORT_META)
+    assert s["by_group"]["coding"]["accept_len"] == pytest.approx((4 + 2 + 3) / 3)
+    assert s["by_group"]["writing"]["accept_len"] == 1.0 and s["by_group"]["writing"]["prompts"] == 1
+    assert "| coding | 2 | 3.00 |" in to_markdown(s)
+    assert summarize([_record(0, [1], [True], True)], REPORT_META)["by_group"] == {}
+
+
+def test_prompt_records_carry_their_group(tmp_path, target):
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"category": "math", "messages": [{"role": "user", "content": "1+1?"}]}\n{"prompt": "x"}\n')
+    assert [p["group"] for p in load_prompts(str(path), target.tokenizer, None)] == ["math", None]
+
+
 def test_report_speedups_are_token_rates_and_plain_is_optional(tmp_path):
     """Per-prompt speedups compare tokens/s like the headline (sampled runs differ in length); without the plain
     baseline the report still writes every file, with "–" where plain figures would be."""
