@@ -29,8 +29,9 @@ number of processes or on resuming, so OUT holds the same records for 1 or N pro
 left padding changes a row's bf16 numerics, so the batch size is part of the settings).
 
 Re-running with the same OUT resumes: parts left by an interrupted run are merged first (a truncated
-last line is dropped), batches whose records are all done are skipped. Resuming onto other prompts
-(compared by content, not file name), other settings or another target is refused.
+last line is dropped), batches whose records are all done are skipped; a larger --limit extends OUT
+with the next prompts. Resuming onto other prompts (the file compared by content, not by name), other
+settings or another target is refused.
 """
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ class GenerationSettings:
     """Everything that determines the output; a resumed run must match it exactly."""
 
     prompts: str
-    """sha256 of the prompt records used (ids and content)."""
+    """sha256 of the prompts file's records (ids and content); --limit is not part of it: a larger limit continues a
+    run (the first batches are the same), a smaller one leaves the records already made."""
     max_new_tokens: int
     temperature: float
     top_p: float
@@ -372,11 +374,12 @@ def main(argv: list[str] | None = None) -> None:
 
     # one process without `accelerate launch`; several CPU processes talk gloo (`--multi_gpu` with ACCELERATE_USE_CPU)
     state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU") or not torch.cuda.is_available())
-    records = read_prompts(args.prompts, args.limit)
+    every = read_prompts(args.prompts, None)
+    records = every[: args.limit]
     if not records:
         raise SelfDistillError(f"{args.prompts}: no prompt records")
     settings = GenerationSettings(
-        prompts=prompts_sha256(records),
+        prompts=prompts_sha256(every),
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         top_p=args.top_p if args.temperature > 0 else 1.0,

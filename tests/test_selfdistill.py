@@ -147,12 +147,20 @@ def test_chat_records_keep_the_targets_token_ids(tiny_target, tmp_path):
             assert tokenizer.decode(body, skip_special_tokens=True, clean_up_tokenization_spaces=False) == text
 
 
-@pytest.mark.parametrize("change", [["--temperature", "0.7"], ["--limit", "3"], ["--batch-size", "3"]])
+@pytest.mark.parametrize("change", [["--temperature", "0.7"], ["--batch-size", "3"], ["--seed", "1"]])
 def test_refuses_resume_with_other_settings_or_prompts(tiny_target, tmp_path, change):
     prompts = write_jsonl(tmp_path / "p.jsonl", PLAIN)
     run(tiny_target, prompts, tmp_path / "out.jsonl", "--limit", "2")
     with pytest.raises(SelfDistillError, match="refusing to resume"):
         run(tiny_target, prompts, tmp_path / "out.jsonl", "--limit", "2", *change)
+
+
+def test_a_larger_limit_extends_the_run_to_what_one_run_writes(tiny_target, tmp_path):
+    prompts = write_jsonl(tmp_path / "p.jsonl", PLAIN + CHAT)
+    run(tiny_target, prompts, tmp_path / "once.jsonl", "--limit", "7", "--batch-size", "2")
+    run(tiny_target, prompts, tmp_path / "grown.jsonl", "--limit", "3", "--batch-size", "2")
+    run(tiny_target, prompts, tmp_path / "grown.jsonl", "--limit", "7", "--batch-size", "2")
+    assert (tmp_path / "grown.jsonl").read_text() == (tmp_path / "once.jsonl").read_text()
 
 
 def test_prompts_compared_by_content_not_name(tiny_target, tmp_path):
