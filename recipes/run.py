@@ -2,6 +2,7 @@
 
     python recipes/run.py recipes/smollm2                  # SmolLM2-135M-Instruct: hours on 2 CPU cores
     python recipes/run.py recipes/pocket                   # the bundled pocket target: ~10 minutes
+    python recipes/run.py recipes/smollm2 --ship           # ... and copy the exports into the set (PROVENANCE.json)
     python recipes/run.py recipes/smollm2 --shipped        # only evaluate the drafters shipped in the set
     python recipes/run.py my-recipes/ --methods eagle2 --large-trees
 
@@ -31,8 +32,10 @@ method, τ, tokens/s and speedups over plain decoding (transformers' `generate`)
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -75,7 +78,7 @@ def load_pipeline(directory: Path) -> dict[str, Any]:
     if not path.is_file():
         sys.exit(f"run: {path}: no such file (a recipe set is a directory with {PIPELINE}; see --help)")
     spec = yaml.safe_load(path.read_text()) or {}
-    where = str(path.relative_to(ROOT) if path.resolve().is_relative_to(ROOT) else path)
+    where = shown(path)
     unknown = set(spec) - {"target", "fetch", "selfdistill", "recipes", "shipped", "large_trees"}
     if unknown:
         sys.exit(f"run: {where}: unknown keys {sorted(unknown)}")
@@ -114,6 +117,49 @@ def selfdistill_cmd(distill: dict[str, Any], target: str) -> list[str]:
     return cmd
 
 
+def shown(path: Path) -> str:
+    """A path relative to the repository when it is inside it (provenance that does not name this machine)."""
+    return str(path.relative_to(ROOT) if path.resolve().is_relative_to(ROOT) else path)
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def ship(spec: dict[str, Any], method: str, recipe: dict[str, Any], directory: Path) -> None:
+    """Copy a trained export (native format, draft vocabulary, training metrics) into the set's `shipped` directory
+    with PROVENANCE.json: where the target and the data came from, the training run, and every file's sha256."""
+    if method not in (spec.get("shipped") or {}):
+        sys.exit(f"run: {directory / PIPELINE}: shipped: has no directory for {method!r}")
+    run_dir = ROOT / recipe["train"]["output_dir"]
+    dest = ROOT / spec["shipped"][method]
+    banner(f"ship {method}: {run_dir / 'export'} -> {spec['shipped'][method]}")
+    dest.mkdir(parents=True, exist_ok=True)
+    for f in (run_dir / "export").iterdir():
+        if f.is_file():
+            shutil.copyfile(f, dest / f.name)
+    shutil.copyfile(run_dir / "metrics.jsonl", dest / "metrics.jsonl")
+    distill = spec.get("selfdistill") or {}
+    meta = ROOT / (distill.get("out", "") + ".meta.json")
+    target_provenance = ROOT / spec["target"] / "provenance.json"
+    files = {f.name: sha256(f) for f in sorted(dest.iterdir()) if f.is_file() and f.name != "PROVENANCE.json"}
+    provenance = {
+        "method": method,
+        "recipe": spec["recipes"][method],
+        "pipeline": shown(directory / PIPELINE),
+        "command": f"python recipes/run.py {shown(directory)} --methods {method} --ship",
+        "target": json.loads(target_provenance.read_text()) if target_provenance.is_file() else spec["target"],
+        "selfdistill": json.loads(meta.read_text())["settings"] | {"records": records_in(ROOT / distill["out"])}
+        if meta.is_file()
+        else None,
+        "training": {"steps": recipe["train"]["max_steps"], "batch_size": recipe["train"]["batch_size"]},
+        "commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip(),
+        "files_sha256": files,
+    }
+    (dest / "PROVENANCE.json").write_text(json.dumps(provenance, indent=2) + "\n")
+    print(f"  {len(files)} files, {sum((dest / f).stat().st_size for f in files) / 1e6:.1f} MB", flush=True)
+
+
 def table(reports: dict[str, dict[str, Any]]) -> str:
     """One row per decoder: the plain baseline, prompt lookup (where measured), then each drafter."""
     from eval.report import lossless_mark, markdown_table
@@ -147,6 +193,7 @@ def main() -> None:
     parser.add_argument("--methods", nargs="*", default=None, help="default: every recipe of the set")
     parser.add_argument("--shipped", action="store_true", help="evaluate the set's shipped drafters; train nothing")
     parser.add_argument("--large-trees", action="store_true", help="also evaluate the set's large_trees")
+    parser.add_argument("--ship", action="store_true", help="copy the trained exports to the set's `shipped` dirs")
     parser.add_argument("--prompts", type=int, default=None, help="held-out prompts per evaluation (recipe's default)")
     parser.add_argument("--out", type=Path, default=None, help="evaluation outputs (default: the recipes' eval dirs)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads for decoding (self-distil, eval)")
@@ -206,6 +253,10 @@ def main() -> None:
                 continue
             run_step(f"train-{method}", [py, "-m", "train", recipe, "train.resume=auto"], log_dir, train_env)
             run_step(f"export-{method}", [py, "-m", "train.export", run_dir], log_dir, env)
+
+    if args.ship:
+        for method in methods:
+            ship(spec, method, read_recipe(recipes[method]), directory)
 
     evals: dict[str, tuple[str, list[str]]] = {m: (m, []) for m in methods}
     if args.large_trees:

@@ -4,6 +4,7 @@ every step, and --shipped on the exports."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -98,7 +99,7 @@ def recipe_set(tmp_path_factory) -> Path:
             "processes": 2,
         },
         "recipes": {m: str(root / f"{m}.yaml") for m in ("eagle2", "medusa1")},
-        "shipped": {m: str(root / "out" / m / "export") for m in ("eagle2", "medusa1")},
+        "shipped": {m: str(root / "shipped" / m) for m in ("eagle2", "medusa1")},
     }
     (root / "pipeline.yaml").write_text(yaml.safe_dump(pipeline))
     return root
@@ -112,7 +113,7 @@ def run(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_the_driver_runs_every_step_then_resumes_by_skipping_them(recipe_set):
-    first = run(str(recipe_set)).stdout
+    first = run(str(recipe_set), "--ship").stdout
     out = recipe_set / "out"
     records = [json.loads(line) for line in (out / "selfdistill.jsonl").read_text().splitlines()]
     assert len(records) == 8 and all("assistant_ids" in r for r in records)
@@ -125,6 +126,16 @@ def test_the_driver_runs_every_step_then_resumes_by_skipping_them(recipe_set):
     table = first[first.index("| decoder") :]
     assert "plain decoding" in table and "prompt lookup" in table and "eagle2: dynamic" in table
     assert "medusa1: chain" in table
+
+    for method in ("eagle2", "medusa1"):  # --ship copied the exports with their provenance
+        shipped = recipe_set / "shipped" / method
+        provenance = json.loads((shipped / "PROVENANCE.json").read_text())
+        assert provenance["selfdistill"]["records"] == 8 and provenance["training"]["steps"] == 3
+        assert set(provenance["files_sha256"]) == {
+            "config.json", "model.safetensors", "draft_vocab.safetensors", "metrics.jsonl"
+        }  # fmt: skip
+        for name, digest in provenance["files_sha256"].items():
+            assert hashlib.sha256((shipped / name).read_bytes()).hexdigest() == digest
 
     again = run(str(recipe_set)).stdout
     assert again.count("skipped:") == 7  # target, self-distillation, features, 2 exports, 2 reports
