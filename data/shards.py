@@ -3,7 +3,7 @@
     ds = FeatureDataset("runs/features", verify_checksums=True, expect={"layers": [-1]})
     sample = ds[0]  # {"id", "input_ids" (T,), "loss_mask" (T,), "hidden" (T, n_layers, d)}
 
-A feature directory holds `manifest.json` and `shard-00000.safetensors`, ... (DESIGN §4). A shard
+A feature directory holds `manifest.json` and `shard-00000.safetensors`, ... A shard
 packs its samples end to end: `input_ids [T] int32`, `loss_mask [T] uint8`, `hidden [T, n·d]`
 (storage dtype, bf16 by default), `offsets [n+1] int64` and `sample_ids [n] int64`. Shards and the
 manifest are written to a `.tmp` name and renamed, so a file under its final name is complete.

@@ -32,6 +32,7 @@ _VOLATILE_CONFIG_KEYS = {
     "transformers_version",
     "_name_or_path",
     "name_or_path",
+    "_model_name_or_path",  # a display name (GGUF conversions carry the file's `general.name`)
     "dtype",
     "torch_dtype",
     "_attn_implementation",

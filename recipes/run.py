@@ -139,6 +139,8 @@ def ship(spec: dict[str, Any], method: str, recipe: dict[str, Any], directory: P
         if f.is_file():
             shutil.copyfile(f, dest / f.name)
     shutil.copyfile(run_dir / "metrics.jsonl", dest / "metrics.jsonl")
+    # The target's architecture, so that the drafter can be checked (and loaded) without the target's weights.
+    shutil.copyfile(ROOT / spec["target"] / "config.json", dest / "target_config.json")
     distill = spec.get("selfdistill") or {}
     meta = ROOT / (distill.get("out", "") + ".meta.json")
     target_provenance = ROOT / spec["target"] / "provenance.json"

@@ -132,7 +132,7 @@ def test_the_driver_runs_every_step_then_resumes_by_skipping_them(recipe_set):
         provenance = json.loads((shipped / "PROVENANCE.json").read_text())
         assert provenance["selfdistill"]["records"] == 8 and provenance["training"]["steps"] == 3
         assert set(provenance["files_sha256"]) == {
-            "config.json", "model.safetensors", "draft_vocab.safetensors", "metrics.jsonl"
+            "config.json", "model.safetensors", "draft_vocab.safetensors", "metrics.jsonl", "target_config.json"
         }  # fmt: skip
         for name, digest in provenance["files_sha256"].items():
             assert hashlib.sha256((shipped / name).read_bytes()).hexdigest() == digest

@@ -247,7 +247,7 @@ EVAL_BASELINES = ("plain", "prompt_lookup")
 @dataclass
 class ExportConfig:
     format: Literal["native", "eagle", "sglang", "medusa", "vllm"] = "native"
-    """Engine layouts (REFERENCE.md). No vLLM speculators layout: speculators 0.9 describes EAGLE-3 family drafters
+    """Engine layouts (see train/export.py). No vLLM speculators layout: speculators 0.9 describes EAGLE-3 family drafters
     (and MTP / DFlash), whose layer attends over [embedding | fused features]; specdraft's EAGLE-2 is not one."""
     out: str | None = None
     """Defaults to <train.output_dir>/export."""

@@ -12,7 +12,7 @@ then reloaded strictly
 (`models.io.load_drafter`) before the command reports success. Drafters with an `export_extra` hook add
 their method-specific files next to it (Medusa-2: `heads/`, the LoRA `adapter/`, `merged/` with --merge-lora).
 
-Engine formats (REFERENCE.md), each a `config.json` + safetensors file:
+Engine formats, each a `config.json` + safetensors file:
 - `medusa`: FasterDecoding Medusa, `medusa_lm_head.safetensors` with `{h}.{l}.linear.weight|bias` and
   `{h}.{L}.weight`; config `medusa_num_heads`, `medusa_num_layers`, `base_model_name_or_path`.
 - `eagle` (SafeAILab EAGLE-1/2) and `sglang` (`LlamaForCausalLMEagle`): a one-layer Llama config plus

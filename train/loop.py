@@ -1,4 +1,4 @@
-"""The training loop: one for every drafter method (DESIGN §5).
+"""The training loop: one for every drafter method.
 
     accelerate launch [--config_file recipes/accelerate/X.yaml] -m train RECIPE [key=value ...]
 
