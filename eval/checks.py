@@ -93,8 +93,10 @@ def spread_layers(model: torch.nn.Module, devices: list[str | torch.device]) -> 
 # --------------------------------------------------------------------------------------------
 # What "lossless" means for a target in bf16 or fp16
 
-BF16_TIE_MARGIN = 0.25
-"""Default `eval.tie_margin` for bf16 / fp16 targets, in logits of the float32 reference (see `near_tie`)."""
+BF16_TIE_MARGIN = 0.5
+"""Default `eval.tie_margin` for bf16 / fp16 targets, in logits of the float32 reference (see `near_tie`). On
+SmolLM2-135M-Instruct the error of a bf16 forward on the margin between the float32 top-2 logits is 0.07 at the
+median, 0.33 at the 99th and 0.51 at the 99.9th percentile (2469 positions of self-distilled answers)."""
 
 _FLOAT32_COPIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -114,16 +116,17 @@ def near_tie(model: torch.nn.Module, prefix: list[int], a: int, b: int, margin: 
     """Is the choice between tokens `a` and `b` after `prefix` a rounding tie of the target?
 
     In bf16 a forward over several tokens does not give bit-identical logits to one-token forwards, so speculative
-    and plain greedy decoding can pick different tokens where the target's two best tokens are within rounding of
-    each other. The float32 copy of the target scores `prefix` in one plain forward; the choice is a tie when `a`
-    and `b` are its two best tokens and their logits differ by at most `margin`. Anything else (a token outside the
-    top two, a clear winner) is a real mismatch. -> {"tie", "position" (set by the caller), "tokens", "margin"}."""
+    and plain greedy decoding can pick different tokens where the target's best tokens are within rounding of each
+    other. The float32 copy of the target scores `prefix` in one plain forward; the choice is a tie when both `a`
+    and `b` have logits within `margin` of its best logit (both are the target's greedy choice up to rounding).
+    A token further from the best one is a real mismatch. -> {"tie", "tokens", "margin": the larger of the two
+    distances to the best logit, "reference_top": the float32 argmax}."""
     reference = float32_reference(model)
     device = next(reference.parameters()).device
     logits = reference(input_ids=torch.tensor([prefix], device=device)).logits[0, -1].float()  # (V,)
-    top2 = logits.topk(2).indices.tolist()
-    gap = float((logits[a] - logits[b]).abs())
-    return {"tie": set(top2) == {a, b} and gap <= margin, "tokens": [a, b], "margin": round(gap, 5)}
+    best = logits.max()
+    gap = float(max(best - logits[a], best - logits[b]))
+    return {"tie": gap <= margin, "tokens": [a, b], "margin": round(gap, 5), "reference_top": int(logits.argmax())}
 
 
 def tie_margin(ev, target) -> float:

@@ -202,8 +202,8 @@ class EvalConfig:
     as much; verification still uses the full vocabulary, so outputs are unchanged)."""
     tie_margin: float | None = None
     """Greedy losslessness on a bf16 / fp16 target: a first differing token still counts as lossless when it and
-    plain decoding's token are the float32 target's two best with logits at most this far apart (a rounding tie;
-    counted in the report). None = 0 for float32 targets, 0.25 for bf16 / fp16."""
+    plain decoding's token both have float32-target logits within this many logits of the best one (a rounding tie;
+    counted in the report). None = 0 for float32 targets, 0.5 for bf16 / fp16."""
     kernels: Literal["triton", "reference"] = "triton"
     baselines: list[str] = field(default_factory=lambda: ["plain", "prompt_lookup"])
     batch_size: int = 1
@@ -247,7 +247,7 @@ EVAL_BASELINES = ("plain", "prompt_lookup")
 @dataclass
 class ExportConfig:
     format: Literal["native", "eagle", "sglang", "medusa", "vllm"] = "native"
-    """Engine layouts (see train/export.py). No vLLM speculators layout: speculators 0.9 describes EAGLE-3 family drafters
+    """Engine layouts (train/export.py). No vLLM speculators layout: speculators 0.9 describes EAGLE-3 family drafters
     (and MTP / DFlash), whose layer attends over [embedding | fused features]; specdraft's EAGLE-2 is not one."""
     out: str | None = None
     """Defaults to <train.output_dir>/export."""
