@@ -1,4 +1,4 @@
-"""Why EAGLE's first draft is accepted less often than its held-out accuracy says, after `make demo`.
+"""Why EAGLE's first draft is accepted less often than its held-out accuracy says, after `make demo-pocket`.
 
     python recipes/pocket/acceptance_gap.py [--demo artifacts/demo]
 
@@ -53,14 +53,14 @@ def first_draft_predictions(drafter, feats: torch.Tensor, ids: torch.Tensor) -> 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--demo", default="artifacts/demo", help="the output directory of a finished `make demo`")
+    parser.add_argument("--demo", default="artifacts/demo", help="output of a finished `make demo-pocket`")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     demo = ROOT / args.demo
     run = demo / "eagle2"
     for path in (run / "export" / "config.json", run / "eval" / "report.json", demo / "features" / "manifest.json"):
         if not path.is_file():
-            sys.exit(f"acceptance_gap: {path} is missing: run `make demo` first (or pass --demo)")
+            sys.exit(f"acceptance_gap: {path} is missing: run `make demo-pocket` first (or pass --demo)")
     torch.set_num_threads(args.threads)
     recipe = load_recipe(run / "recipe.yaml")
     target = load_target(**{**vars(recipe.target), "dtype": "float32"})

@@ -1,4 +1,4 @@
-"""The whole pipeline on the bundled pocket target, on CPU, in under 15 minutes: `make demo`.
+"""The whole pipeline on the bundled pocket target, on CPU, in under 15 minutes: `make demo-pocket`.
 
     python recipes/pocket/demo.py [--target recipes/pocket/target] [--out artifacts/demo] [--threads 1]
 
@@ -63,7 +63,7 @@ def skip(what: str) -> None:
 def followup_parser(description: str, default_out: str) -> argparse.ArgumentParser:
     """Command line of the scripts that run after the demo on its outputs (large_trees.py, medusa2_compare.py)."""
     parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--demo", default=DEFAULT_OUT, help="the output directory of a finished `make demo`")
+    parser.add_argument("--demo", default=DEFAULT_OUT, help="the output directory of a finished `make demo-pocket`")
     parser.add_argument("--out", default=default_out, help="where every output goes (gitignored)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads for training and decoding")
     parser.add_argument("--prompts", type=int, default=20, help="held-out prompts per evaluation")
@@ -74,7 +74,7 @@ def followup_setup(name: str, args: argparse.Namespace, needed: list[Path]) -> t
     """Check that the demo's outputs a follow-up needs exist; create OUT/logs. -> (subprocess env, log dir)."""
     for path in needed:
         if not (ROOT / path).is_file():
-            sys.exit(f"{name}: {path} is missing: run `make demo` first (or pass --demo)")
+            sys.exit(f"{name}: {path} is missing: run `make demo-pocket` first (or pass --demo)")
     log_dir = ROOT / args.out / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     return {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false"}, log_dir

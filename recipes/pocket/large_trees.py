@@ -1,4 +1,4 @@
-"""The papers' large trees on the pocket target, after `make demo`: the runs behind the README's second table.
+"""The papers' large trees on the pocket target, after `make demo-pocket` (the second table of docs/pocket.md).
 
     python recipes/pocket/large_trees.py [--demo artifacts/demo] [--out artifacts/large-trees]
 

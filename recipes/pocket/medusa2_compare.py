@@ -2,7 +2,7 @@
 
     python recipes/pocket/medusa2_compare.py [--demo artifacts/demo] [--out artifacts/medusa2-compare] [--steps 120]
 
-Two arms on the demo's self-distilled data (run `make demo` first), batch 8 as the recipes:
+Two arms on the demo's self-distilled data (run `make demo-pocket` first), batch 8 as the recipes:
   - Medusa-1: `recipes/pocket/medusa1.yaml` for STEPS steps (frozen target);
   - Medusa-1 for STEPS/2 steps, then Medusa-2 (`recipes/pocket/medusa2.yaml`: heads + LoRA, self-distilled KL) from
     those heads for STEPS/2 steps, exported with the LoRA merged (Medusa-2 is evaluated on, and ships with, the
