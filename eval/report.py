@@ -56,9 +56,26 @@ def summarize(records: list[dict[str, Any]], meta: dict[str, Any]) -> dict[str, 
         "near_tie_margins": [t["margin"] for t in ties],
         "tokens_per_round_histogram": _histogram([a + 1 for a in accepted]),
         "by_group": _by_group(records),
+        "time_per_round": _time_per_round(records),
         "batches": _batches(records),
         "per_prompt": records,
     }
+
+
+def _time_per_round(records: list[dict[str, Any]]) -> dict[str, float] | None:
+    """Where a speculative round's time goes (seconds per round, pooled): the verifying target forward, drafting,
+    and the rest of the loop (tree building, acceptance, KV commits); with the plain baseline, the time of one plain
+    token for comparison: a round pays off when (target + draft + loop) < τ × plain."""
+    spec = [r["speculative"] for r in records]
+    rounds = sum(len(x["accepted"]) for x in spec)
+    if not rounds or any("target_s" not in x for x in spec):
+        return None
+    target, draft, wall = (sum(x[k] for x in spec) / rounds for k in ("target_s", "draft_s", "wall_s"))
+    out = {"target_s": target, "draft_s": draft, "loop_s": wall - target - draft}
+    plain = [r["plain"] for r in records if "plain" in r and r.get("batch_size", 1) == 1]
+    if plain:
+        out["plain_token_s"] = sum(x["wall_s"] for x in plain) / max(sum(x["new_tokens"] for x in plain), 1)
+    return out
 
 
 def _by_group(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -162,6 +179,7 @@ def to_markdown(s: dict[str, Any]) -> str:
             markdown_table(SUMMARY_HEADER, [summary_row(s)]),
             "## Acceptance by depth\n\n" + markdown_table(depth_header, depth_rows),
             *([_group_table(s["by_group"])] if s.get("by_group") else []),
+            *([_time_table(s["time_per_round"])] if s.get("time_per_round") else []),
             "## Per prompt\n\n" + markdown_table(["prompt", "new tokens", "τ", "speedup", "lossless"], prompt_rows),
         ]
     )
@@ -180,6 +198,13 @@ def _group_table(groups: dict[str, dict[str, Any]]) -> str:
     ]
     header = ["group", "prompts", "τ", "acceptance by depth", "vs plain"]
     return "## By prompt group (category / kind)\n\n" + markdown_table(header, rows)
+
+
+def _time_table(t: dict[str, float]) -> str:
+    keys = ["target_s", "draft_s", "loop_s", "plain_token_s"]
+    names = {"target_s": "verify (target)", "draft_s": "draft", "loop_s": "loop", "plain_token_s": "one plain token"}
+    row = [_fmt(t[k] * 1000, 1) if k in t else "–" for k in keys]
+    return "## Time per round (ms)\n\n" + markdown_table([names[k] for k in keys], [row])
 
 
 def _batch_note(s: dict[str, Any]) -> str:

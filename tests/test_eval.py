@@ -305,7 +305,16 @@ def test_report_breaks_tau_down_by_prompt_group():
     assert s["by_group"]["coding"]["accept_len"] == pytest.approx((4 + 2 + 3) / 3)
     assert s["by_group"]["writing"]["accept_len"] == 1.0 and s["by_group"]["writing"]["prompts"] == 1
     assert "| coding | 2 | 3.00 |" in to_markdown(s)
+    assert s["time_per_round"] is None  # these records carry no target / draft split
     assert summarize([_record(0, [1], [True], True)], REPORT_META)["by_group"] == {}
+
+
+def test_report_splits_a_rounds_time():
+    records = [_record(0, [3, 1], [True, True], True)]
+    records[0]["speculative"] |= {"target_s": 0.6, "draft_s": 0.2}  # wall 1.0 s over 2 rounds
+    t = summarize(records, REPORT_META)["time_per_round"]
+    assert t == pytest.approx({"target_s": 0.3, "draft_s": 0.1, "loop_s": 0.1, "plain_token_s": 0.2})
+    assert "## Time per round (ms)" in to_markdown(summarize(records, REPORT_META))
 
 
 def test_prompt_records_carry_their_group(tmp_path, target):
