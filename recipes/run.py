@@ -22,6 +22,8 @@ A recipe set is a directory with `pipeline.yaml` and one training recipe per met
     shipped: {eagle2: recipes/smollm2/drafters/eagle2}   # optional: committed exports, for --shipped
     large_trees:                                # optional, for --large-trees: name -> [method, [overrides]]
       eagle2-dynamic-d5-k10-n60: [eagle2, [eval.tree=dynamic, eval.tree_depth=5, eval.tree_top_k=10]]
+    extra_evals:                                # optional, for --extra-evals: the same form
+      eagle2-mtbench: [eagle2, [eval.prompts=recipes/smollm2/prompts/mtbench.jsonl, eval.max_prompts=80]]
 
 Every step is a subprocess with its log under <first recipe's output parent>/logs/ (or --logs); steps whose output
 is complete are skipped, so re-running resumes (training resumes from its last checkpoint). The features of the
@@ -79,7 +81,7 @@ def load_pipeline(directory: Path) -> dict[str, Any]:
         sys.exit(f"run: {path}: no such file (a recipe set is a directory with {PIPELINE}; see --help)")
     spec = yaml.safe_load(path.read_text()) or {}
     where = shown(path)
-    unknown = set(spec) - {"target", "fetch", "selfdistill", "recipes", "shipped", "large_trees"}
+    unknown = set(spec) - {"target", "fetch", "selfdistill", "recipes", "shipped", "large_trees", "extra_evals"}
     if unknown:
         sys.exit(f"run: {where}: unknown keys {sorted(unknown)}")
     if not isinstance(spec.get("target"), str):
@@ -195,6 +197,7 @@ def main() -> None:
     parser.add_argument("--methods", nargs="*", default=None, help="default: every recipe of the set")
     parser.add_argument("--shipped", action="store_true", help="evaluate the set's shipped drafters; train nothing")
     parser.add_argument("--large-trees", action="store_true", help="also evaluate the set's large_trees")
+    parser.add_argument("--extra-evals", action="store_true", help="also the set's extra_evals (MT-bench, sampling)")
     parser.add_argument("--ship", action="store_true", help="copy the trained exports to the set's `shipped` dirs")
     parser.add_argument("--prompts", type=int, default=None, help="held-out prompts per evaluation (recipe's default)")
     parser.add_argument("--out", type=Path, default=None, help="evaluation outputs (default: the recipes' eval dirs)")
@@ -261,8 +264,8 @@ def main() -> None:
             ship(spec, method, read_recipe(recipes[method]), directory)
 
     evals: dict[str, tuple[str, list[str]]] = {m: (m, []) for m in methods}
-    if args.large_trees:
-        for name, (method, overrides) in (spec.get("large_trees") or {}).items():
+    for key, wanted in (("large_trees", args.large_trees), ("extra_evals", args.extra_evals)):
+        for name, (method, overrides) in (spec.get(key) or {}).items() if wanted else ():
             if method in methods:
                 evals[name] = (method, list(overrides))
     reports: dict[str, dict[str, Any]] = {}
