@@ -148,8 +148,11 @@ def test_grad_accum_4x1_equals_1x4(method, features, tmp_path):
     train(recipe(method, features, tmp_path / "b", "train.batch_size=1", "train.grad_accum=4", *common))
     torch.testing.assert_close(losses(tmp_path / "a"), losses(tmp_path / "b"), rtol=1e-5, atol=1e-6)
     a, b = trained(tmp_path / "a"), trained(tmp_path / "b")
-    for name in a:  # Adam turns float-noise gradient differences into updates of up to ~1e-3 lr
-        torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-5, msg=name)
+    # Adam divides by sqrt(v): where a gradient element is ~0 (zero-initialised Medusa W1), float noise between the
+    # two summation orders moves the update by up to a few percent of lr (1.3e-4 at lr 1e-2 seen here); a real
+    # accumulation error would show in the losses above and in updates of the order of lr.
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=5e-4, msg=name)
 
 
 def test_restricted_lm_head_scores_exactly_the_chosen_rows(features):
