@@ -33,7 +33,7 @@ smollm2: install
 	$(BIN)/python -m models.fetch smollm2-135m-instruct
 
 demo: smollm2
-	OMP_NUM_THREADS=1 $(BIN)/python recipes/run.py recipes/smollm2 --shipped --prompts 16
+	OMP_NUM_THREADS=1 $(BIN)/python recipes/run.py recipes/smollm2 --shipped --prompts 12
 
 demo-pocket: install
 	$(BIN)/python recipes/pocket/demo.py
