@@ -51,7 +51,7 @@ def summarize(records: list[dict[str, Any]], meta: dict[str, Any]) -> dict[str, 
         "lossless": all(checked) if checked else None,
         "lossless_prompts": (f"{sum(checked)}/{len(checked)}" + (f" ({len(ties)} at a near-tie)" if ties else ""))
         if checked
-        else "n/a (sampled)",
+        else ("n/a (sampled)" if meta.get("temperature") else "n/a (no plain baseline)"),
         "near_ties": len(ties),
         "near_tie_margins": [t["margin"] for t in ties],
         "tokens_per_round_histogram": _histogram([a + 1 for a in accepted]),

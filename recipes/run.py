@@ -275,13 +275,14 @@ def main() -> None:
         eval_dir = Path(args.out / name) if args.out else Path(conf["eval"]["output_dir"]).parent / f"eval-{name}"
         if name == method and args.out is None:
             eval_dir = Path(conf["eval"]["output_dir"])
-        keys = [f"eval.output_dir={eval_dir}", *overrides]
+        keys = [f"eval.output_dir={eval_dir}"]
+        if i > 0:  # the baselines are measured once, with the first evaluation (an evaluation's overrides may say more)
+            keys.append("eval.baselines=[plain]")
         if args.shipped:
             keys.append(f"eval.drafter={spec['shipped'][method]}")
         if args.prompts:
             keys.append(f"eval.max_prompts={args.prompts}")
-        if i > 0:  # the baselines are measured once, with the first evaluation
-            keys.append("eval.baselines=[plain]")
+        keys += overrides
         banner(f"eval {name}: speculative vs plain decoding on held-out prompts")
         report = ROOT / eval_dir / "report.json"
         drafter = ROOT / (spec["shipped"][method] if args.shipped else Path(conf["train"]["output_dir"]) / "export")
