@@ -112,21 +112,28 @@ def float32_reference(model: torch.nn.Module) -> torch.nn.Module:
 
 
 @torch.inference_mode()
-def near_tie(model: torch.nn.Module, prefix: list[int], a: int, b: int, margin: float) -> dict:
-    """Is the choice between tokens `a` and `b` after `prefix` a rounding tie of the target?
+def near_tie(model: torch.nn.Module, prefix: list[int], spec: int, plain: int, margin: float) -> dict:
+    """Is the speculative decoder's token `spec` where plain decoding chose `plain` (after `prefix`) a rounding tie of
+    the target rather than a mistake?
 
     In bf16 a forward over several tokens does not give bit-identical logits to one-token forwards, so speculative
     and plain greedy decoding can pick different tokens where the target's best tokens are within rounding of each
-    other. The float32 copy of the target scores `prefix` in one plain forward; the choice is a tie when both `a`
-    and `b` have logits within `margin` of its best logit (both are the target's greedy choice up to rounding).
-    A token further from the best one is a real mismatch. -> {"tie", "tokens", "margin": the larger of the two
-    distances to the best logit, "reference_top": the float32 argmax}."""
+    other. Two independent judges, both running the target's own forward on `prefix` (no cache, none of the
+    speculative loop's code):
+    - `float32`: a float32 copy of the target; both tokens' logits are within `margin` of its best logit;
+    - `own_forward`: the target in its own dtype, over the whole prefix at once, picks `spec` itself (the token is
+      the target's greedy choice under another, equally valid, evaluation order).
+    Either makes it a tie; anything else is a real mismatch. -> {"tie", "judge", "tokens": [spec, plain], "margin":
+    the larger float32 distance to the best logit, "reference_top": the float32 argmax}."""
+    ids = torch.tensor([prefix], device=next(model.parameters()).device)
+    own_top = int(model(input_ids=ids).logits[0, -1].argmax())
     reference = float32_reference(model)
-    device = next(reference.parameters()).device
-    logits = reference(input_ids=torch.tensor([prefix], device=device)).logits[0, -1].float()  # (V,)
+    logits = reference(input_ids=ids.to(next(reference.parameters()).device)).logits[0, -1].float()  # (V,)
     best = logits.max()
-    gap = float(max(best - logits[a], best - logits[b]))
-    return {"tie": gap <= margin, "tokens": [a, b], "margin": round(gap, 5), "reference_top": int(logits.argmax())}
+    gap = float(max(best - logits[spec], best - logits[plain]))
+    judge = "float32" if gap <= margin else "own_forward" if own_top == spec else None
+    return {"tie": judge is not None, "judge": judge, "tokens": [spec, plain], "margin": round(gap, 5),
+            "reference_top": int(logits.argmax())}  # fmt: skip
 
 
 def tie_margin(ev, target) -> float:

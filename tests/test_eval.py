@@ -360,7 +360,8 @@ def test_process_gpus_are_disjoint_equal_shares():
 
 
 def test_near_tie_judges_a_differing_greedy_token_by_the_float32_target():
-    """Two tokens with identical lm_head rows tie exactly; a token far below the best logit does not."""
+    """Two tokens with identical lm_head rows tie exactly (float32 judge); the target's own cache-free argmax is a
+    tie too (own-forward judge); a token far below the best logit that the target does not pick is a mismatch."""
     model = tiny_llama(seed=3, tie_word_embeddings=False).to(torch.bfloat16)
     prefix = [5, 17, 42, 9]
     with torch.no_grad():
@@ -368,8 +369,9 @@ def test_near_tie_judges_a_differing_greedy_token_by_the_float32_target():
         model.to(torch.bfloat16)
         best, second, worst = logits.argsort(descending=True)[[0, 1, -1]].tolist()
         model.lm_head.weight[second] = model.lm_head.weight[best]  # the target can't tell them apart
-    tie = near_tie(model, prefix, best, second, margin=0.25)
-    assert tie["tie"] and tie["margin"] == 0.0
-    assert not near_tie(model, prefix, best, second, margin=-1.0)["tie"]  # beyond the margin
-    assert not near_tie(model, prefix, best, worst, margin=0.25)["tie"]  # far from the best logit
-    assert near_tie(model, prefix, best, worst, margin=1e9)["tie"]
+        own = int(model(torch.tensor([prefix])).logits[0, -1].argmax())
+    tie = near_tie(model, prefix, second, best, margin=0.25)
+    assert tie["tie"] and tie["judge"] == "float32" and tie["margin"] == 0.0
+    assert near_tie(model, prefix, own, worst, margin=0.25)["judge"] == "own_forward"  # worst is far, own is chosen
+    mismatch = near_tie(model, prefix, worst, own, margin=0.25)
+    assert not mismatch["tie"] and mismatch["judge"] is None and mismatch["margin"] > 0.25

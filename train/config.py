@@ -202,8 +202,9 @@ class EvalConfig:
     as much; verification still uses the full vocabulary, so outputs are unchanged)."""
     tie_margin: float | None = None
     """Greedy losslessness on a bf16 / fp16 target: a first differing token still counts as lossless when it and
-    plain decoding's token both have float32-target logits within this many logits of the best one (a rounding tie;
-    counted in the report). None = 0 for float32 targets, 0.5 for bf16 / fp16."""
+    plain decoding's token both have float32-target logits within this many logits of the best one, or when the
+    target's own cache-free forward picks the speculative token (a rounding tie; counted in the report; see
+    eval.checks.near_tie). None = 0 for float32 targets, 0.5 for bf16 / fp16."""
     kernels: Literal["triton", "reference"] = "triton"
     baselines: list[str] = field(default_factory=lambda: ["plain", "prompt_lookup"])
     batch_size: int = 1
