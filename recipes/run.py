@@ -170,7 +170,7 @@ def table(reports: dict[str, dict[str, Any]]) -> str:
 
     first = next(iter(reports.values()))
     plain = first["tokens_per_s"]["plain"]
-    rows = [["plain decoding (transformers `generate`)", "-", "1.00", f"{plain:.1f}" if plain else "n/a", "-", "-"]]
+    rows = [["plain decoding (transformers `generate`)", "-", "-", f"{plain:.1f}" if plain else "n/a", "1.00×", "-"]]
     lookup = first["tokens_per_s"].get("prompt_lookup")
     if lookup:
         rows.append(["prompt lookup (transformers)", "-", "-", f"{lookup:.1f}", f"{lookup / plain:.2f}×", "-"])
