@@ -286,6 +286,8 @@ def test_native_export_carries_the_draft_vocabulary(runs, tmp_path):
     assert torch.equal(load_draft_vocab(out), counted)
     no_shards = load_recipe(runs["eagle2-vocab"] / "recipe.yaml", [f"data.features_dir={tmp_path / 'none'}"])
     assert torch.equal(draft_vocabulary(no_shards, str(out), 8), counted[:8])
-    with pytest.raises(EvalError, match="ships 16 draft tokens and no feature shards"):
+    assert torch.equal(draft_vocabulary(no_shards, str(out), 32), counted)  # all the data's tokens it has
+    (out / "draft_vocab.safetensors").unlink()
+    with pytest.raises(EvalError, match="No feature shards at data.features_dir"):
         draft_vocabulary(no_shards, str(out), 32)
     assert load_draft_vocab(export(runs["eagle2"], tmp_path / "plain")) is None  # drafts over the whole vocabulary
