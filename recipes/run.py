@@ -81,7 +81,8 @@ def load_pipeline(directory: Path) -> dict[str, Any]:
         sys.exit(f"run: {path}: no such file (a recipe set is a directory with {PIPELINE}; see --help)")
     spec = yaml.safe_load(path.read_text()) or {}
     where = shown(path)
-    unknown = set(spec) - {"target", "fetch", "selfdistill", "recipes", "shipped", "large_trees", "extra_evals"}
+    known = {"target", "fetch", "selfdistill", "recipes", "shipped", "shipped_overrides", "large_trees", "extra_evals"}
+    unknown = set(spec) - known
     if unknown:
         sys.exit(f"run: {where}: unknown keys {sorted(unknown)}")
     if not isinstance(spec.get("target"), str):
@@ -278,8 +279,9 @@ def main() -> None:
         keys = [f"eval.output_dir={eval_dir}"]
         if i > 0:  # the baselines are measured once, with the first evaluation (an evaluation's overrides may say more)
             keys.append("eval.baselines=[plain]")
-        if args.shipped:
+        if args.shipped:  # without the training data: e.g. no Medusa tree calibration on its held-out samples
             keys.append(f"eval.drafter={spec['shipped'][method]}")
+            keys += (spec.get("shipped_overrides") or {}).get(method, [])
         if args.prompts:
             keys.append(f"eval.max_prompts={args.prompts}")
         keys += overrides
