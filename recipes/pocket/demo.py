@@ -22,13 +22,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "recipes"))  # run.py: the step helpers every pipeline script shares
+
+from run import banner, run_step, skip  # noqa: E402
 
 from eval.report import lossless_mark, markdown_table  # noqa: E402
 
@@ -36,28 +38,6 @@ RECIPES = {"eagle2": "recipes/pocket/eagle2.yaml", "medusa1": "recipes/pocket/me
 DEFAULT_TARGET, DEFAULT_OUT = "recipes/pocket/target", "artifacts/demo"
 SELFDISTILL_PROMPTS = 2048
 SELFDISTILL_TOKENS = 96
-
-
-def banner(text: str) -> None:
-    print(f"\n=== {text} " + "=" * max(0, 100 - len(text)), flush=True)
-
-
-def run_step(name: str, cmd: list[str], log_dir: Path, env: dict[str, str]) -> None:
-    """Run one step as a subprocess, its output to a log file; on failure show the log's tail and stop."""
-    log = log_dir / f"{name}.log"
-    print(f"$ {' '.join(cmd)}\n  (log: {log.relative_to(ROOT) if log.is_relative_to(ROOT) else log})", flush=True)
-    start = time.perf_counter()
-    with open(log, "w") as f:
-        code = subprocess.call(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
-    if code != 0:
-        tail = log.read_text().replace("\r", "\n").splitlines()[-25:]
-        sys.exit("\n".join([*tail, f"demo: step {name!r} failed (exit {code}); full log: {log}"]))
-    last = [line for line in log.read_text().replace("\r", "\n").splitlines() if line.strip()][-1:]
-    print(f"  done in {time.perf_counter() - start:.0f}s" + (f": {last[0][:150]}" if last else ""), flush=True)
-
-
-def skip(what: str) -> None:
-    print(f"  skipped: {what} is complete", flush=True)
 
 
 def followup_parser(description: str, default_out: str) -> argparse.ArgumentParser:
