@@ -12,9 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from tiny import save_chat_target
 
 ROOT = Path(__file__).resolve().parents[1]
 POCKET = ROOT / "recipes" / "pocket" / "target"
@@ -66,22 +65,7 @@ def recipe(method: str, root: Path, target: Path) -> dict:
 def recipe_set(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("run")
     target = root / "target"
-    tok = AutoTokenizer.from_pretrained(POCKET)
-    config = LlamaConfig(
-        vocab_size=8192,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-        initializer_range=0.5,  # peaked distributions: greedy choices far from ties
-    )
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(target)
-    tok.save_pretrained(target)
+    save_chat_target(target, POCKET)
     prompts = [{"id": f"q{i}", "messages": [{"role": "user", "content": f"Question {i}: what is {i} + {i}?"}]}
                for i in range(10)]  # fmt: skip
     (root / "train.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts[:8]))

@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
+from tiny import save_chat_target
+from transformers import AutoTokenizer, GenerationConfig
 
 from data.prepare import tokenize_record
 from data.selfdistill import SelfDistillError, main
@@ -40,22 +40,7 @@ def tiny_target(tmp_path_factory) -> Path:
     """2-layer random Llama, vocab 8192, saved with the pocket tokenizer. A large init makes the
     next-token distributions peaked, so greedy choices are far from ties."""
     path = tmp_path_factory.mktemp("tiny-target")
-    tok = AutoTokenizer.from_pretrained(POCKET)
-    config = LlamaConfig(
-        vocab_size=8192,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-        initializer_range=0.5,
-    )
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(path)
-    tok.save_pretrained(path)
+    save_chat_target(path, POCKET)
     return path
 
 

@@ -57,3 +57,26 @@ def make_batch(model, samples, layers: list[int], rows: list[list[int]], width: 
             batch["hidden"][b, sl] = sample_hidden(model, ids, layers)
             start += ids.shape[0]
     return batch
+
+
+def save_chat_target(path, tokenizer_dir) -> None:
+    """A 2-layer random Llama (vocab 8192) saved with the tokenizer of `tokenizer_dir` (the pocket one, which has a
+    chat template). A large init makes the next-token distributions peaked, so greedy choices are far from ties."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    config = LlamaConfig(
+        vocab_size=8192,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        initializer_range=0.5,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(path)
+    tok.save_pretrained(path)
