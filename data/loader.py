@@ -1,14 +1,17 @@
 """Batches for the training loop from feature shards or token samples, per process, resumable.
 
-    loader = BatchLoader(FeatureDataset(dir), train_idx, batch_size=8, rank=r, world_size=n, seed=0)
+    loader = BatchLoader(FeatureDataset(dir), train_idx, batch_size=8, accum=2, rank=r, world_size=n, seed=0)
     batches = loader.batches()          # endless; epochs advance with a new shuffle
-    state = loader.state_dict()         # {"epoch", "batch"}: where the next batch comes from
+    state = loader.state_dict()         # {"epoch", "rows"}: rows of the epoch consumed by all processes
 
 Every epoch is planned up front from the sample lengths alone: a shuffle seeded by (seed, epoch),
 then rows (one sample per row, or with `packing` samples concatenated up to `max_len` tokens with
-position ids restarting at 0 per sample), then rows dealt round-robin to the processes. Rows are
-wrapped around to a multiple of world_size so every process gets the same number of batches
-(DDP ranks stay in step). A restored state therefore replays exactly the same batches.
+position ids restarting at 0 per sample). Rows are wrapped around to a multiple of the global step
+(batch_size x accum x world_size rows) and taken in order: micro-batch m of the epoch is rows
+[m·B·N, (m+1)·B·N), dealt round-robin to the N processes. Every process gets the same number of
+full batches (DDP ranks stay in step), and the position is counted in rows, so a state saved by N
+processes restores on M with the same global step (batch_size x accum x world_size) and replays
+exactly the same rows per optimizer step.
 
 Batches are `DraftBatch` dicts, right-padded to the batch's longest row: attention_mask 0 and
 loss_mask 0 on padding, and padding positions continue the last sample's positions (so they never
@@ -38,6 +41,7 @@ class BatchLoader:
         indices: Sequence[int] | None = None,
         *,
         batch_size: int,
+        accum: int = 1,
         packing: bool = False,
         max_len: int | None = None,
         shuffle: bool = True,
@@ -53,7 +57,7 @@ class BatchLoader:
         self.indices = list(range(len(samples)) if indices is None else indices)
         if not self.indices:
             raise ValueError("BatchLoader: no samples")
-        self.batch_size, self.packing, self.max_len = batch_size, packing, max_len
+        self.batch_size, self.accum, self.packing, self.max_len = batch_size, accum, packing, max_len
         self.shuffle, self.seed, self.rank, self.world_size = shuffle, seed, rank, world_size
         self.features = isinstance(samples, FeatureDataset)
         raw = samples.lengths if self.features else [len(s["input_ids"]) for s in samples]
@@ -71,8 +75,9 @@ class BatchLoader:
         if self.shuffle:
             order = [order[j] for j in np.random.default_rng([self.seed, epoch]).permutation(len(order))]
         rows = self._pack(order) if self.packing else [[i] for i in order]
-        per_rank = -(-len(rows) // self.world_size)
-        rows = (rows * (per_rank * self.world_size // len(rows) + 1))[: per_rank * self.world_size]
+        step = self.step_rows
+        total = -(-len(rows) // step) * step
+        rows = (rows * (total // len(rows) + 1))[:total]
         mine = rows[self.rank :: self.world_size]
         plan = [mine[b : b + self.batch_size] for b in range(0, len(mine), self.batch_size)]
         self._plan_cache = (epoch, plan)
@@ -111,11 +116,24 @@ class BatchLoader:
                 yield self.collate(rows)
             self._epoch, self._batch = self._epoch + 1, 0
 
+    @property
+    def step_rows(self) -> int:
+        """Rows of one optimizer step over all processes."""
+        return self.batch_size * self.accum * self.world_size
+
     def state_dict(self) -> dict[str, int]:
-        return {"epoch": self._epoch, "batch": self._batch}
+        """Where the next batch comes from, independent of how many processes read: (epoch, rows consumed)."""
+        return {"epoch": self._epoch, "rows": self._batch * self.batch_size * self.world_size}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._epoch, self._batch = int(state["epoch"]), int(state["batch"])
+        """Restore a position; the rows consumed must fall on a micro-batch of this loader's processes."""
+        rows, per_batch = int(state["rows"]), self.batch_size * self.world_size
+        if rows % per_batch:
+            raise ValueError(
+                f"data position {rows} rows into epoch {state['epoch']} is not a whole number of batches of "
+                f"{self.batch_size} x {self.world_size} processes: keep batch_size x grad_accum x processes the same"
+            )
+        self._epoch, self._batch = int(state["epoch"]), rows // per_batch
 
     # ---------------------------------------------------------------------------------- collation
 

@@ -98,7 +98,7 @@ def test_resume_replays_the_same_batches_across_epochs() -> None:
     for _ in range(3):  # into the second epoch
         next(stream)
     state = a.state_dict()
-    assert state == {"epoch": 1, "batch": 1}
+    assert state == {"epoch": 1, "rows": 6}
     expected = [next(stream) for _ in range(4)]
     b = BatchLoader(samples, batch_size=3, seed=7, rank=1, world_size=2)
     b.load_state_dict(state)
@@ -107,3 +107,41 @@ def test_resume_replays_the_same_batches_across_epochs() -> None:
         assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
     assert a.plan(0) != a.plan(1)  # a new shuffle every epoch
     assert BatchLoader(samples, batch_size=3, seed=8).plan(0) != BatchLoader(samples, batch_size=3, seed=7).plan(0)
+
+
+@pytest.mark.parametrize("packing", [False, True])
+@pytest.mark.parametrize("saved,resumed", [((2, 1), (1, 2)), ((1, 2), (2, 1)), ((4, 1), (2, 2))])
+def test_a_position_saved_by_n_processes_resumes_on_m(saved, resumed, packing) -> None:
+    """(processes, accum) with the same global step: every optimizer step reads the same rows after the restore."""
+    samples = token_samples(23)
+    kw = dict(batch_size=2, packing=packing, max_len=24, seed=3)
+
+    def steps(loaders, accum, n):  # the set of sample positions each of n optimizer steps reads, over all ranks
+        streams = [loader.batches() for loader in loaders]
+        out = []
+        for _ in range(n):
+            rows = []
+            for stream in streams:
+                for _ in range(accum):
+                    batch = next(stream)
+                    rows += [tuple(r[m > 0].tolist()) for r, m in zip(batch["input_ids"], batch["attention_mask"])]
+            out.append(sorted(rows))
+        return out
+
+    (n_a, acc_a), (n_b, acc_b) = saved, resumed
+    a = [BatchLoader(samples, rank=r, world_size=n_a, accum=acc_a, **kw) for r in range(n_a)]
+    uninterrupted = steps(a, acc_a, 9)  # across an epoch boundary
+    a = [BatchLoader(samples, rank=r, world_size=n_a, accum=acc_a, **kw) for r in range(n_a)]
+    steps(a, acc_a, 4)
+    states = [loader.state_dict() for loader in a]
+    assert len({tuple(s.items()) for s in states}) == 1  # one position, whatever the rank
+    b = [BatchLoader(samples, rank=r, world_size=n_b, accum=acc_b, **kw) for r in range(n_b)]
+    for loader in b:
+        loader.load_state_dict(states[0])
+    assert steps(b, acc_b, 5) == uninterrupted[4:]
+
+
+def test_a_position_off_the_batch_grid_is_refused() -> None:
+    loader = BatchLoader(token_samples(10), batch_size=4, world_size=1)
+    with pytest.raises(ValueError, match="not a whole number of batches"):
+        loader.load_state_dict({"epoch": 0, "rows": 6})

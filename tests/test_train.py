@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import socket
 import subprocess
 import sys
@@ -26,6 +27,7 @@ from data.shards import FeatureDataset
 from models import DRAFTERS
 from models.target import load_target
 from train import loop
+from train.__main__ import main as train_main
 from train.checkpoint import DRAFTER_FILE, METRICS_FILE, latest_checkpoint, list_checkpoints
 from train.config import load_recipe
 from train.loop import TrainingError, build_target, target_hidden, train
@@ -246,8 +248,79 @@ def test_resume_refuses_another_recipe(features, tmp_path):
     resized = recipe(
         "eagle2", features, tmp_path / "run", "train.max_steps=3", "train.resume=auto", "train.batch_size=2"
     )
-    with pytest.raises(TrainingError, match="saved with train.batch_size=4, .* has 2; the saved data position"):
+    with pytest.raises(
+        TrainingError, match=r"global batch of 4 rows .* resuming with 2 \(2 x 1 x 1\): set train.grad_accum"
+    ):
         train(resized)
+
+
+def test_resume_never_unpickles_anything(features, tmp_path):
+    """A run directory copied from someone else: pickles where accelerate kept its state (scheduler, RNG, optimizer,
+    model) are never loaded; resume reads JSON and safetensors only."""
+    run = tmp_path / "run"
+    train(recipe("eagle2", features, run, "train.max_steps=2"))
+    reset_accelerate()
+    ckpt = latest_checkpoint(run)
+    proof = tmp_path / "executed"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {proof}",))
+
+    for name in (
+        "custom_checkpoint_0.pkl",
+        "random_states_0.pkl",
+        "optimizer.bin",
+        "pytorch_model.bin",
+        "scheduler.bin",
+    ):
+        (ckpt / name).write_bytes(pickle.dumps(Payload()))
+        torch.save({"x": Payload()}, ckpt / (name + ".pt"))
+    train(recipe("eagle2", features, run, "train.max_steps=3", "train.resume=auto"))
+    assert not proof.exists()
+    assert [m["step"] for m in map(json.loads, (run / METRICS_FILE).read_text().splitlines())] == [1, 2, 3]
+
+
+def test_resume_names_a_truncated_checkpoint_file(features, tmp_path):
+    run = tmp_path / "run"
+    train(recipe("eagle2", features, run, "train.max_steps=2"))
+    ckpt = latest_checkpoint(run)
+    for name in ("optimizer.safetensors", "scheduler.json", "drafter.safetensors"):
+        reset_accelerate()
+        (tmp_path / "orig").write_bytes((ckpt / name).read_bytes())
+        (ckpt / name).write_bytes((tmp_path / "orig").read_bytes()[:50])
+        with pytest.raises(TrainingError, match=f"{name}: (unreadable safetensors|not valid JSON)"):
+            train(recipe("eagle2", features, run, "train.max_steps=3", "train.resume=auto"))
+        (ckpt / name).write_bytes((tmp_path / "orig").read_bytes())
+
+
+def test_resume_drops_a_torn_last_metrics_line(features, tmp_path):
+    run = tmp_path / "run"
+    train(recipe("eagle2", features, run, "train.max_steps=2"))
+    reset_accelerate()
+    with open(run / METRICS_FILE, "a") as f:
+        f.write('{"step": 3, "train/lo')  # killed while writing step 3's line
+    train(recipe("eagle2", features, run, "train.max_steps=3", "train.resume=auto"))
+    assert [m["step"] for m in map(json.loads, (run / METRICS_FILE).read_text().splitlines())] == [1, 2, 3]
+
+
+def test_resume_with_the_same_global_batch_split_otherwise_matches(features, tmp_path):
+    """4 rows x 1 accumulation saved, resumed as 2 rows x 2 accumulations: the same rows per step, so the same
+    run (a preempted job restarted on half the processes doubles train.grad_accum the same way)."""
+    common = ["train.max_steps=4", "train.save_every=2", "train.lr=0.01"]
+    train(recipe("eagle2", features, tmp_path / "a", *common, "train.batch_size=4"))
+    reset_accelerate()
+    train(recipe("eagle2", features, tmp_path / "b", *common, "train.batch_size=4"), stop_after=2)
+    reset_accelerate()
+    train(
+        recipe(
+            "eagle2", features, tmp_path / "b", *common, "train.batch_size=2", "train.grad_accum=2", "train.resume=auto"
+        )
+    )
+    torch.testing.assert_close(losses(tmp_path / "b"), losses(tmp_path / "a"), rtol=1e-5, atol=1e-6)
+    a, b = trained(tmp_path / "a"), trained(tmp_path / "b")
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_resume_from_an_older_checkpoint_refuses_to_mix_runs(features, tmp_path):
@@ -282,12 +355,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(args: list[str], env: dict[str, str], timeout: int = 240) -> None:
+def launch(args: list[str], env: dict[str, str], timeout: int = 240, ok: bool = True) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", str(_free_port()), *args]
-    # ACCELERATE_USE_CPU would silently turn a DeepSpeed launch into plain DDP: only set where asked.
+    # ACCELERATE_USE_CPU would turn a DeepSpeed launch into plain DDP (refused): only set where asked.
     full_env = {k: v for k, v in os.environ.items() if k != "ACCELERATE_USE_CPU"} | {"OMP_NUM_THREADS": "1", **env}
     proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    if ok:
+        assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc
 
 
 @pytest.fixture(scope="module")
@@ -298,13 +373,21 @@ def single_process_run(features, tmp_path_factory) -> Path:
     return out
 
 
+def shipped_config(name: str) -> list[str]:
+    """The repository's own accelerate config file, on 2 processes (DDP on CPU needs ACCELERATE_USE_CPU)."""
+    return ["--config_file", str(ROOT / "recipes" / "accelerate" / f"{name}.yaml"), "--num_processes", "2"]
+
+
+CPU = {"ACCELERATE_USE_CPU": "true"}
+
+
 # Global batch 4 = 1 process x 4 = 2 processes x 2 (x 1 accumulation) = 2 x 1 x 2 (ZeRO-2 accumulates).
 @pytest.mark.parametrize(
     "backend,launch_args,env,batch",
     [
-        ("ddp", ["--multi_gpu", "--num_processes", "2"], {"ACCELERATE_USE_CPU": "true"}, [2, 1]),
-        ("zero2", ["--use_deepspeed", "--zero_stage", "2", "--num_processes", "2"], {}, [1, 2]),
-        ("zero3", ["--use_deepspeed", "--zero_stage", "3", "--num_processes", "2"], {}, [2, 1]),
+        ("ddp", shipped_config("ddp"), CPU, [2, 1]),
+        ("zero2", shipped_config("zero2"), {}, [1, 2]),
+        ("zero3", shipped_config("zero3"), {}, [2, 1]),
     ],
 )
 def test_two_processes_match_one(backend, launch_args, env, batch, features, single_process_run, tmp_path):
@@ -336,3 +419,62 @@ def test_zero3_online_matches_one_process(features, tmp_path):
     one, two = trained(single), trained(out)
     for name in one:
         torch.testing.assert_close(two[name], one[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.fixture(scope="module")
+def four_steps(features, tmp_path_factory) -> Path:
+    """4 uninterrupted steps on one process with batch 4: what every world-size change must reproduce."""
+    out = tmp_path_factory.mktemp("four") / "run"
+    reset_accelerate()
+    train(recipe("eagle2", features, out, "train.max_steps=4", "train.batch_size=4", "train.lr=0.01"))
+    return out
+
+
+def _run(features, out, processes, backend, batch, accum, resume):
+    """4 steps of the tiny EAGLE recipe: the first 2 then stop (resume=False), or the rest (resume=True)."""
+    overrides = [f"data.features_dir={features}", f"train.output_dir={out}", *QUIET, "train.max_steps=4"]
+    overrides += ["train.lr=0.01", f"train.batch_size={batch}", f"train.grad_accum={accum}"]
+    args = ["--resume"] if resume else ["--stop-after", "2"]
+    if processes == 1:
+        reset_accelerate()
+        train_main([str(RECIPES["eagle2"]), *overrides, *args])
+    else:
+        launch(
+            [*shipped_config(backend), "-m", "train", str(RECIPES["eagle2"]), *overrides, *args],
+            CPU if backend == "ddp" else {},
+        )
+
+
+# (processes, batch, accumulation) before and after the restart; the global batch stays 4 rows.
+@pytest.mark.parametrize(
+    "backend,before,after",
+    [
+        ("ddp", (2, 2, 1), (1, 2, 2)),
+        ("ddp", (1, 4, 1), (2, 2, 1)),
+        ("zero2", (2, 1, 2), (1, 4, 1)),
+        ("zero3", (1, 2, 2), (2, 2, 1)),
+    ],
+)
+def test_resume_on_another_number_of_processes(backend, before, after, features, four_steps, tmp_path):
+    """A preempted job restarted on another number of processes: the data position, the optimizer moments and
+    the schedule carry over exactly (ZeRO shards them by process; checkpoints hold them whole, by name)."""
+    out = tmp_path / "run"
+    _run(features, out, before[0], backend, *before[1:], resume=False)
+    assert len(losses(out)) == 2
+    _run(features, out, after[0], backend, *after[1:], resume=True)
+    torch.testing.assert_close(losses(out), losses(four_steps), rtol=1e-4, atol=1e-5)
+    one, two = trained(four_steps), trained(out)
+    for name in one:
+        torch.testing.assert_close(two[name], one[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("config", ["zero2", "fsdp"])
+def test_a_deepspeed_or_fsdp_launch_that_came_up_as_plain_ddp_is_refused(config, features, tmp_path):
+    out = tmp_path / "run"
+    args = [f"data.features_dir={features}", f"train.output_dir={out}", *QUIET, "train.max_steps=2"]
+    proc = launch([*shipped_config(config), "-m", "train", str(RECIPES["eagle2"]), *args], CPU, ok=False)
+    assert proc.returncode != 0
+    asked = "DeepSpeed" if config == "zero2" else "FSDP"
+    assert f"error: the launch asked for {asked} but accelerate set up MULTI_CPU" in proc.stderr
+    assert "Traceback" not in proc.stderr.split("error: the launch")[0][-300:]
+    assert not (out / "checkpoints").exists()

@@ -1,15 +1,19 @@
-"""Checkpoints of a training run: save, find, prune, resume.
+"""Checkpoints of a training run: save, find, prune, resume. JSON and safetensors only: never a pickle.
 
     <output_dir>/recipe.yaml        the resolved recipe
     <output_dir>/metrics.jsonl      one line per optimizer step
     <output_dir>/checkpoints/step-000500/
-        (accelerate save_state: model, optimizer, RNG states, registered objects such as the scheduler)
-        drafter.safetensors         trainable drafter tensors, gathered (what `train.export` reads)
-        trainer_state.json          step, recipe hash, world size, tokens seen
-        loader_state_<rank>.json    data position of each process
+        drafter.safetensors         trainable drafter tensors, full, fp32 (what `train.export` reads)
+        optimizer.safetensors       AdamW moments and step per parameter, "<name>/<key>", full
+        optimizer.json              parameter groups: hyper-parameters and parameter names
+        scheduler.json              the learning-rate schedule's state
+        rng_<rank>.json             each process's RNG states (python, numpy, torch)
+        trainer_state.json          step, recipe hash, batch plan, data position, world size, tokens seen
 
-A checkpoint is written under `step-XXXXXX.tmp` and renamed once every process has finished, so a
-directory named `step-XXXXXX` is always complete; only the newest `keep` are kept.
+Everything but the RNG is full and keyed by name (see `train.state`), so a checkpoint resumes on
+another number of processes or another backend. A checkpoint is written under `step-XXXXXX.tmp`
+and renamed once every process has finished, so a directory named `step-XXXXXX` is always
+complete; only the newest `keep` are kept.
 """
 
 from __future__ import annotations
@@ -18,17 +22,31 @@ import json
 import re
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 from accelerate import Accelerator
+from safetensors import SafetensorError
+from safetensors.torch import load_file
 
 from models.io import write_safetensors
 
 STATE_FILE = "trainer_state.json"
 DRAFTER_FILE = "drafter.safetensors"
+OPTIMIZER_FILE = "optimizer.safetensors"
+GROUPS_FILE = "optimizer.json"
+SCHEDULER_FILE = "scheduler.json"
 RECIPE_FILE = "recipe.yaml"
 METRICS_FILE = "metrics.jsonl"
 _STEP_DIR = re.compile(r"^step-(\d{6,})$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file that is missing, truncated or not what this version writes; the message names it."""
+
+
+def rng_file(rank: int) -> str:
+    return f"rng_{rank}.json"
 
 
 def checkpoints_root(output_dir: str | Path) -> Path:
@@ -49,18 +67,24 @@ def latest_checkpoint(output_dir: str | Path) -> Path | None:
     return found[-1] if found else None
 
 
+def _write_json(path: Path, value: Any) -> None:
+    path.write_text(json.dumps(value, indent=1))
+
+
 def save_checkpoint(
     accelerator: Accelerator,
     output_dir: str | Path,
     step: int,
     state: dict,
-    loader_state: dict,
-    drafter_tensors: dict[str, torch.Tensor],
+    training: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], list[dict]],
+    scheduler_state: dict,
+    rng: dict,
     keep: int,
 ) -> Path:
     """Write checkpoint `step` (collective: every process calls it); return its directory.
 
-    `drafter_tensors` (full, gathered) is only written by the main process.
+    `training` is `train.state.gather_state`'s (params, moments, groups), complete on the main process,
+    which writes everything but the per-process RNG files.
     """
     final = checkpoints_root(output_dir) / f"step-{step:06d}"
     tmp = final.with_name(final.name + ".tmp")
@@ -68,12 +92,16 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp))
-    (tmp / f"loader_state_{accelerator.process_index}.json").write_text(json.dumps(loader_state))
+    (tmp / rng_file(accelerator.process_index)).write_text(json.dumps(rng))
+    if accelerator.is_main_process:
+        params, moments, groups = training
+        write_safetensors(params, tmp / DRAFTER_FILE)
+        write_safetensors(moments, tmp / OPTIMIZER_FILE)
+        _write_json(tmp / GROUPS_FILE, groups)
+        _write_json(tmp / SCHEDULER_FILE, scheduler_state)
+        _write_json(tmp / STATE_FILE, {**state, "step": step})
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        write_safetensors(drafter_tensors, tmp / DRAFTER_FILE)
-        (tmp / STATE_FILE).write_text(json.dumps({**state, "step": step}, indent=2))
         if final.exists():
             shutil.rmtree(final)
         tmp.rename(final)
@@ -83,21 +111,54 @@ def save_checkpoint(
     return final
 
 
+def read_json(path: Path) -> Any:
+    """A checkpoint's JSON file; CheckpointError naming it when it is missing or torn."""
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(
+            f"{path}: missing (an incomplete checkpoint, or one written by an older specdraft that saved pickles)"
+        ) from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(
+            f"{path}: not valid JSON ({exc.msg if hasattr(exc, 'msg') else exc}): truncated?"
+        ) from None
+
+
+def read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """A checkpoint's safetensors file; CheckpointError naming it when it is missing or torn."""
+    if not path.is_file():
+        raise CheckpointError(
+            f"{path}: missing (an incomplete checkpoint, or one written by an older specdraft that saved pickles)"
+        )
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise CheckpointError(f"{path}: unreadable safetensors ({exc}): truncated or overwritten?") from None
+
+
 def read_state(path: str | Path) -> dict:
     """trainer_state.json of a checkpoint (no collective calls)."""
     path = Path(path)
     if not (path / STATE_FILE).is_file():
-        raise FileNotFoundError(f"{path}: not a complete checkpoint (no {STATE_FILE})")
-    return json.loads((path / STATE_FILE).read_text())
+        raise CheckpointError(f"{path}: not a complete checkpoint (no {STATE_FILE})")
+    return read_json(path / STATE_FILE)
 
 
-def load_checkpoint(accelerator: Accelerator, path: str | Path) -> tuple[dict, dict]:
-    """Restore everything `save_checkpoint` saved (collective); return (trainer state, this rank's loader state).
+def load_checkpoint(path: str | Path, rank: int) -> dict[str, Any]:
+    """Everything `save_checkpoint` wrote, read and checked before anything is restored.
 
-    The caller checks `read_state(path)` first (same recipe, same number of processes).
+    Returns {"state", "params", "moments", "groups", "scheduler", "rng"}; "rng" is None when `rank`
+    has no RNG file (the checkpoint was written by fewer processes).
     """
     path = Path(path)
-    state = read_state(path)
-    accelerator.load_state(str(path))
-    loader_state = json.loads((path / f"loader_state_{accelerator.process_index}.json").read_text())
-    return state, loader_state
+    out = {
+        "state": read_state(path),
+        "params": read_tensors(path / DRAFTER_FILE),
+        "moments": read_tensors(path / OPTIMIZER_FILE),
+        "groups": read_json(path / GROUPS_FILE),
+        "scheduler": read_json(path / SCHEDULER_FILE),
+    }
+    rng = path / rng_file(rank)
+    out["rng"] = read_json(rng) if rng.is_file() else None
+    return out

@@ -39,6 +39,7 @@ from models.target import Target, load_target
 from train.checkpoint import (
     METRICS_FILE,
     RECIPE_FILE,
+    CheckpointError,
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
@@ -47,6 +48,7 @@ from train.checkpoint import (
 )
 from train.config import Recipe
 from train.optim import build_optimizer, build_scheduler
+from train.state import gather_state, restore_state, rng_state, set_rng_state
 
 
 class TrainingError(RuntimeError):
@@ -71,6 +73,7 @@ def make_accelerator(recipe: Recipe) -> Accelerator:
         project_dir=cfg.output_dir,
         kwargs_handlers=handlers,
     )
+    _check_backend(accelerator)
     if accelerator.num_processes > 1 and accelerator.distributed_type == DistributedType.NO:
         raise TrainingError(
             f"{accelerator.num_processes} processes but accelerate set up no distributed backend "
@@ -85,6 +88,26 @@ def make_accelerator(recipe: Recipe) -> Accelerator:
         # ZeRO-3: checkpoints gather the full drafter tensors (drafter.safetensors, read by train.export)
         ds.setdefault("zero_optimization", {})["stage3_gather_16bit_weights_on_model_save"] = True
     return accelerator
+
+
+def _check_backend(accelerator: Accelerator) -> None:
+    """The launch asked for DeepSpeed or FSDP: refuse to train as anything else. With ACCELERATE_USE_CPU=true
+    accelerate quietly sets up plain CPU data parallel instead (every process holding everything)."""
+    asked = [name for name, var in (("DeepSpeed", "ACCELERATE_USE_DEEPSPEED"), ("FSDP", "ACCELERATE_USE_FSDP"))
+             if os.environ.get(var, "").lower() in ("1", "true")]  # fmt: skip
+    wanted = {"DeepSpeed": DistributedType.DEEPSPEED, "FSDP": DistributedType.FSDP}
+    if asked and accelerator.distributed_type != wanted[asked[0]]:
+        raise TrainingError(
+            f"the launch asked for {asked[0]} but accelerate set up {accelerator.distributed_type.value} (plain data "
+            "parallel: ACCELERATE_USE_CPU=true does that); "
+            + (
+                "for ZeRO on CPU launch without ACCELERATE_USE_CPU: accelerate launch --config_file "
+                "recipes/accelerate/zero2.yaml --num_processes 2 -m train RECIPE"
+                if asked[0] == "DeepSpeed"
+                else "FSDP needs GPUs; on CPU use DDP: ACCELERATE_USE_CPU=true accelerate launch --config_file "
+                "recipes/accelerate/ddp.yaml --num_processes 2 -m train RECIPE"
+            )
+        )
 
 
 def build_target(recipe: Recipe, accelerator: Accelerator) -> Target:
@@ -160,6 +183,7 @@ def build_loaders(recipe: Recipe, target: Target, accelerator: Accelerator) -> t
         train_idx, heldout_idx = samples.split(data.heldout_fraction, cfg.seed)
     common = dict(
         batch_size=cfg.batch_size,
+        accum=cfg.grad_accum,
         packing=cfg.packing,
         max_len=data.max_len,
         rank=accelerator.process_index,
@@ -273,10 +297,23 @@ def _flat(d: dict, prefix: str = "") -> dict:
 
 
 def _truncate_metrics(path: Path, step: int) -> None:
-    """Drop lines past `step` (a run that died after its last checkpoint) before appending again."""
-    if path.is_file():
-        lines = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= step]
-        path.write_text("".join(line + "\n" for line in lines))
+    """Drop lines past `step` (a run that died after its last checkpoint), and a last line torn by the crash,
+    before appending again. A torn line anywhere else is refused: the file was edited."""
+    if not path.is_file():
+        return
+    lines = path.read_text(errors="replace").splitlines()
+    kept = []
+    for number, line in enumerate(lines, 1):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            if number == len(lines):
+                print(f"{path}:{number}: dropped a torn last line (the run was killed while writing it)")
+                continue
+            raise TrainingError(f"{path}:{number}: not a JSON line; move the file away to resume") from None
+        if record["step"] <= step:
+            kept.append(line)
+    path.write_text("".join(line + "\n" for line in kept))
 
 
 def _resume_from(recipe: Recipe, accelerator: Accelerator) -> Path | None:
@@ -298,14 +335,24 @@ def _resume_from(recipe: Recipe, accelerator: Accelerator) -> Path | None:
         raise TrainingError(f"{recipe.source}: train.resume: no checkpoint directory {cfg.resume}")
     else:
         path = Path(cfg.resume)
-    saved = read_state(path)
+    try:
+        saved = read_state(path)
+    except CheckpointError as exc:
+        raise TrainingError(str(exc)) from None
     if saved["recipe_hash"] != recipe.section_hash("target", "data", "drafter"):
         raise TrainingError(
             f"{path}: saved with different target/data/drafter settings than {recipe.source}; "
             "resume with the recipe it was trained with (see its recipe.yaml)"
         )
-    plan, want = saved.get("batch_plan"), _batch_plan(recipe)  # no plan in checkpoints from before it was saved
-    changed = sorted(k for k in want if plan is not None and plan.get(k) != want[k])
+    plan, want = saved.get("batch_plan", {}), _batch_plan(recipe, accelerator.num_processes)
+    changed = sorted(k for k in want if plan.get(k) != want[k])
+    if "global_batch" in changed:
+        raise TrainingError(
+            f"{path}: saved with a global batch of {plan.get('global_batch')} rows (train.batch_size x "
+            f"train.grad_accum x {saved['world_size']} processes), resuming with {want['global_batch']} "
+            f"({recipe.train.batch_size} x {recipe.train.grad_accum} x {accelerator.num_processes}): set "
+            "train.grad_accum (or train.batch_size) so the product is the same"
+        )
     if changed:
         raise TrainingError(
             f"{path}: saved with train.{changed[0]}={plan.get(changed[0])}, {recipe.source} has {want[changed[0]]}; "
@@ -319,36 +366,66 @@ def _resume_from(recipe: Recipe, accelerator: Accelerator) -> Path | None:
             "continuing from an older one would mix two runs and prune the wrong checkpoints; move them away "
             "first, or resume into another train.output_dir"
         )
-    if saved["world_size"] != accelerator.num_processes:
+    if "data" not in saved:
         raise TrainingError(
-            f"{path}: saved by {saved['world_size']} processes, resuming with {accelerator.num_processes}; "
-            "the data position is per process: resume with the same number of processes"
+            f"{path}: written by an older specdraft (accelerate's pickled state, which is never loaded): "
+            "start a new run, or export this checkpoint with `python -m train.export`"
         )
     return path
 
 
-def _batch_plan(recipe: Recipe) -> dict[str, Any]:
-    """The train keys that decide which samples form which batch (and the held-out split): a saved data position
-    is only valid under the same ones."""
-    return {key: getattr(recipe.train, key) for key in ("batch_size", "packing", "seed")}
+def _batch_plan(recipe: Recipe, world_size: int) -> dict[str, Any]:
+    """What decides which samples each optimizer step reads (and the held-out split): a saved data position is
+    only valid under the same. The global step (batch_size x grad_accum x processes) counts, not how it is split,
+    so a run saved by 8 processes resumes on 4 with twice the accumulation."""
+    cfg = recipe.train
+    return {"global_batch": cfg.batch_size * cfg.grad_accum * world_size, "packing": cfg.packing, "seed": cfg.seed}
 
 
 def _step_of(checkpoint: Path) -> int:
     return read_state(checkpoint)["step"]
 
 
-def _save(accelerator, model, recipe, step, loader, tokens_seen) -> Path:
+def _save(accelerator, model, optimizer, scheduler, recipe, step, loader, tokens_seen) -> Path:
     cfg = recipe.train
     state = {
         "recipe_hash": recipe.section_hash("target", "data", "drafter"),
-        "batch_plan": _batch_plan(recipe),
+        "batch_plan": _batch_plan(recipe, accelerator.num_processes),
+        "data": loader.state_dict(),
         "world_size": accelerator.num_processes,
         "tokens_seen": tokens_seen,
     }
-    full = accelerator.get_state_dict(model)  # collective under ZeRO-3 / FSDP; the full dict on the main process
-    names = accelerator.unwrap_model(model).trainable_state_dict().keys()
-    tensors = {k: full[k] for k in names} if accelerator.is_main_process else {}
-    return save_checkpoint(accelerator, cfg.output_dir, step, state, loader.state_dict(), tensors, cfg.keep_checkpoints)
+    training = gather_state(accelerator, model, optimizer)  # collective under ZeRO-3 / FSDP
+    path = save_checkpoint(
+        accelerator, cfg.output_dir, step, state, training, scheduler.state_dict(), rng_state(), cfg.keep_checkpoints
+    )
+    if accelerator.is_main_process:
+        tqdm.write(f"step {step}: checkpoint {path}")
+    return path
+
+
+def _restore(accelerator, model, optimizer, scheduler, loader, path: Path, seed: int) -> dict:
+    """Load checkpoint `path` into the prepared model, optimizer, scheduler and loader; return its trainer state."""
+    try:
+        saved = load_checkpoint(path, accelerator.process_index)
+        restore_state(accelerator, model, optimizer, saved["params"], saved["moments"], saved["groups"])
+        scheduler.load_state_dict(saved["scheduler"])
+        loader.load_state_dict(saved["state"]["data"])
+    except (CheckpointError, ValueError, KeyError, TypeError) as exc:
+        raise TrainingError(f"{path}: cannot resume: {exc}") from None
+    state = saved["state"]
+    if saved["rng"] is not None and state["world_size"] == accelerator.num_processes:
+        set_rng_state(saved["rng"])
+    else:  # another number of processes: per-process random streams cannot carry over; reseed them per step
+        set_seed(seed + 1_000_003 * state["step"] + accelerator.process_index)
+        if accelerator.is_main_process:
+            print(
+                f"{path}: saved by {state['world_size']} processes, resuming on {accelerator.num_processes}: "
+                "data position and optimizer state carry over exactly, random streams (dropout) are reseeded"
+            )
+    if accelerator.is_main_process:
+        print(f"resumed from {path} at step {state['step']}")
+    return state
 
 
 # --------------------------------------------------------------------------------------------
@@ -372,12 +449,10 @@ def train(recipe: Recipe, stop_after: int | None = None) -> Path:
     optimizer = build_optimizer(drafter, cfg)
     scheduler = build_scheduler(optimizer, cfg)
     model, optimizer = accelerator.prepare(drafter, optimizer)
-    accelerator.register_for_checkpointing(scheduler)  # stepped here, once per optimizer step
 
     step, tokens_seen = 0, 0.0
     if resume is not None:
-        saved, loader_state = load_checkpoint(accelerator, resume)
-        train_loader.load_state_dict(loader_state)
+        saved = _restore(accelerator, model, optimizer, scheduler, train_loader, resume, cfg.seed)
         step, tokens_seen = saved["step"], saved["tokens_seen"]
     if accelerator.is_main_process:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -428,7 +503,7 @@ def train(recipe: Recipe, stop_after: int | None = None) -> Path:
                 accelerator.log(log, step=step)
             stop = stop_after is not None and step >= stop_after
             if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.max_steps or stop:
-                last_ckpt = _save(accelerator, model, recipe, step, train_loader, tokens_seen)
+                last_ckpt = _save(accelerator, model, optimizer, scheduler, recipe, step, train_loader, tokens_seen)
             if stop:
                 break
     finally:
