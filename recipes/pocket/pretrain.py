@@ -10,8 +10,9 @@
 Every document is `<|bos|> text <|eos|>`; a split's documents are concatenated into one token
 stream and training samples are random windows of `seq_len + 1` tokens (drawn from a generator
 seeded by `seed + step`, so a resumed run sees the same batches). AdamW, linear warm-up then
-cosine decay, bf16 autocast. A checkpoint (`save_pretrained` + optimizer/scheduler state) is written every
-`save_every` steps; `--resume` continues from it. At the end the model is exported in bf16 to
+cosine decay, bf16 autocast. A checkpoint (`save_pretrained`, AdamW moments as safetensors, the run's state
+and schedule as JSON: no pickle) is written every `save_every` steps; `--resume` continues from it, on the
+config's schedule (a larger `max_steps` extends the run). At the end the model is exported in bf16 to
 `export_dir` (next to the tokenizer) with `training_stats.json`.
 
 The shipped target is trained in two stages: `pretrain.yaml`, then `pretrain-stage2.yaml`, whose
@@ -30,6 +31,7 @@ from pathlib import Path
 import torch
 import yaml
 from accelerate import Accelerator
+from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
@@ -75,9 +77,9 @@ class PretrainConfig:
 
 def token_stream(cfg: PretrainConfig, split: str) -> torch.Tensor:
     """All documents of a split as one int64 stream `<|bos|> doc <|eos|> <|bos|> doc ...`, cached."""
-    cache = Path(cfg.out_dir) / f"tokens-{split}.pt"
+    cache = Path(cfg.out_dir) / f"tokens-{split}.safetensors"
     if cache.exists():
-        return torch.load(cache).long()
+        return load_file(str(cache))["tokens"].long()
     tok = AutoTokenizer.from_pretrained(cfg.tokenizer)
     with open(Path(cfg.corpus) / f"{split}.jsonl", encoding="utf-8") as f:
         texts = [json.loads(line)["text"] for line in f]
@@ -86,7 +88,7 @@ def token_stream(cfg: PretrainConfig, split: str) -> torch.Tensor:
         ids += encoded + [tok.eos_token_id]
     stream = torch.tensor(ids, dtype=torch.int16 if len(tok) < 2**15 else torch.int32)
     cache.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(stream, cache)
+    save_file({"tokens": stream}, str(cache))
     return stream.long()
 
 
@@ -148,19 +150,40 @@ def check_architecture(config: LlamaConfig, cfg: PretrainConfig, where: Path) ->
 
 
 def save_checkpoint(path: Path, model, optimizer, scheduler, state: dict) -> None:
-    """Write to a temporary directory and rename, so a crash mid-save keeps the previous one."""
+    """Weights (safetensors), AdamW moments (optimizer.safetensors, keyed "<param index>/<key>"), and the run's
+    state, parameter groups and schedule (state.json): never a pickle. Written to a temporary directory and
+    renamed, so a crash mid-save keeps the previous one."""
     tmp = path.with_name(path.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)
-    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), **state}, tmp / "state.pt")
+    optim = optimizer.state_dict()
+    moments = {f"{i}/{key}": value for i, s in optim["state"].items() for key, value in s.items()}
+    save_file({k: v.contiguous() for k, v in moments.items()}, str(tmp / "optimizer.safetensors"))
+    groups = [{k: list(v) if isinstance(v, tuple) else v for k, v in g.items()} for g in optim["param_groups"]]
+    full = {**state, "param_groups": groups, "scheduler": scheduler.state_dict()}
+    (tmp / "state.json").write_text(json.dumps(full, indent=1))
     shutil.rmtree(path, ignore_errors=True)
     tmp.rename(path)
+
+
+def load_state(checkpoint: Path) -> dict:
+    """state.json of a checkpoint (see `save_checkpoint`)."""
+    return json.loads((checkpoint / "state.json").read_text())
+
+
+def load_optimizer(checkpoint: Path, optimizer, saved: dict) -> None:
+    """AdamW moments and parameter groups back into a freshly built optimizer."""
+    state: dict[int, dict] = {}
+    for key, value in load_file(str(checkpoint / "optimizer.safetensors")).items():
+        index, name = key.split("/", 1)
+        state.setdefault(int(index), {})[name] = value
+    optimizer.load_state_dict({"state": state, "param_groups": saved["param_groups"]})
 
 
 def export(cfg: PretrainConfig, checkpoint: Path) -> None:
     """The checkpoint's weights in bf16 + generation config + training stats -> export_dir."""
     model = LlamaForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
-    state = torch.load(checkpoint / "state.pt", weights_only=False)
+    state = load_state(checkpoint)
     tok = AutoTokenizer.from_pretrained(cfg.tokenizer)
     model.generation_config = GenerationConfig(
         bos_token_id=tok.bos_token_id,
@@ -198,7 +221,7 @@ def main() -> None:
     elif cfg.init_from:
         model = LlamaForCausalLM.from_pretrained(cfg.init_from, dtype=torch.float32)
         check_architecture(model.config, cfg, args.config)
-        earlier = torch.load(Path(cfg.init_from) / "state.pt", weights_only=False)
+        earlier = load_state(Path(cfg.init_from))
         stage = {k: earlier[k] for k in STAGE_STATS}
         state["earlier_stages"] = earlier.get("earlier_stages", []) + [stage | {"checkpoint": cfg.init_from}]
     else:
@@ -212,9 +235,12 @@ def main() -> None:
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     if args.resume:
-        saved = torch.load(checkpoint / "state.pt", weights_only=False)
-        optimizer.load_state_dict(saved.pop("optimizer"))
+        saved = load_state(checkpoint)
+        load_optimizer(checkpoint, optimizer, saved)
         scheduler.load_state_dict(saved.pop("scheduler"))
+        saved.pop("param_groups")
+        for group, base in zip(optimizer.param_groups, scheduler.base_lrs):  # this config's schedule (max_steps)
+            group["lr"] = base * lr_lambda(cfg)(scheduler.last_epoch)
         state = saved
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     raw_model = accelerator.unwrap_model(model)
