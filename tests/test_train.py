@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import shutil
 import socket
 import subprocess
 import sys
@@ -335,14 +336,20 @@ def test_resume_from_an_older_checkpoint_refuses_to_mix_runs(features, tmp_path)
     assert [p.name for p in list_checkpoints(run)] == ["step-000001", "step-000002"]  # nothing touched
 
 
-@pytest.mark.parametrize("tracker,where,pattern", [("tensorboard", "run", "*tfevents*"), ("wandb", "wandb", "*.wandb")])
+@pytest.mark.parametrize("tracker,where,pattern", [("tensorboard", "run", "*tfevents*"), ("wandb", "run", "*.wandb")])
 def test_trackers_log_offline(tracker, where, pattern, features, tmp_path, monkeypatch):
     for var in ("WANDB_API_KEY", "WANDB_MODE"):
         monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     train(recipe("eagle2", features, tmp_path / "run", "train.max_steps=2", f"logging.tracker={tracker}"))
     assert list((tmp_path / where).rglob(pattern)), f"no {pattern} under {tmp_path / where}"
     assert os.environ.get("WANDB_MODE") == ("offline" if tracker == "wandb" else None)
+    if tracker == "wandb":  # files under the run directory; a resumed run continues the same wandb run
+        reset_accelerate()
+        run = tmp_path / "run"
+        train(recipe("eagle2", features, run, "train.max_steps=3", "logging.tracker=wandb", "train.resume=auto"))
+        runs = sorted(p.name for p in (run / "wandb").glob("offline-run-*"))
+        run_id = (run / "wandb_run_id").read_text().strip()
+        assert len(runs) == 2 and all(name.endswith(f"-{run_id}") for name in runs), runs
 
 
 # --------------------------------------------------------------------------------------------
@@ -466,6 +473,30 @@ def test_resume_on_another_number_of_processes(backend, before, after, features,
     one, two = trained(four_steps), trained(out)
     for name in one:
         torch.testing.assert_close(two[name], one[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_a_bad_shard_hashed_by_one_process_stops_every_process(features, tmp_path):
+    """With 2 processes each hashes half of the shards; rank 1's (shards 1, 3, ...) holds the flipped byte, rank 0
+    finds nothing wrong, and both stop before any step with the one line naming the shard."""
+    copy = tmp_path / "features"
+    shutil.copytree(features, copy)
+    assert len(list(copy.glob("shard-*.safetensors"))) >= 2
+    victim = copy / "shard-00001.safetensors"
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    victim.write_bytes(bytes(data))
+    out = tmp_path / "run"
+    args = [f"data.features_dir={copy}", f"train.output_dir={out}", *QUIET, "train.max_steps=2", "train.batch_size=2"]
+    # the launcher polls its workers every 5 s (0.1 s by default) and would stop rank 0 as soon as rank 1 failed;
+    # slowed down, it lets rank 0 show that it stops by itself, with the same message
+    slow = ["--monitor_interval", "5"]
+    proc = launch([*shipped_config("ddp"), *slow, "-m", "train", str(RECIPES["eagle2"]), *args], CPU, ok=False)
+    assert proc.returncode != 0
+    start = f"error: {RECIPES['eagle2']}: data.features_dir: {victim}: sha256 "
+    end = f"; re-run `python -m data.extract {RECIPES['eagle2']}` to repair it"
+    lines = [line for line in proc.stderr.splitlines() if line.startswith(start)]
+    assert len(lines) == 2 and all(line.endswith(end) for line in lines), proc.stderr[-4000:]  # one per process
+    assert not (out / "checkpoints").exists() and not (out / METRICS_FILE).exists()
 
 
 @pytest.mark.parametrize("config", ["zero2", "fsdp"])

@@ -21,12 +21,13 @@ import json
 import math
 import os
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType, InitProcessGroupKwargs, set_seed
+from accelerate.utils import DistributedType, InitProcessGroupKwargs, gather_object, set_seed
 from tqdm import tqdm
 from transformers.integrations import set_hf_deepspeed_config, unset_hf_deepspeed_config
 
@@ -152,6 +153,15 @@ def _template(target: Target) -> dict:
     return {} if target.tokenizer is None else {"template": template_fingerprint(target.tokenizer)}
 
 
+def _features_problem(message: str, source: str) -> str:
+    """A feature error's message saying once how to fix it, with the recipe named: shard errors already say to
+    re-run `python -m data.extract RECIPE` (which re-extracts exactly the bad shards), settings mismatches do not."""
+    generic = "python -m data.extract RECIPE"
+    if generic in message:
+        return message.replace(generic, f"python -m data.extract {source}")
+    return f"{message} (re-extract with `python -m data.extract {source}`)"
+
+
 def build_loaders(recipe: Recipe, target: Target, accelerator: Accelerator) -> tuple[BatchLoader, BatchLoader | None]:
     """(train loader, held-out loader or None): feature shards checked against the target, or token data (online)."""
     data, cfg = recipe.data, recipe.train
@@ -164,6 +174,10 @@ def build_loaders(recipe: Recipe, target: Target, accelerator: Accelerator) -> t
                 f"{recipe.source}: data.features_dir is not set: offline training reads feature shards "
                 f"(run `python -m data.extract {recipe.source}`) or set train.online=true"
             )
+        # Each process hashes every N-th shard (1/N of the hashing each) and all of them share the verdicts: the
+        # first problem found on any process stops every process with the same message, before any of them
+        # reaches a collective that the others would never join.
+        problem: str | None = None
         try:
             samples = FeatureDataset(
                 data.features_dir,
@@ -175,11 +189,13 @@ def build_loaders(recipe: Recipe, target: Target, accelerator: Accelerator) -> t
                     "max_len": data.max_len,
                     "sources": data_sources(data),
                 },
+                verify_shards=(accelerator.process_index, accelerator.num_processes),
             )
         except (FeatureMismatchError, FileNotFoundError) as exc:
-            raise TrainingError(
-                f"{recipe.source}: data.features_dir: {exc} (re-extract with `python -m data.extract {recipe.source}`)"
-            ) from None
+            problem = _features_problem(str(exc), recipe.source)
+        problems = [p for p in gather_object([problem]) if p is not None]
+        if problems:
+            raise TrainingError(f"{recipe.source}: data.features_dir: {problems[0]}")
         train_idx, heldout_idx = samples.split(data.heldout_fraction, cfg.seed)
     common = dict(
         batch_size=cfg.batch_size,
@@ -294,6 +310,25 @@ def _flat(d: dict, prefix: str = "") -> dict:
         else:
             out[f"{prefix}{key}"] = value if isinstance(value, (int, float, str, bool)) else str(value)
     return out
+
+
+WANDB_ID_FILE = "wandb_run_id"
+
+
+def _tracker_kwargs(recipe: Recipe, accelerator: Accelerator) -> dict:
+    """wandb keeps its files under the run directory, and a resumed run continues the same wandb run (its id
+    is kept in `<output_dir>/wandb_run_id`)."""
+    if recipe.logging.tracker != "wandb":
+        return {}
+    out_dir = Path(recipe.train.output_dir)
+    id_file = out_dir / WANDB_ID_FILE
+    if accelerator.is_main_process and not id_file.is_file():
+        id_file.write_text(uuid.uuid4().hex[:12] + "\n")
+    accelerator.wait_for_everyone()
+    kwargs = {"dir": str(out_dir), "id": id_file.read_text().strip(), "resume": "allow"}
+    if recipe.logging.run_name:
+        kwargs["name"] = recipe.logging.run_name
+    return {"wandb": kwargs}
 
 
 def _truncate_metrics(path: Path, step: int) -> None:
@@ -459,9 +494,7 @@ def train(recipe: Recipe, stop_after: int | None = None) -> Path:
         recipe.save(out_dir / RECIPE_FILE)
         _truncate_metrics(out_dir / METRICS_FILE, step)
     accelerator.init_trackers(
-        recipe.logging.project,
-        config=_flat(recipe.to_dict()),
-        init_kwargs={"wandb": {"name": recipe.logging.run_name}} if recipe.logging.run_name else {},
+        recipe.logging.project, config=_flat(recipe.to_dict()), init_kwargs=_tracker_kwargs(recipe, accelerator)
     )
 
     stepper = Stepper(accelerator, model, target, recipe)
@@ -493,7 +526,10 @@ def train(recipe: Recipe, stop_after: int | None = None) -> Path:
                 log["train/grad_norm"] = float(grad_norm)
             evaluate = (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.max_steps
             if heldout_loader is not None and evaluate:
-                log.update({f"eval/{k}": v for k, v in stepper.evaluate(heldout_loader, cfg.eval_batches).items()})
+                held = stepper.evaluate(heldout_loader, cfg.eval_batches)
+                log.update({f"eval/{k}": v for k, v in held.items()})
+                if accelerator.is_main_process:
+                    tqdm.write(f"step {step}: held-out " + "  ".join(f"{k} {v:.4f}" for k, v in sorted(held.items())))
             if accelerator.is_main_process:
                 with open(out_dir / METRICS_FILE, "a") as f:
                     f.write(json.dumps({"step": step, **log}) + "\n")
@@ -509,4 +545,8 @@ def train(recipe: Recipe, stop_after: int | None = None) -> Path:
     finally:
         bar.close()
         accelerator.end_training()
+    if accelerator.is_main_process:
+        print(f"metrics: {out_dir / METRICS_FILE}\nlast checkpoint: {last_ckpt}")
+        if step >= cfg.max_steps:
+            print(f"export: python -m train.export {out_dir}")
     return last_ckpt
