@@ -11,6 +11,14 @@ process CPU time (user + sys, all threads) are measured; the goal line uses CPU 
 shared machine other jobs' load makes wall-clock rounds vary by 2-3x while the work done by this
 process (forward, casts, copies, hashing, writing into the page cache) is what extraction adds. Goals: extraction
 tokens/s ≥ 0.9 × forward tokens/s, and bytes per token ≤ 1.02 × 2·d·n_layers (bf16 storage).
+
+Checksums, for information (no goal): on the features of one more extraction, each round times (c) opening them as
+training does (`FeatureDataset`, which hashes every shard, the default) against opening them with
+`verify_checksums=False`, and (d) one pass that only reads the data the way training reads it (`BatchLoader` over
+the dataset: shuffled, packed rows of 512 tokens, batches of 8, every sample once, no training step), page cache
+warm, CPU time, best round of each. Hashing page-cached bytes costs about as much as reading them, so (c) is of the
+order of (d); the goal for the hashing is against what a pass over the data costs in training, an epoch of
+optimizer steps: `benchmarks/train_step.py`, `train/checksum_share`.
 """
 
 from __future__ import annotations
@@ -22,6 +30,8 @@ import time
 import torch
 
 from data.extract import extract_features
+from data.loader import BatchLoader
+from data.shards import FeatureDataset
 from models.target import load_target
 
 D, N_LAYERS, VOCAB, BATCH, SEQ = 256, 4, 8192, 8, 512
@@ -100,6 +110,31 @@ def main() -> None:
         f"storage: {manifest['total_bytes']:,} bytes in {len(manifest['shards'])} shards "
         f"for {manifest['num_tokens']:,} tokens = "
         f"{manifest['bytes_per_token']:.2f} bytes/token (hidden payload {hidden_bytes})"
+    )
+
+    # checksums, for information: what hashing every shard at open adds, against a read-only pass over the data
+    with tempfile.TemporaryDirectory() as directory:
+        features = extract_features(
+            target, samples, directory, header, shard_tokens=2 * BATCH * SEQ, batch_tokens=BATCH * SEQ
+        )
+        open_plain, open_verified, read_pass = [], [], []
+        for r in range(args.rounds):
+            cpu = time.process_time()
+            dataset = FeatureDataset(directory, verify_checksums=False)
+            open_plain.append(time.process_time() - cpu)
+            cpu = time.process_time()
+            FeatureDataset(directory)  # the default: every shard's sha256 checked
+            open_verified.append(time.process_time() - cpu)
+            cpu = time.process_time()
+            for _ in BatchLoader(dataset, batch_size=BATCH, packing=True, max_len=SEQ, seed=r).epoch(0):
+                pass
+            read_pass.append(time.process_time() - cpu)
+    hashing, one_pass = min(open_verified) - min(open_plain), min(read_pass)
+    print(
+        f"checksums: {features['total_bytes']:,} bytes in {len(features['shards'])} shards; best of {args.rounds}: "
+        f"hashing at open {hashing * 1e3:.1f} cpu-ms ({features['total_bytes'] / hashing / 1e9:.2f} GB/s), "
+        f"one read pass {one_pass * 1e3:.1f} cpu-ms ({features['total_bytes'] / one_pass / 1e9:.2f} GB/s), "
+        f"hashing / read pass {hashing / one_pass:.2f} (against a training epoch: benchmarks/train_step.py)"
     )
     print(f"extract/forward: {min(bare_cpu) / min(extract_cpu):.2f} (goal >= 0.9)")
     print(f"extract/bytes_per_token: {manifest['bytes_per_token'] / hidden_bytes:.2f} (goal <= 1.02)")

@@ -10,8 +10,10 @@ produces the same shards. Inside a shard, samples are batched by length up to
 `data.extract_batch_tokens` padded tokens.
 
 Resume: each process records its finished shards in `manifest.part-RRRRR.json` (atomically, after
-every shard); a re-run skips shards that are present, recorded and intact, and a killed-then-resumed
-run ends with the same shards and manifest, byte for byte, as an uninterrupted one. When every
+every shard); a re-run skips shards that are present, recorded and intact (size and sha256 as recorded,
+unless `data.verify_checksums: false`), and a killed-then-resumed run ends with the same shards and
+manifest, byte for byte, as an uninterrupted one. A damaged, edited or foreign shard is therefore
+extracted again (exactly that shard), which repairs a directory that training refused. When every
 process is done, process 0 merges the parts into `manifest.json`. Existing features built with
 another target, layer set, storage dtype, template or data refuse to be extended (the error names
 the field). The resolved recipe is saved as `recipe.yaml` next to the features.
@@ -43,7 +45,9 @@ from data.shards import (
     FeatureMismatchError,
     build_manifest,
     check_header,
-    file_sha256,
+    check_shard_names,
+    shard_name,
+    shard_problem,
     write_json_atomic,
     write_shard,
 )
@@ -146,18 +150,24 @@ def _known_entries(directory: Path, header: dict[str, Any]) -> dict[int, dict]:
             check_header(found, header, str(path))
         except FeatureMismatchError as exc:
             raise FeatureMismatchError(f"{exc}; use another data.features_dir or delete {directory}") from None
+        try:
+            check_shard_names(record, path)
+        except FeatureMismatchError as exc:
+            raise FeatureMismatchError(f"{exc} (delete {path} to extract from scratch)") from None
         for entry in record.get("shards", []):
             known[entry["index"]] = entry
     return known
 
 
 def _is_complete(directory: Path, entry: dict | None, sample_ids: list[int], verify: bool) -> bool:
-    if entry is None or entry["sample_ids"] != sample_ids:
+    """Whether the recorded shard can be reused as it is: same samples, and the file is what the record says."""
+    if entry is None or entry["sample_ids"] != sample_ids or entry["file"] != shard_name(entry["index"]):
         return False
     path = directory / entry["file"]
-    if not path.is_file() or path.stat().st_size != entry["bytes"]:
-        return False
-    return not verify or file_sha256(path) == entry["sha256"]
+    problem = shard_problem(path, entry, verify)
+    if problem is not None and path.is_file():  # a missing shard is an ordinary resume; a bad one is news
+        print(f"{path}: {problem}; extracting it again", file=sys.stderr, flush=True)
+    return problem is None
 
 
 def extract_features(
@@ -170,7 +180,7 @@ def extract_features(
     batch_tokens: int,
     rank: int = 0,
     world_size: int = 1,
-    verify_checksums: bool = False,
+    verify_checksums: bool = True,
     barrier: Callable[[], None] = lambda: None,
     progress: bool = False,
 ) -> dict[str, Any] | None:
@@ -261,7 +271,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("recipe")
     parser.add_argument("overrides", nargs="*", help="section.key=value")
     args = parser.parse_args(argv)
-    recipe = load_recipe(args.recipe, args.overrides)
+    recipe = load_recipe(args.recipe, args.overrides, inputs=("target.path", "target.tokenizer", "data.train_files"))
     if recipe.data.features_dir is None:
         raise RecipeError(f"{recipe.source}: data.features_dir: is required for extraction")
     state = Accelerator()  # not PartialState(): only Accelerator honours ACCELERATE_USE_CPU (multi-process CPU)
@@ -312,4 +322,11 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from data.chat import ChatTemplateError, DataError
+    from models.target import TargetError
+    from train.config import RecipeError
+
+    try:
+        main()
+    except (RecipeError, DataError, ChatTemplateError, FeatureMismatchError, TargetError) as exc:
+        sys.exit(f"error: {exc}")

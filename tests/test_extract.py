@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -17,11 +18,13 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from accelerate.state import AcceleratorState, GradientState
 
 from data.extract import STOP_AFTER_ENV, length_batches, main, plan_shards
 from data.prepare import prepare_dataset
 from data.shards import MANIFEST, FeatureDataset, FeatureMismatchError
 from models.target import load_target
+from train.__main__ import main as train_main
 from train.config import RecipeError, load_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -142,6 +145,89 @@ def test_killed_then_resumed_equals_uninterrupted(recipe_path: Path, reference: 
     monkeypatch.delenv(STOP_AFTER_ENV)
     run_inprocess(recipe_path, features)
     assert shard_bytes(features) == shard_bytes(reference)
+
+
+def copy_features(reference: Path, features: Path) -> dict[str, int]:
+    """A copy of the reference features; returns each shard's inode, to tell rewritten shards from kept ones."""
+    shutil.copytree(reference, features)
+    return {p.name: p.stat().st_ino for p in features.glob("shard-*.safetensors")}
+
+
+def test_flipped_shard_is_refused_then_repaired(recipe_path: Path, reference: Path, tmp_path: Path, capfd) -> None:
+    features = tmp_path / "features"
+    inodes = copy_features(reference, features)
+    victim = features / "shard-00001.safetensors"
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x01  # one bit in the hidden states: same size
+    victim.write_bytes(bytes(data))
+
+    where = rf"^{re.escape(str(victim))}: sha256 .* {re.escape(str(features / MANIFEST))} says .*data.extract"
+    with pytest.raises(FeatureMismatchError, match=where):
+        FeatureDataset(features)
+    # training refuses before any step, with one line naming the shard and what to do
+    with pytest.raises(SystemExit) as refused:
+        try:
+            train_main([str(recipe_path), f"data.features_dir={features}", f"train.output_dir={tmp_path / 'run'}"])
+        finally:
+            AcceleratorState._reset_state(reset_partial_state=True)
+            GradientState._reset_state()
+    message = str(refused.value.code)
+    assert message.startswith("error: ") and "\n" not in message
+    assert f"{victim}: sha256 " in message and f"re-run `python -m data.extract {recipe_path}` to repair it" in message
+    assert message.count("data.extract") == 1  # the fix, said once, naming the recipe
+
+    # extraction re-extracts exactly that shard, to the same bytes as a clean extraction
+    capfd.readouterr()
+    run_inprocess(recipe_path, features)
+    assert f"{victim}: sha256 " in capfd.readouterr().err
+    assert shard_bytes(features) == shard_bytes(reference)
+    after = {p.name: p.stat().st_ino for p in features.glob("shard-*.safetensors")}
+    assert [name for name in inodes if after[name] != inodes[name]] == [victim.name]
+    FeatureDataset(features)
+
+
+def test_foreign_shard_is_refused_then_repaired(recipe_path: Path, reference: Path, tmp_path: Path) -> None:
+    """A shard of another run (another target, same data: the same samples and size) swapped in."""
+    other, features = tmp_path / "other", tmp_path / "features"
+    run_inprocess(recipe_path, other, "target.seed=1")
+    inodes = copy_features(reference, features)
+    foreign = (other / "shard-00002.safetensors").read_bytes()
+    assert len(foreign) == (features / "shard-00002.safetensors").stat().st_size
+    (features / "shard-00002.safetensors").write_bytes(foreign)
+    with pytest.raises(FeatureMismatchError, match=r"shard-00002.safetensors: sha256 .* says .* foreign shard"):
+        FeatureDataset(features)
+    run_inprocess(recipe_path, features)
+    assert shard_bytes(features) == shard_bytes(reference)
+    after = {p.name: p.stat().st_ino for p in features.glob("shard-*.safetensors")}
+    assert [name for name in inodes if after[name] != inodes[name]] == ["shard-00002.safetensors"]
+
+
+def test_checksums_are_on_by_default_and_not_a_setting(recipe_path: Path) -> None:
+    on, off = load_recipe(recipe_path), load_recipe(recipe_path, ["data.verify_checksums=false"])
+    assert on.data.verify_checksums and not off.data.verify_checksums
+    # checkpoints compare these hashes on resume and export: turning the check off (or the default on) changes nothing
+    assert on.section_hash("target", "data", "drafter") == off.section_hash("target", "data", "drafter")
+
+
+@pytest.mark.parametrize("name", ["../x.safetensors", "ABSOLUTE", "sub/x.safetensors"])
+def test_manifest_entry_with_a_path_is_refused(recipe_path: Path, reference: Path, tmp_path: Path, name: str) -> None:
+    features = tmp_path / "features"
+    shutil.copytree(reference, features)
+    if name == "ABSOLUTE":
+        name = str(tmp_path / "abs" / "path.safetensors")
+    # a faithful copy of the shard there: only the name is wrong
+    (features / name).parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy(features / "shard-00001.safetensors", features / name)
+    manifest = json.loads((features / MANIFEST).read_text())
+    manifest["shards"][1]["file"] = name
+    (features / MANIFEST).write_text(json.dumps(manifest))
+    before = shard_bytes(features)
+    entry = rf"{re.escape(str(features / MANIFEST))}: shards\[1\] names file {re.escape(repr(name))}; .* bare file name"
+    with pytest.raises(FeatureMismatchError, match=f"^{entry}"):
+        FeatureDataset(features)
+    with pytest.raises(FeatureMismatchError, match=f"^{entry}"):
+        run_inprocess(recipe_path, features)
+    assert shard_bytes(features) == before
 
 
 @pytest.mark.parametrize(

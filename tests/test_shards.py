@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from data.shards import FeatureDataset, FeatureMismatchError, FeatureShardWriter, split_by_id
+from data import shards
+from data.shards import FeatureDataset, FeatureMismatchError, FeatureShardWriter, file_sha256, split_by_id
 
 D, LAYERS = 16, [0, -1]
 HEADER = {
@@ -92,18 +95,106 @@ def test_expect_mismatch_names_the_field(tmp_path) -> None:
     FeatureDataset(tmp_path, expect={"target": dict(HEADER["target"], name="elsewhere")})
 
 
-def test_checksum_detects_corrupted_shard(tmp_path) -> None:
-    write(tmp_path, random_samples(6))
-    path = tmp_path / "shard-00001.safetensors"
+def flip_byte(path, offset: int = -5) -> None:
+    """Flip the bits of one byte inside the tensor payload: same size, different content."""
     data = bytearray(path.read_bytes())
-    data[-5] ^= 0xFF  # flip bits inside the tensor payload: same size, different content
+    data[offset] ^= 0xFF
     path.write_bytes(bytes(data))
-    FeatureDataset(tmp_path)  # size still matches: only the checksum can tell
-    with pytest.raises(ValueError, match="shard-00001.safetensors: sha256 mismatch"):
-        FeatureDataset(tmp_path, verify_checksums=True)
-    path.write_bytes(bytes(data[:-1]))
-    with pytest.raises(ValueError, match="bytes, manifest says"):
+
+
+def test_flipped_byte_is_refused_naming_the_shard(tmp_path) -> None:
+    write(tmp_path, random_samples(6))
+    flip_byte(tmp_path / "shard-00001.safetensors")
+    # on by default: the size still matches, only the checksum can tell; one line names the shard, the manifest,
+    # and the repair
+    with pytest.raises(FeatureMismatchError) as refused:
         FeatureDataset(tmp_path)
+    message = str(refused.value)
+    assert message.startswith(f"{tmp_path / 'shard-00001.safetensors'}: sha256 ") and "\n" not in message
+    assert f"{tmp_path / 'manifest.json'} says" in message
+    assert message.endswith("re-run `python -m data.extract RECIPE` to repair it")
+    FeatureDataset(tmp_path, verify_checksums=False)  # the opt-out skips the hashing ...
+    path = tmp_path / "shard-00001.safetensors"
+    path.write_bytes(path.read_bytes()[:-1])
+    with pytest.raises(FeatureMismatchError, match=r"shard-00001.safetensors: \d+ bytes where .*manifest.json says"):
+        FeatureDataset(tmp_path, verify_checksums=False)  # ... not the size check
+    path.unlink()
+    with pytest.raises(FileNotFoundError, match="shard-00001.safetensors: missing, listed in .*manifest.json"):
+        FeatureDataset(tmp_path)
+
+
+def test_foreign_shard_is_refused(tmp_path) -> None:
+    """Another run's shard of the same samples has the same size; its sha256 is not the manifest's."""
+    samples = random_samples(6)
+    other = [dict(s, hidden=s["hidden"] + 1) for s in samples]
+    write(tmp_path / "ours", samples)
+    write(tmp_path / "theirs", other)
+    ours, theirs = tmp_path / "ours/shard-00001.safetensors", tmp_path / "theirs/shard-00001.safetensors"
+    assert ours.stat().st_size == theirs.stat().st_size and ours.read_bytes() != theirs.read_bytes()
+    ours.write_bytes(theirs.read_bytes())
+    with pytest.raises(FeatureMismatchError, match=r"ours/shard-00001.safetensors: sha256 .*ours/manifest.json says"):
+        FeatureDataset(tmp_path / "ours")
+    FeatureDataset(tmp_path / "theirs")
+
+
+@pytest.mark.parametrize("name", ["../x.safetensors", "ABSOLUTE", "sub/x.safetensors", "..", ""])
+def test_manifest_names_only_bare_file_names(tmp_path, name: str) -> None:
+    features = tmp_path / "features"
+    write(features, random_samples(6))
+    if name == "ABSOLUTE":
+        name = str(tmp_path / "abs" / "path.safetensors")
+    if name not in ("", ".."):  # a faithful copy of the shard there: only the name can be refused
+        (features / name).parent.mkdir(parents=True, exist_ok=True)
+        (features / name).write_bytes((features / "shard-00001.safetensors").read_bytes())
+    manifest = json.loads((features / "manifest.json").read_text())
+    manifest["shards"][1]["file"] = name
+    (features / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(FeatureMismatchError) as refused:
+        FeatureDataset(features)
+    assert str(refused.value).startswith(f"{features / 'manifest.json'}: shards[1] names file {name!r}; ")
+    assert "bare file name" in str(refused.value)
+
+
+def test_each_shard_is_hashed_once_at_open(tmp_path, monkeypatch) -> None:
+    manifest = write(tmp_path, random_samples(12), shard_tokens=8)
+    hashed = []
+    monkeypatch.setattr(shards, "file_sha256", lambda path: hashed.append(path) or file_sha256(path))
+    ds = FeatureDataset(tmp_path, max_open_shards=1)
+    assert sorted(hashed) == [tmp_path / e["file"] for e in manifest["shards"]]
+    for i in [*range(len(ds)), *range(len(ds))]:  # reading (and reopening evicted shards) hashes nothing more
+        ds[i]
+    assert len(hashed) == len(manifest["shards"])
+
+
+def test_verify_shards_hashes_every_nth_shard(tmp_path, monkeypatch) -> None:
+    """N training processes split the hashing: rank r hashes shards r, r + N, ...; each shard once over all ranks."""
+    manifest = write(tmp_path, random_samples(12), shard_tokens=8)
+    files = [tmp_path / e["file"] for e in manifest["shards"]]
+    assert len(files) >= 4
+    hashed = []
+    monkeypatch.setattr(shards, "file_sha256", lambda path: hashed.append(path) or file_sha256(path))
+    FeatureDataset(tmp_path, verify_shards=(1, 2))
+    assert sorted(hashed) == files[1::2]
+    hashed.clear()
+    FeatureDataset(tmp_path, verify_shards=(0, 2))
+    assert sorted(hashed) == files[0::2]
+    # a bad shard is found by the rank that hashes it only; sizes are still checked by every rank
+    flip_byte(files[1])
+    FeatureDataset(tmp_path, verify_shards=(0, 2))
+    with pytest.raises(FeatureMismatchError, match=rf"^{re.escape(str(files[1]))}: sha256 "):
+        FeatureDataset(tmp_path, verify_shards=(1, 2))
+    files[3].write_bytes(files[3].read_bytes()[:-1])
+    with pytest.raises(FeatureMismatchError, match=rf"^{re.escape(str(files[3]))}: \d+ bytes where "):
+        FeatureDataset(tmp_path, verify_shards=(0, 2))
+    with pytest.raises(ValueError, match="verify_shards"):
+        FeatureDataset(tmp_path, verify_shards=(2, 2))
+
+
+def test_file_sha256_matches_hashlib(tmp_path) -> None:
+    for size in (0, 1, 5 << 20):
+        path = tmp_path / f"f{size}"
+        path.write_bytes(bytes(range(256)) * (size // 256) + b"x" * (size % 256))
+        assert file_sha256(path) == hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def test_split_is_deterministic_by_id() -> None:
