@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -137,12 +138,19 @@ def _tokenize_full(record: Any, tokenizer: Any, fmt: str) -> TokenizedRecord:
         raise DataError("record has both `conversations` and `messages`")
     messages, cut = normalize_messages(record), cut_turns(record)
     if record.get("assistant_ids") is None:
+        # An empty answer (written by hand, or cut to nothing) would teach the drafter to end every such turn at once.
+        empty = next((j for j, m in enumerate(messages) if m["role"] == "assistant" and not m["content"].strip()), None)
+        if empty is not None:
+            raise DataError(f"turn {empty}: empty assistant turn (nothing to learn but its end marker)")
         return TokenizedRecord(*render_with_assistant_mask(messages, tokenizer, cut))
     # Self-distilled: the target's own tokens for every assistant turn, not its text re-encoded.
     turns = record["assistant_ids"]
     if not isinstance(turns, list):
         raise DataError("`assistant_ids` must be a list with one list of token ids per assistant turn")
     turn_ids = [_token_ids(t, len(tokenizer), f"assistant_ids[{k}]") for k, t in enumerate(turns)]
+    empty = next((k for k, ids in enumerate(turn_ids) if not ids), None)
+    if empty is not None:
+        raise DataError(f"`assistant_ids[{empty}]` is empty (a generated turn holds at least its stop token)")
     return TokenizedRecord(*render_with_turn_ids(messages, tokenizer, turn_ids, cut))
 
 
@@ -156,14 +164,20 @@ def tokenize_record(record: dict[str, Any], tokenizer: Any, fmt: str, max_len: i
 
 
 def read_jsonl(path: str) -> Iterator[tuple[str, Any]]:
-    """Yield (location, record); a line that is not JSON yields a DataError in place of the record."""
+    """Yield (location, record); a line that is not UTF-8 JSON yields a DataError in place of the record."""
     if not Path(path).is_file():
         raise DataError(f"{path}: no such file")
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                byte = raw[exc.start]
+                yield where, DataError(f"{where}: not UTF-8 text (byte {byte:#04x} at column {exc.start + 1})")
+                continue
             if not line.strip():
                 continue
-            where = f"{path}:{lineno}"
             try:
                 yield where, json.loads(line)
             except json.JSONDecodeError as exc:
@@ -178,9 +192,14 @@ def _read_hf(name: str, split: str) -> Iterator[tuple[str, Any]]:
         builder = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}.get(path.suffix)
         if builder is None:
             raise DataError(f"{name}: unsupported data file type {path.suffix!r}")
-        ds = datasets.load_dataset(builder, data_files=str(path), split=split)
-    else:
-        ds = datasets.load_dataset(name, split=split)
+    try:
+        if path.is_file():
+            ds = datasets.load_dataset(builder, data_files=str(path), split=split)
+        else:
+            ds = datasets.load_dataset(name, split=split)
+    except (OSError, ValueError, ConnectionError) as exc:  # no such dataset or split (FileNotFoundError is an OSError)
+        why = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+        raise DataError(f"data.hf_dataset: {name}[{split}] cannot be loaded ({why})") from None
     for i, record in enumerate(ds):
         yield f"{name}[{split}] record {i}", record
 
@@ -219,6 +238,16 @@ def prepare_dataset(cfg: DataConfig, tokenizer: Any) -> PreparedData:
                 continue
             out.num_truncated += 1
         out.samples.append(TokenSample(id=index, input_ids=ids, loss_mask=mask))
+    if not out.samples:  # nothing to extract or train on: say why rather than write an empty dataset
+        source = (
+            f"data.train_files: {', '.join(cfg.train_files)}"
+            if cfg.train_files
+            else f"data.hf_dataset: {cfg.hf_dataset}"
+        )
+        raise DataError(
+            f"{source}: no usable samples ({out.num_records} records, {out.num_skipped} malformed skipped, "
+            f"{out.num_dropped} without loss tokens after truncation to data.max_len={cfg.max_len})"
+        )
     return out
 
 
@@ -259,20 +288,28 @@ def format_masked(sample: TokenSample, tokenizer: Any) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from transformers import AutoTokenizer
-
-    from train.config import load_recipe
+    from train.config import RecipeError, load_recipe
 
     parser = argparse.ArgumentParser(prog="python -m data.prepare", description=__doc__.split("\n\n")[0])
     parser.add_argument("recipe")
     parser.add_argument("overrides", nargs="*", help="section.key=value")
     parser.add_argument("--show", type=int, default=0, metavar="N", help="print N samples, loss-masked text in [[...]]")
     args = parser.parse_args(argv)
-    recipe = load_recipe(args.recipe, args.overrides)
-    tokenizer = AutoTokenizer.from_pretrained(
-        recipe.target.tokenizer or recipe.target.path, trust_remote_code=recipe.target.trust_remote_code
-    )
-    data = prepare_dataset(recipe.data, tokenizer)
+    try:
+        inputs = ("target.path", "target.tokenizer", "data.train_files")
+        recipe = load_recipe(args.recipe, args.overrides, inputs=inputs)
+        from transformers import AutoTokenizer  # only once the recipe is valid: a bad one fails at once
+
+        name = recipe.target.tokenizer or recipe.target.path
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=recipe.target.trust_remote_code)
+        except (OSError, ValueError) as exc:
+            key = "target.tokenizer" if recipe.target.tokenizer else "target.path"
+            why = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+            raise RecipeError(f"{recipe.source}: {key}: no tokenizer could be loaded from {name} ({why})") from None
+        data = prepare_dataset(recipe.data, tokenizer)
+    except (RecipeError, DataError, ChatTemplateError) as exc:
+        sys.exit(f"error: {exc}")
     print(json.dumps({**data.stats(), "template": template_fingerprint(tokenizer)}, indent=1))
     for sample in data.samples[: args.show]:
         print(f"\n--- sample {sample['id']} ({len(sample['input_ids'])} tokens, {sum(sample['loss_mask'])} masked)")

@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LogitsProcessor, LogitsProcessorList
 
@@ -75,13 +76,19 @@ class GenerationSettings:
 def read_prompts(path: Path, limit: int | None) -> list[tuple[str, dict[str, Any]]]:
     """(id, record) for every record, validated; errors name the file and line."""
     records, seen = [], set()
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for line_no, raw in enumerate(f, 1):
             if limit is not None and len(records) == limit:
                 break
+            where = f"{path}:{line_no}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise SelfDistillError(
+                    f"{where}: not UTF-8 text (byte {raw[exc.start]:#04x} at column {exc.start + 1})"
+                ) from None
             if not line.strip():
                 continue
-            where = f"{path}:{line_no}"
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as exc:
@@ -98,6 +105,11 @@ def read_prompts(path: Path, limit: int | None) -> list[tuple[str, dict[str, Any
             seen.add(rid)
             records.append((rid, record))
     return records
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of a loader's error (transformers' run over several lines)."""
+    return next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
 
 
 def check_record(record: dict[str, Any]) -> None:
@@ -366,6 +378,10 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--limit must be >= 1")
     if not args.prompts.is_file():
         raise SelfDistillError(f"{args.prompts}: no such prompts file")
+    if args.out.is_dir():
+        raise SelfDistillError(f"{args.out}: is a directory; --out names the JSONL file to write")
+    if not Path(args.target).is_dir():
+        raise SelfDistillError(f"{args.target}: no such target directory (--target is a local model directory)")
     if not (Path(args.target) / "config.json").is_file():
         raise SelfDistillError(f"{args.target}: not a Hugging Face model directory (no config.json)")
 
@@ -392,7 +408,10 @@ def main(argv: list[str] | None = None) -> None:
     if state.is_main_process:
         parts = sorted(args.out.parent.glob(f"{args.out.name}.part*")) if args.out.parent.is_dir() else []
         if args.out.exists() or parts:
-            previous = json.loads(meta_path.read_text()) if meta_path.exists() else None
+            try:
+                previous = json.loads(meta_path.read_text()) if meta_path.exists() else None
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                previous = None  # unreadable: treated as other settings
             if previous != meta:
                 raise SelfDistillError(
                     f"{args.out} holds records made from other prompts, with other settings or another target "
@@ -412,11 +431,19 @@ def main(argv: list[str] | None = None) -> None:
     todo = [b for b in mine if any(rid not in done for rid, _ in b)]
     remaining = sum(1 for b in batches for rid, _ in b if rid not in done)
     if remaining and todo:
-        tokenizer = AutoTokenizer.from_pretrained(args.target, trust_remote_code=args.trust_remote_code)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(args.target, trust_remote_code=args.trust_remote_code)
+        except (OSError, ValueError) as exc:
+            raise SelfDistillError(f"{args.target}: no tokenizer could be loaded ({first_line(exc)})") from None
         if any(is_chat(rec) for b in todo for _, rec in b) and not tokenizer.chat_template:
             raise SelfDistillError(f"{args.prompts} has chat records but the target's tokenizer has no chat_template")
         dtype = args.dtype if args.dtype == "auto" else getattr(torch, args.dtype)
-        model = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype, trust_remote_code=args.trust_remote_code)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                args.target, dtype=dtype, trust_remote_code=args.trust_remote_code
+            )
+        except (OSError, ValueError, SafetensorError) as exc:  # e.g. truncated weights
+            raise SelfDistillError(f"{args.target}: the model cannot be loaded ({first_line(exc)})") from None
         model.to(args.device or state.device).eval()
         generate = Generator(model, tokenizer, settings)
         part = part_path(args.out, state.process_index)

@@ -32,10 +32,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 
-from data.chat import SHAREGPT_ROLES, DataError
+from data.chat import SHAREGPT_ROLES, ChatTemplateError, DataError
 from data.prepare import prepare_dataset, read_jsonl
-from data.shards import FeatureDataset, frequent_loss_tokens, split_by_id
+from data.shards import FeatureDataset, FeatureMismatchError, frequent_loss_tokens, split_by_id
 from eval.checks import near_tie, tie_margin
 from eval.generate import (
     DecodeSettings,
@@ -52,9 +53,9 @@ from eval.generate import (
 from eval.report import summarize, write_report
 from eval.trees import MEDUSA_63, calibrated_tree, chain, medusa_tree
 from models.eagle import EagleDrafter
-from models.io import ExportError, load_draft_vocab, load_drafter
+from models.io import ExportError, load_draft_vocab, load_drafter, read_config
 from models.medusa import MedusaHeads
-from models.target import Target, load_target
+from models.target import Target, TargetError, load_target
 from train.config import EvalConfig, Recipe, RecipeError, load_recipe
 
 PROMPT_LOOKUP_TOKENS = 10
@@ -160,7 +161,7 @@ def calibration_samples(recipe: Recipe, tokenizer, limit: int) -> tuple[list[tup
     recipe's data. Returns (samples, description)."""
     data = recipe.data
     if data.features_dir is not None and (Path(data.features_dir) / "manifest.json").is_file():
-        dataset = FeatureDataset(data.features_dir)
+        dataset = FeatureDataset(data.features_dir, verify_checksums=data.verify_checksums)
         sample_ids, source = dataset.sample_ids, f"the feature shards of {data.features_dir}"
 
         def sample(i: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -198,7 +199,10 @@ def draft_vocabulary(recipe: Recipe, drafter_dir: str, size: int) -> torch.Tenso
     features = recipe.data.features_dir
     if shipped is not None and (features is None or not (Path(features) / "manifest.json").is_file()):
         # the export was written asking for at least this many: its training data had no more distinct tokens
-        print(f"eval.draft_vocab: {size} asked; {drafter_dir} drafts among all {len(shipped)} tokens of its data")
+        print(
+            f"eval.draft_vocab: {size} asked, {len(shipped)} available: {drafter_dir} ships every distinct loss token "
+            "of its training data; drafting among all of them"
+        )
         return shipped
     if features is None or not (Path(features) / "manifest.json").is_file():
         have = f"{drafter_dir} ships {len(shipped)} draft tokens and n" if shipped is not None else "N"
@@ -206,7 +210,13 @@ def draft_vocabulary(recipe: Recipe, drafter_dir: str, size: int) -> torch.Tenso
             f"{recipe.source}: eval.draft_vocab: {size}: {have}o feature shards at data.features_dir ({features}) "
             "to count the training data's tokens in"
         )
-    return frequent_loss_tokens(FeatureDataset(features), size)
+    vocab = frequent_loss_tokens(FeatureDataset(features, verify_checksums=recipe.data.verify_checksums), size)
+    if len(vocab) < size:  # never shrink quietly: the report would describe a vocabulary the run did not use
+        raise EvalError(
+            f"{recipe.source}: eval.draft_vocab: {size} asked, {len(vocab)} available (the distinct loss tokens of "
+            f"{features}); ask for at most {len(vocab)}, or 0 for the whole vocabulary"
+        )
+    return vocab
 
 
 def build_proposer(
@@ -385,6 +395,63 @@ def process_gpus(local_index: int, num_local_processes: int, num_gpus: int) -> l
     return list(range(local_index * share, (local_index + 1) * share))
 
 
+def drafter_directory(recipe: dict[str, Any]) -> str:
+    """The export a recipe (as a dict) evaluates: `eval.drafter`, else `export.out`, else <train.output_dir>/export."""
+    return recipe["eval"]["drafter"] or recipe["export"]["out"] or str(Path(recipe["train"]["output_dir"]) / "export")
+
+
+REPORT_FILES = ("report.json", "report.md", "report.png", "recipe.yaml")
+"""What an evaluation writes to its output directory (recipe.yaml: the settings it ran with)."""
+
+
+def _settings(recipe: dict[str, Any]) -> dict[str, Any]:
+    """The flat (dotted keys) settings a report depends on: target, data, drafter and eval sections, the evaluated
+    export's resolved directory instead of eval.drafter, and not eval.output_dir (where the report goes)."""
+    flat: dict[str, Any] = {}
+
+    def walk(value: Any, key: str) -> None:
+        if isinstance(value, dict) and value:
+            for k, v in value.items():
+                walk(v, f"{key}.{k}")
+        else:
+            flat[key] = value
+
+    for section in ("target", "data", "drafter", "eval"):
+        walk(recipe.get(section) or {}, section)
+    flat.pop("eval.output_dir", None)
+    flat.pop("data.verify_checksums", None)  # a check, not a setting
+    flat["eval.drafter"] = str(Path(drafter_directory(recipe)).resolve())
+    return flat
+
+
+def check_output_dir(recipe: Recipe, out_dir: str) -> None:
+    """Refuse an `eval.output_dir` that holds a report made with other settings, as training refuses an output_dir
+    that holds checkpoints: the new report would silently replace a measurement of something else. A report made
+    with the same settings (its recipe.yaml) is replaced."""
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise EvalError(f"{recipe.source}: eval.output_dir: {out_dir} is a file, not a directory")
+    found = [name for name in REPORT_FILES if (out / name).exists()]
+    if not found:
+        return
+    try:
+        before = _settings(yaml.safe_load((out / "recipe.yaml").read_text(encoding="utf-8")))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, AttributeError, KeyError, TypeError):
+        before = None  # no recipe.yaml, or not one an evaluation wrote
+    fix = f"choose another eval.output_dir, or delete {out_dir} to replace its report"
+    if before is None:
+        raise EvalError(
+            f"{out_dir} holds {found[0]} of an evaluation with unknown settings (no readable recipe.yaml): {fix}"
+        )
+    now = _settings(yaml.safe_load(yaml.safe_dump(recipe.to_dict(), sort_keys=False)))
+    changed = next((k for k in sorted(before.keys() | now.keys()) if before.get(k) != now.get(k)), None)
+    if changed is not None:
+        raise EvalError(
+            f"{out_dir} holds a report made with other settings ({changed}: {before.get(changed)!r:.60} there, "
+            f"{now.get(changed)!r:.60} in {recipe.source}): {fix}"
+        )
+
+
 def run(recipe: Recipe) -> dict[str, Any] | None:
     """Evaluate; returns the summary on the main process (None on the others)."""
     from accelerate import PartialState
@@ -394,8 +461,17 @@ def run(recipe: Recipe) -> dict[str, Any] | None:
     ev = recipe.eval
     if ev.prompts is None:
         raise EvalError(f"{recipe.source}: eval.prompts: is required (a JSONL file of prompts)")
-    drafter_dir = ev.drafter or recipe.export.out or str(Path(recipe.train.output_dir) / "export")
+    drafter_dir = drafter_directory(recipe.to_dict())
     out_dir = ev.output_dir or str(Path(recipe.train.output_dir) / "eval")
+    exported = read_config(drafter_dir)["method"]  # before any heavy work: the export exists and is a drafter
+    if exported != recipe.drafter.method:
+        method = recipe.drafter.method
+        raise EvalError(
+            f"{Path(drafter_dir) / 'config.json'}: method: the export holds a {exported} drafter, {recipe.source} has "
+            f"drafter.method={method}; evaluate it with a {exported} recipe, or point eval.drafter at an export of a "
+            f"{method} drafter"
+        )
+    check_output_dir(recipe, out_dir)
     # on CPU-only machines (or ACCELERATE_USE_CPU) processes talk gloo: `accelerate launch --multi_gpu` there
     state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU") or not torch.cuda.is_available())
     if recipe.target.device_map is None:
@@ -441,9 +517,8 @@ def run(recipe: Recipe) -> dict[str, Any] | None:
         proposer, tree_desc = build_proposer(drafter, ev, calibrate, draft_vocab)
     except EvalError:
         raise
-    except ValueError as exc:  # e.g. fewer distinct loss tokens in the shards than the tree drafts per step
-        where = f" ({recipe.data.features_dir})" if draft_vocab is not None else ""
-        raise EvalError(f"{recipe.source}: eval: {exc}{where}") from exc
+    except ValueError as exc:  # e.g. a calibrated tree deeper than the heads
+        raise EvalError(f"{recipe.source}: eval: {exc}") from None
     with state.split_between_processes(prompts) as local:
         batches = [local[i : i + ev.batch_size] for i in range(0, len(local), ev.batch_size)]
         if batches:  # warm-up (kernel compilation, allocator), not timed
@@ -482,15 +557,19 @@ def run(recipe: Recipe) -> dict[str, Any] | None:
     return summary
 
 
+INPUT_ERRORS = (RecipeError, EvalError, ExportError, TargetError, DataError, ChatTemplateError, FeatureMismatchError)
+"""Bad input, reported as one line (`error: ...`) and a non-zero exit."""
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m eval", description=__doc__.split("\n\n")[0])
     parser.add_argument("recipe", help="YAML recipe (see recipes/)")
     parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
     args = parser.parse_args(argv)
     try:
-        recipe = load_recipe(args.recipe, args.overrides)
+        recipe = load_recipe(args.recipe, args.overrides, inputs=("target.path", "target.tokenizer", "eval.prompts"))
         summary = run(recipe)
-    except (RecipeError, EvalError, ExportError) as exc:
+    except INPUT_ERRORS as exc:
         sys.exit(f"error: {exc}")
     if summary is not None:
         out = recipe.eval.output_dir or str(Path(recipe.train.output_dir) / "eval")

@@ -9,6 +9,10 @@ import torch
 from torch import nn
 
 
+class DrafterInputError(ValueError):
+    """A file a drafter config names (Medusa-2's `stage1_heads`) that cannot be used; the message names the key."""
+
+
 class DraftBatch(TypedDict, total=False):
     """One micro-batch as the training loop hands it to `drafter(batch)`.
 

@@ -16,7 +16,6 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from models.common import (
     DraftBatch,
@@ -246,6 +245,9 @@ class EagleDrafter(nn.Module):
         self.fc = nn.Linear(2 * d, d, bias=cfg.fc_bias)
         self.layers = nn.ModuleList(DecoderLayer(config, input_norm=i > 0) for i in range(cfg.num_layers))
         self.norm = RMSNorm(d, eps) if cfg.post_norm else None
+        # imported here: recipe validation imports this module for EagleConfig and should not wait for transformers
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
         self.rotary_emb = LlamaRotaryEmbedding(config)  # honours the target's rope_theta and rope scaling
 
     @property

@@ -88,11 +88,28 @@ def save_native(
     return out
 
 
+def read_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors file; a missing, truncated or foreign file is an ExportError naming it."""
+    if not Path(path).is_file():
+        raise ExportError(f"{path}: no such file")
+    try:
+        return load_file(str(path))
+    except Exception as exc:  # safetensors' own error type, or an OSError
+        raise ExportError(f"{path}: not a readable safetensors file, truncated or corrupt ({exc})") from None
+
+
 def read_config(export_dir: str | Path) -> dict[str, Any]:
     path = Path(export_dir) / CONFIG_FILE
+    if not Path(export_dir).is_dir():
+        raise ExportError(f"{export_dir}: no such drafter export directory (write one with `python -m train.export`)")
     if not path.is_file():
         raise ExportError(f"{export_dir}: no {CONFIG_FILE} (not a drafter export: see `python -m train.export`)")
-    config = json.loads(path.read_text())
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ExportError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise ExportError(f"{path}: expected a JSON object, got {type(config).__name__}")
     if config.get("format") != FORMAT or config.get("format_version") != FORMAT_VERSION:
         raise ExportError(
             f"{path}: format {config.get('format')!r} v{config.get('format_version')!r}, "
@@ -133,7 +150,7 @@ def load_drafter(export_dir: str | Path, target: Target, check_identity: bool = 
     cfg.validate(err)
     module = module_cls(cfg, target.parts(config["stored_layers"]))
     weights = str(Path(export_dir) / WEIGHTS_FILE)
-    state = load_file(weights)
+    state = read_safetensors(weights)
     expected, full = module.trainable_state_dict(), {**module.state_dict(), **borrowed_state_dict(module)}
     missing = sorted(expected.keys() - state.keys())
     unexpected = sorted(state.keys() - full.keys())

@@ -16,17 +16,17 @@ import copy
 import dataclasses
 import json
 import math
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
-from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file
 from torch import nn
 
-from models.common import DraftBatch, DrafterOutput, TargetParts, num_loss_tokens, shifted_valid
+from models.common import DraftBatch, DrafterInputError, DrafterOutput, TargetParts, num_loss_tokens, shifted_valid
 from models.medusa import MedusaConfig, MedusaHeads
 
 LLAMA_LINEAR_LAYERS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -87,6 +87,8 @@ class Medusa2Config:
         self.heads_config().validate(err)
         if self.lora_r < 1:
             err("drafter.lora_r", f"must be >= 1, got {self.lora_r}")
+        if self.lora_alpha < 1:
+            err("drafter.lora_alpha", f"must be >= 1, got {self.lora_alpha}")
         if not 0.0 <= self.lora_dropout < 1.0:
             err("drafter.lora_dropout", f"must be in [0, 1), got {self.lora_dropout}")
         if not self.lora_target_modules:
@@ -95,6 +97,11 @@ class Medusa2Config:
             err("drafter.head_loss_coef", f"must be >= 0, got {self.head_loss_coef}")
         if self.alpha_warmup_steps < 0:
             err("drafter.alpha_warmup_steps", f"must be >= 0, got {self.alpha_warmup_steps}")
+
+    def check_inputs(self, err) -> None:
+        """Before training: the stage-1 heads exist in one of the forms `load_stage1_heads` reads."""
+        if self.stage1_heads is not None:
+            stage1_form(Path(self.stage1_heads), lambda msg: err("drafter.stage1_heads", msg))
 
     def check_recipe(self, recipe, err) -> None:
         if not recipe.train.online:
@@ -127,6 +134,8 @@ class Medusa2Model(nn.Module):
         super().__init__()
         if target.model is None:
             raise ValueError("Medusa2Model needs the live target model (TargetParts.model, from Target.parts)")
+        from peft import LoraConfig, get_peft_model  # here: recipe validation imports Medusa2Config, not peft
+
         backbone = _shared_weights_copy(target.model)
         if cfg.gradient_checkpointing:
             backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -274,37 +283,54 @@ def block_attention_mask(batch: DraftBatch, dtype: torch.dtype) -> torch.Tensor:
     return torch.where(allowed, zero, torch.finfo(dtype).min)[:, None]
 
 
+def stage1_form(path: Path, fail) -> Path:
+    """The safetensors file of stage-1 heads at `path` (export, checkpoint or file); else `fail(message)`."""
+    if (path / "config.json").is_file() and (path / "model.safetensors").is_file():
+        try:
+            config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            fail(f"{path / 'config.json'}: not valid JSON ({exc})")
+        if not isinstance(config, dict) or config.get("method") != "medusa1":
+            method = config.get("method") if isinstance(config, dict) else None
+            fail(f"{path}: an export of method {method!r}, expected medusa1 heads")
+        return path / "model.safetensors"
+    if (path / "drafter.safetensors").is_file():
+        return path / "drafter.safetensors"
+    if path.is_file() and path.suffix == ".safetensors":
+        return path
+    if not path.exists():
+        fail(f"{path}: not a Medusa-1 export: no such file or directory (train stage 1 and export it first)")
+    fail(
+        f"{path}: not a Medusa-1 export (config.json + model.safetensors), checkpoint (drafter.safetensors) "
+        "or .safetensors file"
+    )
+
+
 def load_stage1_heads(heads: MedusaHeads, path: str | Path) -> None:
-    """Load Medusa-1 heads (stage 1) into `heads` exactly: same tensor names and shapes, else ValueError."""
+    """Load Medusa-1 heads (stage 1) into `heads` exactly: same tensor names and shapes, else DrafterInputError."""
     path = Path(path)
     where = f"drafter.stage1_heads: {path}"
-    if (path / "config.json").is_file() and (path / "model.safetensors").is_file():
-        config = json.loads((path / "config.json").read_text())
-        if config.get("method") != "medusa1":
-            raise ValueError(f"{where}: an export of method {config.get('method')!r}, expected medusa1 heads")
-        file = path / "model.safetensors"
-    elif (path / "drafter.safetensors").is_file():
-        file = path / "drafter.safetensors"
-    elif path.is_file() and path.suffix == ".safetensors":
-        file = path
-    else:
-        raise ValueError(
-            f"{where}: not a Medusa-1 export (config.json + model.safetensors), checkpoint (drafter.safetensors) "
-            "or .safetensors file"
-        )
-    state = load_file(str(file))
+
+    def fail(msg: str) -> typing.NoReturn:
+        raise DrafterInputError(f"drafter.stage1_heads: {msg}")
+
+    file = stage1_form(path, fail)
+    try:
+        state = load_file(str(file))
+    except Exception as exc:  # safetensors' own error: a truncated or foreign file
+        raise DrafterInputError(f"{where}: {file} is not a readable safetensors file ({exc})") from None
     want = heads.state_dict()
     missing, unexpected = sorted(want.keys() - state.keys()), sorted(state.keys() - want.keys())
     cfg = heads.cfg
     shape = f"num_heads={cfg.num_heads}, num_layers={cfg.num_layers}, share_lm_head={str(cfg.share_lm_head).lower()}"
     if missing or unexpected:
-        raise ValueError(
+        raise DrafterInputError(
             f"{where}: {file.name} does not hold Medusa-1 heads with {shape}: "
             f"missing {missing[:4]}, unexpected {unexpected[:4]}"
         )
     for name, tensor in state.items():
         if tensor.shape != want[name].shape:
-            raise ValueError(
+            raise DrafterInputError(
                 f"{where}: {file.name}: {name} has shape {tuple(tensor.shape)}, expected {tuple(want[name].shape)}"
             )
     heads.load_state_dict(state, strict=True)

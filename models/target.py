@@ -18,8 +18,10 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
 
@@ -45,6 +47,22 @@ _VOLATILE_CONFIG_KEYS = {
 }
 # Elements of each parameter hashed into the weights fingerprint: cheap, yet tells fine-tunes apart.
 _FINGERPRINT_ELEMENTS = 256
+
+
+class TargetError(ValueError):
+    """A target (or tokenizer) that cannot be loaded; the message names the recipe key and the path, on one line."""
+
+
+def _why(exc: BaseException) -> str:
+    """The first line of a loader's error (transformers' run over several lines)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return lines[0] if lines else type(exc).__name__
+
+
+def _load_error(key: str, path: str, exc: BaseException) -> TargetError:
+    if not Path(path).exists():
+        return TargetError(f"{key}: no such directory {path}, and no model of that name could be fetched ({_why(exc)})")
+    return TargetError(f"{key}: {path}: cannot be loaded ({_why(exc)})")
 
 
 class _StopForward(Exception):
@@ -211,13 +229,16 @@ def load_target(
         raise ValueError(f"load_target: dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     if path is not None:
         placement = {} if device_map is None else {"device_map": device_map, "max_memory": max_memory}
-        model = AutoModelForCausalLM.from_pretrained(
-            path,
-            dtype=DTYPES[dtype],
-            trust_remote_code=trust_remote_code,
-            attn_implementation=attn_implementation,
-            **placement,
-        )
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                path,
+                dtype=DTYPES[dtype],
+                trust_remote_code=trust_remote_code,
+                attn_implementation=attn_implementation,
+                **placement,
+            )
+        except (OSError, ValueError, SafetensorError) as exc:  # no such directory / model, truncated weights
+            raise _load_error("target.path", path, exc) from None
         name = path
     else:
         fields = dict(random_init)
@@ -240,7 +261,7 @@ def load_target(
     if tokenizer_dir is not None:
         try:
             tok = AutoTokenizer.from_pretrained(tokenizer_dir, trust_remote_code=trust_remote_code)
-        except (OSError, ValueError):
+        except (OSError, ValueError) as exc:
             if tokenizer is not None:  # asked for explicitly: its absence is an error
-                raise
+                raise _load_error("target.tokenizer", tokenizer, exc) from None
     return Target(model=model, tokenizer=tok, name=name)

@@ -55,6 +55,13 @@ def banner(text: str) -> None:
     print(f"\n=== {text} " + "=" * max(0, 100 - len(text)), flush=True)
 
 
+def clear_report(eval_dir: Path) -> None:
+    """Delete an out-of-date report before evaluating again: eval refuses to replace a report made with other
+    settings, and here the driver decided the old one is stale (another drafter, other overrides)."""
+    for stale in ("report.json", "report.md", "report.png", "recipe.yaml"):
+        (eval_dir / stale).unlink(missing_ok=True)
+
+
 def run_step(name: str, cmd: list[str], log_dir: Path, env: dict[str, str]) -> None:
     """Run one step as a subprocess, its output to a log file; on failure show the log's tail and stop."""
     log = log_dir / f"{name}.log"
@@ -292,6 +299,7 @@ def main() -> None:
         if fresh and json.loads(report.read_text()).get("overrides") == keys:
             skip(f"{eval_dir}/report.json")
         else:
+            clear_report(ROOT / eval_dir)
             run_step(f"eval-{name}", [py, "-m", "eval", recipe, *keys], log_dir, env)
             summary = json.loads(report.read_text())
             report.write_text(json.dumps(summary | {"overrides": keys}, indent=1) + "\n")

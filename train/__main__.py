@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from train.config import RecipeError, load_recipe
+from train.config import RecipeError, check_inputs, load_recipe
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -24,16 +24,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--stop-after", type=int, default=None, metavar="N", help="checkpoint after step N and exit")
     args = parser.parse_args(argv)
     overrides = list(args.overrides) + (["train.resume=auto"] if args.resume else [])
+    if args.stop_after is not None and args.stop_after < 1:
+        parser.error(f"--stop-after must be >= 1, got {args.stop_after}")
     try:
         recipe = load_recipe(args.recipe, overrides)
+        online = ("data.train_files",) if recipe.train.online else ()  # offline runs read feature shards instead
+        check_inputs(recipe, ("target.path", "target.tokenizer", "drafter", *online))
     except RecipeError as exc:
         sys.exit(f"error: {exc}")
 
+    from data.chat import ChatTemplateError, DataError
+    from models.common import DrafterInputError
+    from models.target import TargetError
     from train.loop import TrainingError, train  # heavy imports only once the recipe is valid
 
     try:
         train(recipe, stop_after=args.stop_after)
-    except TrainingError as exc:
+    except (TrainingError, DataError, ChatTemplateError, TargetError, DrafterInputError) as exc:
         sys.exit(f"error: {exc}")
 
 

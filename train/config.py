@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import re
 import types
 import typing
@@ -57,6 +58,8 @@ class TargetConfig:
     extraction place the whole target on each process's device."""
 
     def validate(self, err) -> None:
+        if self.seed < 0:
+            err("target.seed", f"must be >= 0, got {self.seed}")
         if (self.path is None) == (self.random_init is None):
             err("target", "set exactly one of target.path and target.random_init")
         if self.device_map is not None and self.path is None:
@@ -100,7 +103,11 @@ class DataConfig:
     """Tokens per shard (a shard closes at the first sample boundary past this)."""
     extract_batch_tokens: int = 8192
     heldout_fraction: float = 0.02
-    verify_checksums: bool = False
+    verify_checksums: bool = True
+    """Check each feature shard's sha256 against the manifest whenever extraction reuses it (a bad one is extracted
+    again) and whenever training, evaluation or export open the features (a bad one is refused, naming it and what
+    to do): each shard is hashed once, at open (about 1.8 GB/s per process). `false` skips the hashing (sizes are
+    still checked), e.g. to save start-up time on very large feature sets that are known good."""
 
     def validate(self, err) -> None:
         if not self.train_files and self.hf_dataset is None:
@@ -113,6 +120,8 @@ class DataConfig:
             err("data.layers", f"has duplicates: {self.layers}")
         if not 0.0 <= self.heldout_fraction < 1.0:
             err("data.heldout_fraction", f"must be in [0, 1), got {self.heldout_fraction}")
+        if self.max_samples is not None and self.max_samples < 1:
+            err("data.max_samples", f"must be >= 1 or null (every record), got {self.max_samples}")
         for key in ("shard_tokens", "extract_batch_tokens"):
             if getattr(self, key) < 1:
                 err(f"data.{key}", f"must be >= 1, got {getattr(self, key)}")
@@ -158,8 +167,13 @@ class TrainConfig:
         for key in ("max_steps", "batch_size", "grad_accum", "log_every", "keep_checkpoints", "eval_batches"):
             if getattr(self, key) < 1:
                 err(f"train.{key}", f"must be >= 1, got {getattr(self, key)}")
+        for key in ("save_every", "eval_every", "seed"):
+            if getattr(self, key) < 0:
+                err(f"train.{key}", f"must be >= 0, got {getattr(self, key)}")
         if self.lr <= 0:
             err("train.lr", f"must be > 0, got {self.lr}")
+        if self.weight_decay < 0:
+            err("train.weight_decay", f"must be >= 0, got {self.weight_decay}")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             err("train.betas", f"must be two numbers in [0, 1), got {self.betas}")
         if self.warmup_steps < 0 or self.warmup_steps > self.max_steps:
@@ -218,6 +232,11 @@ class EvalConfig:
             err("eval.max_new_tokens", f"must be >= 1, got {self.max_new_tokens}")
         if self.temperature < 0:
             err("eval.temperature", f"must be >= 0, got {self.temperature}")
+        if self.max_prompts is not None and self.max_prompts < 1:
+            err("eval.max_prompts", f"must be >= 1 or null (every prompt), got {self.max_prompts}")
+        for key in ("typical_epsilon", "typical_delta"):
+            if getattr(self, key) <= 0:
+                err(f"eval.{key}", f"must be > 0, got {getattr(self, key)}")
         if not 0 < self.top_p <= 1:
             err("eval.top_p", f"must be in (0, 1], got {self.top_p}")
         for key, least in (("tree_depth", 1), ("tree_top_k", 1), ("tree_total_tokens", 2)):
@@ -230,6 +249,8 @@ class EvalConfig:
             err("eval.baselines", f"unknown {unknown}; available: {list(EVAL_BASELINES)}")
         if self.batch_size < 1:
             err("eval.batch_size", f"must be >= 1, got {self.batch_size}")
+        if self.seed < 0:
+            err("eval.seed", f"must be >= 0, got {self.seed}")
         if self.batch_size > 1 and "prompt_lookup" in self.baselines:
             err(
                 "eval.batch_size",
@@ -289,7 +310,10 @@ class Recipe:
 
     def section_hash(self, *sections: str) -> str:
         """Stable hash of some sections, used to refuse reusing outputs built from other settings."""
-        blob = json.dumps({s: self.to_dict()[s] for s in sections}, sort_keys=True)
+        chosen = {s: self.to_dict()[s] for s in sections}
+        if "data" in chosen:  # a check, not a setting: hashed as its former default, so older checkpoints still match
+            chosen["data"]["verify_checksums"] = False
+        blob = json.dumps(chosen, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -381,6 +405,10 @@ def build_dataclass(cls: type, raw: Any, prefix: str, err) -> Any:
     kwargs = {}
     for name, value in raw.items():
         kwargs[name] = _coerce(value, hints[name], f"{prefix}.{name}", err)
+        for i, number in enumerate(kwargs[name] if isinstance(kwargs[name], list) else [kwargs[name]]):
+            if isinstance(number, float) and not math.isfinite(number):  # YAML `.nan` / `.inf`, override `lr=nan`
+                where = f"{prefix}.{name}" + (f"[{i}]" if isinstance(kwargs[name], list) else "")
+                err(where, f"must be a finite number, got {number}")
     missing = [
         n
         for n, f in fields.items()
@@ -402,7 +430,10 @@ def _parse_override(item: str, source: str) -> tuple[list[str], Any]:
     if "=" not in item:
         raise RecipeError(f"{source}: override {item!r} must look like section.key=value")
     key, text = item.split("=", 1)
-    return key.strip().split("."), yaml.safe_load(text) if text != "" else None
+    try:
+        return key.strip().split("."), yaml.safe_load(text) if text != "" else None
+    except yaml.YAMLError as exc:
+        raise RecipeError(f"{source}: override {item!r}: not a YAML value: {exc}".splitlines()[0]) from None
 
 
 def apply_overrides(raw: dict, overrides: list[str], source: str) -> dict:
@@ -461,14 +492,64 @@ def _check_cross_section(recipe: Recipe, err) -> None:
         recipe.drafter.check_recipe(recipe, err)
 
 
-def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
-    """Load, override and validate a YAML recipe."""
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+"""What a hub id looks like (`name` or `org/name`): a path of another shape that does not exist is a typo."""
+
+
+def _check_model_dir(path: str, key: str, err, config: bool) -> None:
+    p = Path(path)
+    if p.is_dir():
+        if config and not (p / "config.json").is_file():
+            err(key, f"{path} is not a Hugging Face model directory (no config.json)")
+        return
+    if p.exists():
+        err(key, f"{path} is a file, not a model directory")
+    parent = p.parent
+    if not _HUB_ID.fullmatch(path) or ".." in path or (parent != Path(".") and parent.is_dir()):
+        err(key, f"no such directory {path}")  # `runs/x` with a local `runs/`: a typo, not the hub's org `runs`
+
+
+def check_inputs(recipe: Recipe, keys: typing.Iterable[str]) -> None:
+    """Refuse missing inputs of the keys a stage reads before any heavy work (RecipeError naming the key and the
+    file). Keys: `target.path`, `target.tokenizer` (local directories; a name shaped like a hub id is left to the
+    hub), `data.train_files`, `eval.prompts`, `drafter` (the method's own inputs, its config's `check_inputs`)."""
+
+    def err(key: str, msg: str) -> typing.NoReturn:
+        raise RecipeError(f"{recipe.source}: {key}: {msg}")
+
+    for key in keys:
+        if key == "target.path" and recipe.target.path is not None:
+            _check_model_dir(recipe.target.path, key, err, config=True)
+        elif key == "target.tokenizer" and recipe.target.tokenizer is not None:
+            _check_model_dir(recipe.target.tokenizer, key, err, config=False)
+        elif key == "data.train_files":
+            for i, file in enumerate(recipe.data.train_files):
+                if not Path(file).is_file():
+                    err(f"data.train_files[{i}]", f"no such file {file}")
+        elif key == "eval.prompts":
+            if recipe.eval.prompts is None:
+                err(key, "is required (a JSONL file of prompts)")
+            if not Path(recipe.eval.prompts).is_file():
+                err(key, f"no such file {recipe.eval.prompts}")
+        elif key == "drafter" and hasattr(recipe.drafter, "check_inputs"):
+            recipe.drafter.check_inputs(err)
+
+
+def load_recipe(path: str | Path, overrides: list[str] | None = None, inputs: typing.Iterable[str] = ()) -> Recipe:
+    """Load, override and validate a YAML recipe; then check the input files of `inputs` (see `check_inputs`)."""
     path = Path(path)
     source = str(path)
     if not path.is_file():
         raise RecipeError(f"{source}: no such recipe file")
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     except yaml.YAMLError as exc:
         raise RecipeError(f"{source}: not valid YAML: {exc}".splitlines()[0]) from None
-    return recipe_from_dict(apply_overrides(raw, overrides or [], source), source)
+    except UnicodeDecodeError as exc:
+        byte = exc.object[exc.start]
+        raise RecipeError(f"{source}: not UTF-8 text (byte {byte:#04x} at offset {exc.start})") from None
+    if not isinstance(raw, dict):
+        raise RecipeError(f"{source}: <top>: a recipe must be a mapping of sections, got {type(raw).__name__}")
+    recipe = recipe_from_dict(apply_overrides(raw, overrides or [], source), source)
+    check_inputs(recipe, inputs)
+    return recipe

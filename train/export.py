@@ -34,16 +34,15 @@ import json
 import sys
 from pathlib import Path
 
-from safetensors.torch import load_file
 from torch import nn
 
-from data.shards import FeatureDataset, frequent_loss_tokens
+from data.shards import FeatureDataset, FeatureMismatchError, frequent_loss_tokens
 from models import DRAFTERS
 from models.eagle import EagleDrafter
-from models.io import ExportError, load_drafter, save_draft_vocab, save_native, write_safetensors
+from models.io import ExportError, load_drafter, read_safetensors, save_draft_vocab, save_native, write_safetensors
 from models.medusa import MedusaHeads
-from models.target import Target, load_target
-from train.checkpoint import DRAFTER_FILE, RECIPE_FILE, latest_checkpoint, read_state
+from models.target import Target, TargetError, load_target
+from train.checkpoint import DRAFTER_FILE, RECIPE_FILE, CheckpointError, latest_checkpoint, read_state
 from train.config import Recipe, RecipeError, load_recipe
 
 MEDUSA_WEIGHTS = "medusa_lm_head.safetensors"
@@ -55,6 +54,8 @@ _VOLATILE = {"_name_or_path", "transformers_version", "dtype", "torch_dtype", "_
 def load_run(run_dir: str | Path, checkpoint: str | Path | None = None) -> tuple[Recipe, Target, nn.Module]:
     """(recipe, target on CPU, drafter with the checkpoint's trained tensors) of a training run."""
     run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise ExportError(f"{run_dir}: no such run directory (give the train.output_dir of a training run)")
     recipe = load_recipe(run_dir / RECIPE_FILE)
     ckpt = Path(checkpoint) if checkpoint is not None else latest_checkpoint(run_dir)
     if ckpt is None:
@@ -63,8 +64,11 @@ def load_run(run_dir: str | Path, checkpoint: str | Path | None = None) -> tuple
     if state["recipe_hash"] != recipe.section_hash("target", "data", "drafter"):
         raise ExportError(f"{ckpt}: trained with other target/data/drafter settings than {run_dir / RECIPE_FILE}")
     target = load_target(**dataclasses.asdict(recipe.target))
-    drafter = DRAFTERS[recipe.drafter.method][1](recipe.drafter, target.parts(recipe.data.layers))
-    tensors = load_file(str(ckpt / DRAFTER_FILE))
+    cfg = recipe.drafter
+    if getattr(cfg, "stage1_heads", None) is not None:  # Medusa-2: the checkpoint holds the trained heads
+        cfg = dataclasses.replace(cfg, stage1_heads=None)
+    drafter = DRAFTERS[recipe.drafter.method][1](cfg, target.parts(recipe.data.layers))
+    tensors = read_safetensors(ckpt / DRAFTER_FILE)
     expected = drafter.trainable_state_dict().keys()
     if tensors.keys() != expected:
         raise ExportError(
@@ -200,7 +204,8 @@ def export(
     save_native(out, drafter, target, recipe.to_dict(), include_target_weights)
     vocab = max(recipe.eval.draft_vocab, recipe.train.loss_vocab)
     if vocab and recipe.data.features_dir and (Path(recipe.data.features_dir) / "manifest.json").is_file():
-        save_draft_vocab(out, frequent_loss_tokens(FeatureDataset(recipe.data.features_dir), vocab))
+        features = FeatureDataset(recipe.data.features_dir, verify_checksums=recipe.data.verify_checksums)
+        save_draft_vocab(out, frequent_loss_tokens(features, vocab))
     if hasattr(drafter, "export_extra"):
         drafter.export_extra(out, target, merge_lora=recipe.export.merge_lora if merge_lora is None else merge_lora)
     load_drafter(out, target)  # strict round trip before reporting success
@@ -218,7 +223,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:
         out = export(args.run_dir, args.out, args.format, args.checkpoint, args.include_target_weights, args.merge_lora)
-    except (ExportError, RecipeError, FileNotFoundError) as exc:
+    except (ExportError, RecipeError, CheckpointError, FileNotFoundError, TargetError, FeatureMismatchError) as exc:
         sys.exit(f"error: {exc}")
     print(f"exported {args.run_dir} -> {out}")
 

@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "recipes"))  # run.py: the step helpers every pipeline script shares
 
-from run import banner, run_step, skip  # noqa: E402
+from run import banner, clear_report, run_step, skip  # noqa: E402
 
 from eval.report import lossless_mark, markdown_table  # noqa: E402
 
@@ -129,6 +129,7 @@ def main() -> None:
         if report.is_file() and report.stat().st_mtime > export.stat().st_mtime:  # newer than the drafter
             skip(f"{out}/{method}/eval/report.json")
             continue
+        clear_report(out_abs / method / "eval")
         run_step(f"eval-{method}", [py, "-m", "eval", recipe, *overrides(method)], log_dir, env)
 
     rows, reports = [], [json.loads((out_abs / m / "eval" / "report.json").read_text()) for m in RECIPES]

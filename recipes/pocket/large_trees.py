@@ -22,6 +22,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).parent))
 
 from demo import RECIPES, banner, followup_parser, followup_setup, run_step, skip  # noqa: E402
+from run import clear_report  # noqa: E402
 
 from eval.report import lossless_mark, markdown_table  # noqa: E402
 
@@ -67,6 +68,7 @@ def main() -> None:
             overrides = [*data, f"eval.drafter={drafter}", f"eval.output_dir={out}/{name}", *tree]
             overrides += [f"eval.tree_total_tokens={total}", f"eval.max_prompts={args.prompts}"]
             overrides += ["eval.draft_vocab=0"]  # the papers' trees draft over the whole vocabulary
+            clear_report(report.parent)
             run_step(f"eval-{name}", [py, "-m", "eval", RECIPES[method], *overrides], log_dir, env)
         r = json.loads(report.read_text())
         label = method + (" (4 heads)" if method == "medusa1" else "")

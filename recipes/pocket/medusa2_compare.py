@@ -28,6 +28,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).parent))
 
 from demo import RECIPES, banner, followup_parser, followup_setup, run_step, skip  # noqa: E402
+from run import clear_report  # noqa: E402
 
 from eval.report import lossless_mark, markdown_table  # noqa: E402
 
@@ -97,6 +98,7 @@ def main() -> None:
                 overrides = [f"eval.drafter={out}/{name}/export", f"eval.output_dir={out}/{name}/eval-{tree}"]
                 overrides += [*tree_overrides, "eval.tree_total_tokens=6", f"eval.max_prompts={args.prompts}"]
                 overrides += ["eval.draft_vocab=0"]  # both arms draft over the whole vocabulary
+                clear_report(report.parent)
                 run_step(f"eval-{name}-{tree}", [py, "-m", "eval", recipe, *overrides], log_dir, env)
             taus[name, tree] = json.loads(report.read_text())
 
