@@ -4,8 +4,9 @@
     bash benchmarks/gpu_kernels.sh --smoke    # CPU, Triton interpreter, tiny shapes
 
 Prints `check …: ok|FAIL` lines, then `tree_attention/sdpa …: X (goal <= 1.0)` time ratios for N = 64 tree tokens
-(our MEDUSA_63 tree) over a 4k-token prefix, 32 heads x 128 head dim, GQA with 8 kv heads, B = 1 and 8. SDPA gets
-a dense float mask over prefix + tree and K/V already repeated to 32 heads (repeat outside the timed region).
+(Medusa's published mc_sim_7b_63 tree) over a 4k-token prefix, 32 heads x 128 head dim, GQA with 8 kv heads,
+B = 1 and 8. SDPA gets a dense float mask over prefix + tree and K/V already repeated to 32 heads (repeat
+outside the timed region).
 Also decodes with a tiny target spread over two devices the way `target.device_map` spreads one (two GPUs, or one
 GPU and the CPU), greedy speculative output against plain greedy, and decodes a batch of prompts of different
 lengths over a ragged KV cache, each row against plain greedy. Exit status 1 if any check fails.
@@ -28,7 +29,7 @@ if not torch.cuda.is_available():
 import torch.nn.functional as F  # noqa: E402
 
 from eval import kernels, reference  # noqa: E402
-from eval.trees import MEDUSA_63, Tree, medusa_tree, stack_trees  # noqa: E402
+from eval.trees import MC_SIM_7B_63, Tree, medusa_tree, stack_trees  # noqa: E402
 
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 FAILURES: list[str] = []
@@ -227,7 +228,7 @@ def bench(fn: Callable[[], object], device) -> float:
 
 
 def time_attention(batches, h, hkv, p, d, dtypes, device, gen) -> None:
-    tree = medusa_tree(MEDUSA_63, num_heads=4).to(device) if p > 64 else random_tree(16, gen).to(device)
+    tree = medusa_tree(MC_SIM_7B_63, num_heads=4).to(device) if p > 64 else random_tree(16, gen).to(device)
     n = tree.num_nodes
     for dtype in dtypes:
         for b in batches:
@@ -255,8 +256,8 @@ def time_attention(batches, h, hkv, p, d, dtypes, device, gen) -> None:
 
 
 def time_verify(b: int, vocab: int, device, gen) -> None:
-    """Per-round verification cost on the MEDUSA_63 tree: fused kernels vs the torch twins."""
-    tree = medusa_tree(MEDUSA_63, num_heads=4).to(device)
+    """Per-round verification cost on the MC_SIM_7B_63 tree: fused kernels vs the torch twins."""
+    tree = medusa_tree(MC_SIM_7B_63, num_heads=4).to(device)
     n = tree.num_nodes
     logits = (3 * torch.randn(b, n, vocab, generator=gen)).to(device=device, dtype=torch.bfloat16)
     tokens = torch.randint(0, vocab, (b, n), generator=gen).to(device)

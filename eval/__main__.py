@@ -51,7 +51,7 @@ from eval.generate import (
     speculative_generate_batch,
 )
 from eval.report import summarize, write_report
-from eval.trees import MEDUSA_63, calibrated_tree, chain, medusa_tree
+from eval.trees import NAMED_TREES, calibrated_tree, chain, medusa_tree
 from models.eagle import EagleDrafter
 from models.io import ExportError, load_draft_vocab, load_drafter, read_config
 from models.medusa import MedusaHeads
@@ -241,15 +241,17 @@ def build_proposer(
         if tree == "chain":
             depth = min(ev.tree_depth, heads)
             return MedusaProposer(drafter, chain(depth), vocab), f"chain d{depth}{suffix}"
-        if tree == "medusa63":
-            return MedusaProposer(drafter, medusa_tree(MEDUSA_63, heads), vocab), f"medusa63{suffix}"
+        if tree in NAMED_TREES:
+            return MedusaProposer(drafter, medusa_tree(NAMED_TREES[tree], heads), vocab), f"{tree}{suffix}"
         if tree in ("auto", "calibrated"):
             depth = min(ev.tree_depth, heads)
             rank_acc = calibrate(ev.tree_top_k)[:depth]
             static = calibrated_tree(rank_acc, ev.tree_total_tokens - 1)
             desc = f"calibrated d{static.max_depth} n{static.num_nodes}{suffix}"
             return MedusaProposer(drafter, static, vocab), desc
-        raise EvalError(f"eval.tree: {tree!r} is not a Medusa tree (auto, calibrated, medusa63, chain)")
+        raise EvalError(
+            f"eval.tree: {tree!r} is not a Medusa tree (auto, calibrated, mc_sim_7b_63, calibrated63, chain)"
+        )
     raise EvalError(f"no proposer for drafter type {type(drafter).__name__}")
 
 

@@ -7,7 +7,7 @@ verified token, whose KV is not cached yet); nodes are in topological order (par
 contiguous in drafting order). The target runs the N tree tokens at `tree.positions(prefix_len)` under the ancestor
 mask `tree.mask_bits` (packed; `tree.dense_mask()` for a bool view), on top of a KV cache of `prefix_len` tokens.
 
-    tree = medusa_tree(MEDUSA_63, num_heads=4)                      # static, shared by all requests
+    tree = medusa_tree(MC_SIM_7B_63, num_heads=4)                   # static, shared by all requests
     tokens = medusa_tokens(tree, root_tokens, head_topk)            # (B, N) per-round candidates
     tree = dynamic_tree(expand_fn, root_token, depth=5, top_k=10, total_tokens=60)  # EAGLE-2, one request
     trees = dynamic_trees(batch_expand_fn, root_tokens, depth=5, top_k=10, total_tokens=60)  # B requests at once
@@ -23,8 +23,12 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from eval.named_trees import CALIBRATED_63, MC_SIM_7B_63, NAMED_TREES
+
 __all__ = [
-    "MEDUSA_63",
+    "CALIBRATED_63",
+    "MC_SIM_7B_63",
+    "NAMED_TREES",
     "VICUNA_7B_HEAD_ACC",
     "Tree",
     "calibrated_paths",
@@ -257,19 +261,6 @@ def calibrated_paths(rank_acc: torch.Tensor, num_nodes: int) -> list[tuple[int, 
 def calibrated_tree(rank_acc: torch.Tensor, num_nodes: int) -> Tree:
     """Static Medusa tree of `num_nodes` drafted nodes grown from calibrated rank accuracies (K heads, top_k)."""
     return medusa_tree(calibrated_paths(rank_acc, num_nodes), num_heads=rank_acc.shape[0])
-
-
-# Our 63-node sparse tree (depth <= 4): calibrated_paths(medusa_rank_acc(VICUNA_7B_HEAD_ACC[:4]), 63).
-# fmt: off
-MEDUSA_63: list[tuple[int, ...]] = [
-    (0,), (1,), (0, 0), (2,), (0, 1), (1, 0), (3,), (0, 2), (1, 1), (2, 0), (0, 0, 0), (4,), (0, 3), (1, 2), (2, 1),
-    (3, 0), (0, 0, 1), (0, 1, 0), (1, 0, 0), (5,), (0, 4), (1, 3), (2, 2), (3, 1), (4, 0), (0, 0, 2), (0, 1, 1),
-    (0, 2, 0), (1, 0, 1), (1, 1, 0), (2, 0, 0), (6,), (0, 5), (1, 4), (2, 3), (3, 2), (4, 1), (5, 0), (0, 0, 0, 0),
-    (0, 0, 3), (0, 1, 2), (0, 2, 1), (0, 3, 0), (1, 0, 2), (1, 1, 1), (1, 2, 0), (2, 0, 1), (2, 1, 0), (3, 0, 0),
-    (7,), (0, 6), (1, 5), (2, 4), (3, 3), (4, 2), (5, 1), (6, 0), (0, 0, 0, 1), (0, 0, 1, 0), (0, 1, 0, 0),
-    (1, 0, 0, 0), (0, 0, 4), (0, 1, 3),
-]
-# fmt: on
 
 
 # ---------------------------------------------------------------------------------------------- EAGLE-2 dynamic tree

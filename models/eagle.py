@@ -66,7 +66,7 @@ class EagleConfig:
             err("drafter.topk_metric", f"must be >= 1, got {self.topk_metric}")
 
     def check_recipe(self, recipe, err) -> None:
-        if recipe.eval.tree in ("medusa63", "calibrated"):
+        if recipe.eval.tree in ("mc_sim_7b_63", "calibrated63", "calibrated"):
             err(
                 "eval.tree",
                 f"{recipe.eval.tree} is a Medusa tree; EAGLE drafts dynamic trees or chains (auto, dynamic, chain)",

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from eval import named_trees
 from models.common import DraftBatch, DrafterOutput, FrozenRef, TargetParts, num_loss_tokens, shifted_valid
 
 
@@ -47,14 +48,20 @@ class MedusaConfig:
             err("drafter.decay", f"must be in (0, 1], got {self.decay}")
 
     def check_recipe(self, recipe, err) -> None:
-        if recipe.eval.tree == "dynamic":
-            err("eval.tree", "dynamic trees need an EAGLE drafter; Medusa uses static trees (chain, medusa63, ...)")
-        if recipe.eval.tree in ("chain", "calibrated") and recipe.eval.tree_depth > self.num_heads:
+        tree = recipe.eval.tree
+        if tree == "dynamic":
+            err("eval.tree", "dynamic trees need an EAGLE drafter; Medusa uses static trees (chain, calibrated, ...)")
+        if tree in ("chain", "calibrated") and recipe.eval.tree_depth > self.num_heads:
             err("eval.tree_depth", f"{recipe.eval.tree_depth} exceeds the number of Medusa heads ({self.num_heads})")
-        if recipe.eval.tree == "medusa63" and self.num_heads < 4:
-            err("eval.tree", f"medusa63 is 4 deep and needs >= 4 heads, drafter.num_heads is {self.num_heads}")
-        if recipe.eval.tree == "medusa63" and 0 < recipe.eval.draft_vocab < 8:
-            err("eval.draft_vocab", f"medusa63 drafts each head's top 8 tokens, got {recipe.eval.draft_vocab}")
+        if tree in named_trees.NAMED_TREES:
+            depth, top_k = named_trees.depth(tree), named_trees.top_k(tree)
+            if self.num_heads < depth:
+                err(
+                    "eval.tree",
+                    f"{tree} is {depth} deep and needs >= {depth} heads, drafter.num_heads is {self.num_heads}",
+                )
+            if 0 < recipe.eval.draft_vocab < top_k:
+                err("eval.draft_vocab", f"{tree} drafts each head's top {top_k} tokens, got {recipe.eval.draft_vocab}")
         if recipe.train.loss_vocab and not self.share_lm_head:
             err("train.loss_vocab", "needs drafter.share_lm_head: heads with their own lm_head train every row of it")
 

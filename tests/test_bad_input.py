@@ -166,7 +166,7 @@ CASES: dict[str, Case] = {
     ),
     "eval/tree-deeper-than-heads": Case(
         "eval",
-        f"{EVAL} drafter.num_heads=4 eval.tree=medusa63 eval.tree_top_k=8 eval.draft_vocab=8 "
+        f"{EVAL} drafter.num_heads=4 eval.tree=mc_sim_7b_63 eval.tree_top_k=10 eval.draft_vocab=10 "
         "data.features_dir={features}",
         ("eval", "tree depth 4", "Medusa heads (3)"),
         absent=("{features}",),

@@ -7,6 +7,7 @@ and rebuilt with `models.io.load_drafter` (what eval uses): outputs must be iden
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -276,6 +277,25 @@ def test_engine_formats_refuse_what_they_cannot_hold(runs, tmp_path):
         export(runs["medusa1"], tmp_path / "c", fmt="sglang")
     with pytest.raises(ExportError, match="drafter.fc_bias=false"):  # vLLM would drop fc.bias without a word
         export(runs["eagle2-plain"], tmp_path / "d", fmt="vllm")
+    assert not list(tmp_path.iterdir())  # a refused export leaves nothing, not even its temporary directory
+
+
+def test_each_format_has_its_own_directory_and_a_re_export_replaces_it(runs, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(runs["eagle2-vllm"], run)
+    native, vllm = export(run), export(run, fmt="vllm")
+    assert (native, vllm) == (run / "export", run / "export-vllm")
+    assert json.loads((native / "config.json").read_text())["format"] != json.loads(
+        (vllm / "config.json").read_text()
+    ).get("format")
+    (native / "stale.txt").write_text("from the earlier export")
+    assert export(run) == native and not (native / "stale.txt").exists()
+    other = tmp_path / "notes"
+    other.mkdir()
+    (other / "todo.txt").write_text("mine")
+    with pytest.raises(ExportError, match="exists and is not an export"):
+        export(run, other)
+    assert (other / "todo.txt").read_text() == "mine"
 
 
 def test_native_export_carries_the_draft_vocabulary(runs, tmp_path):

@@ -26,7 +26,7 @@ from eval.generate import (
     speculative_generate_batch,
 )
 from eval.kernels import get_ops
-from eval.trees import MEDUSA_63, Tree, chain, medusa_tree
+from eval.trees import MC_SIM_7B_63, Tree, chain, medusa_tree
 from models.eagle import EagleConfig, EagleDrafter
 from models.medusa import MedusaConfig, MedusaHeads
 from models.target import load_target
@@ -134,7 +134,7 @@ def test_greedy_real_drafters_lossless(target, kind):
     elif kind == "medusa_chain":
         proposer = MedusaProposer(_medusa(target), chain(3))
     else:
-        proposer = MedusaProposer(_medusa(target, num_heads=4), medusa_tree(MEDUSA_63, 4))
+        proposer = MedusaProposer(_medusa(target, num_heads=4), medusa_tree(MC_SIM_7B_63, 4))
     plain = plain_generate(target.model, PROMPT, settings)
     out = speculative_generate(target.model, proposer, PROMPT, settings)
     assert out.tokens == plain.tokens
@@ -164,8 +164,8 @@ def test_draft_vocabulary_smaller_than_the_tree_top_k_is_refused():
     in topk (Medusa): both proposers refuse them up front."""
     target = tiny_target("llama")
     few = torch.tensor([3, 5, 7, 9])
-    with pytest.raises(ValueError, match="4 tokens, fewer than the top 8"):
-        MedusaProposer(_medusa(target, num_heads=4), medusa_tree(MEDUSA_63, 4), few)
+    with pytest.raises(ValueError, match="4 tokens, fewer than the top 10"):
+        MedusaProposer(_medusa(target, num_heads=4), medusa_tree(MC_SIM_7B_63, 4), few)
     with pytest.raises(ValueError, match="4 tokens, fewer than the top 5"):
         EagleProposer(_eagle(target), depth=3, top_k=5, total_tokens=10, draft_vocab=few)
     EagleProposer(_eagle(target), depth=3, top_k=4, total_tokens=10, draft_vocab=few)  # exactly enough

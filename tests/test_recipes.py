@@ -72,10 +72,10 @@ BAD = {
     "unknown baseline": (["eval.baselines=[plane]"], "eval.baselines", "unknown ['plane']"),
     "empty eval batches": (["eval.batch_size=0"], "eval.batch_size", "must be >= 1"),
     "prompt lookup in a batch": (["eval.batch_size=4"], "eval.batch_size", "eval.baselines=[plain]"),
-    "medusa63 over a tiny draft vocabulary": (
-        ["drafter.num_heads=4", "eval.tree=medusa63", "eval.tree_top_k=4", "eval.draft_vocab=4"],
+    "mc_sim_7b_63 over a tiny draft vocabulary": (
+        ["drafter.num_heads=4", "eval.tree=mc_sim_7b_63", "eval.tree_top_k=4", "eval.draft_vocab=4"],
         "eval.draft_vocab",
-        "top 8",
+        "top 10",
     ),
 }
 
@@ -130,5 +130,5 @@ def test_yaml_readings_a_user_did_not_mean(tmp_path):
 
 def test_eagle_refuses_medusa_trees():
     eagle = ROOT / "recipes/tiny/eagle2.yaml"
-    with pytest.raises(RecipeError, match="eval.tree: medusa63 is a Medusa tree"):
-        load_recipe(eagle, ["eval.tree=medusa63"])
+    with pytest.raises(RecipeError, match="eval.tree: mc_sim_7b_63 is a Medusa tree"):
+        load_recipe(eagle, ["eval.tree=mc_sim_7b_63"])

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from eval.trees import (
-    MEDUSA_63,
+    CALIBRATED_63,
+    MC_SIM_7B_63,
     VICUNA_7B_HEAD_ACC,
     Tree,
     calibrated_paths,
@@ -84,7 +85,7 @@ def test_medusa_tree_validation():
     with pytest.raises(ValueError, match="no parent"):
         medusa_tree([(0,), (1, 0)], num_heads=2)
     with pytest.raises(ValueError, match="exceeds"):
-        medusa_tree(MEDUSA_63, num_heads=3)
+        medusa_tree(MC_SIM_7B_63, num_heads=3)
 
 
 def test_chain():
@@ -100,16 +101,29 @@ def test_calibrated_growth():
     assert tree.num_nodes == 5 and tree.max_depth == 2
 
 
-def test_medusa_63_is_our_calibrated_tree():
-    assert len(MEDUSA_63) == 63
-    assert calibrated_paths(medusa_rank_acc(VICUNA_7B_HEAD_ACC[:4]), 63) == MEDUSA_63
-    tree = medusa_tree(MEDUSA_63, num_heads=4)
+def test_calibrated63_is_our_calibrated_tree():
+    assert len(CALIBRATED_63) == 63
+    assert calibrated_paths(medusa_rank_acc(VICUNA_7B_HEAD_ACC[:4]), 63) == CALIBRATED_63
+    tree = medusa_tree(CALIBRATED_63, num_heads=4)
     assert tree.num_nodes == 64 and tree.max_depth == 4
     assert tree.mask_bits.shape == (64, 2)
     # the growth is greedy by path value, so every path's value is >= every value outside the tree
     acc = medusa_rank_acc(VICUNA_7B_HEAD_ACC[:4])
     value = lambda p: math.prod(acc[h, r].item() for h, r in enumerate(p))
-    assert min(value(p) for p in MEDUSA_63) >= value((8,)) and min(value(p) for p in MEDUSA_63) >= value((0, 7))
+    assert min(value(p) for p in CALIBRATED_63) >= value((8,)) and min(value(p) for p in CALIBRATED_63) >= value((0, 7))
+
+
+def test_mc_sim_7b_63_is_medusas_published_tree():
+    """Medusa's published tree: 63 distinct paths, 4 deep, each head's top 10, closed under prefixes; not ours."""
+    paths = set(MC_SIM_7B_63)
+    assert len(MC_SIM_7B_63) == len(paths) == 63
+    assert max(map(len, paths)) == 4 and max(max(p) for p in paths) == 9
+    assert all(p[:-1] in paths for p in paths if len(p) > 1)
+    assert sum(len(p) == 1 for p in paths) == 10 and sum(len(p) == 4 for p in paths) == 2
+    assert MC_SIM_7B_63[:6] == [(0,), (0, 0), (1,), (0, 1), (2,), (0, 0, 0)] and MC_SIM_7B_63[-1] == (0, 7, 0)
+    assert paths != set(CALIBRATED_63)
+    tree = medusa_tree(MC_SIM_7B_63, num_heads=4)
+    assert tree.num_nodes == 64 and tree.max_depth == 4 and int(tree.head_rank.max()) == 9
 
 
 def test_dynamic_tree_matches_brute_force():

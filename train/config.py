@@ -205,8 +205,9 @@ class EvalConfig:
     """`exact`: greedy / lossless rejection sampling; `typical`: Medusa typical acceptance (lossy)."""
     typical_epsilon: float = 0.09
     typical_delta: float = 0.3
-    tree: Literal["auto", "chain", "medusa63", "calibrated", "dynamic"] = "auto"
-    """Tree shape; `auto` = EAGLE's dynamic tree or Medusa's calibrated one."""
+    tree: Literal["auto", "chain", "mc_sim_7b_63", "calibrated63", "calibrated", "dynamic"] = "auto"
+    """Tree shape; `auto` = EAGLE's dynamic tree or Medusa's calibrated one; `mc_sim_7b_63` is Medusa's published
+    tree, `calibrated63` this project's 63-node tree (`eval/named_trees.py`)."""
     tree_depth: int = 5
     tree_top_k: int = 10
     tree_total_tokens: int = 60

@@ -5,10 +5,11 @@
 
 Reads the run's resolved recipe (`RUN_DIR/recipe.yaml`) and the newest checkpoint's gathered drafter
 tensors (`drafter.safetensors`, written by every checkpoint whatever the parallelism), rebuilds the
-drafter on the recipe's target and writes `config.json` + `model.safetensors` (never pickle) to
-`--out` (default `export.out`, else `RUN_DIR/export`), with `draft_vocab.safetensors` (the data's most frequent
-loss tokens) when the recipe drafts from a vocabulary subset (`eval.draft_vocab`, `train.loss_vocab`). The export is
-then reloaded strictly
+drafter on the recipe's target and writes `config.json` + `model.safetensors` (never pickle) to `--out`:
+by default `export.out` for the recipe's own format, else `RUN_DIR/export` for native and
+`RUN_DIR/export-<format>` for an engine format, so each format has its own directory. A native export
+carries `draft_vocab.safetensors` (the data's most frequent loss tokens) when the recipe drafts from a
+vocabulary subset (`eval.draft_vocab`, `train.loss_vocab`), and is reloaded strictly
 (`models.io.load_drafter`) before the command reports success. Drafters with an `export_extra` hook add
 their method-specific files next to it (Medusa-2: `heads/`, the LoRA `adapter/`, `merged/` with --merge-lora).
 
@@ -22,7 +23,9 @@ Engine formats, each a `config.json` + safetensors file:
 - `vllm`: Medusa heads as vLLM's `MedusaModel` (`model_type: medusa`, `blocks.{h}.layers.{l}.*`,
   `lm_heads.{h}.weight`, `medusa_fc_bias: true`); EAGLE-1/2 drafters as `eagle` (vLLM reads that layout), only
   with `fc_bias: false`, since vLLM's EAGLE fc has no bias and it drops an `fc.bias` without a word.
-Weights are written through a temporary file and a rename; tensors that share memory (tied embeddings, heads
+The export is written under `<out>.tmp` and renamed once complete (a failed export leaves nothing behind; an
+earlier export at `<out>` is replaced, any other existing directory refused). Weights are written through a
+temporary file and a rename; tensors that share memory (tied embeddings, heads
 sharing one lm_head) are written as copies.
 """
 
@@ -31,6 +34,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -194,28 +198,50 @@ def export(
     fmt = fmt or recipe.export.format
     if fmt not in FORMATS:
         raise ExportError(f"export.format: {fmt!r} is not implemented yet (available: {', '.join(FORMATS)})")
-    out = Path(out or recipe.export.out or Path(run_dir) / "export")
+    out = Path(out or default_out(recipe, run_dir, fmt))
     if include_target_weights is None:
         include_target_weights = recipe.export.include_target_weights
-    if fmt in ENGINE_FORMATS:
-        out.mkdir(parents=True, exist_ok=True)
-        ENGINE_FORMATS[fmt](out, recipe, target, drafter, include_target_weights)
-        return out
-    save_native(out, drafter, target, recipe.to_dict(), include_target_weights)
-    vocab = max(recipe.eval.draft_vocab, recipe.train.loss_vocab)
-    if vocab and recipe.data.features_dir and (Path(recipe.data.features_dir) / "manifest.json").is_file():
-        features = FeatureDataset(recipe.data.features_dir, verify_checksums=recipe.data.verify_checksums)
-        save_draft_vocab(out, frequent_loss_tokens(features, vocab))
-    if hasattr(drafter, "export_extra"):
-        drafter.export_extra(out, target, merge_lora=recipe.export.merge_lora if merge_lora is None else merge_lora)
-    load_drafter(out, target)  # strict round trip before reporting success
+    if out.exists() and not (out / "config.json").is_file() and (not out.is_dir() or any(out.iterdir())):
+        raise ExportError(f"{out}: exists and is not an export; choose another --out (export.out)")
+    tmp = out.with_name(out.name + ".tmp")  # renamed into place once complete: a failed export leaves nothing
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        if fmt in ENGINE_FORMATS:
+            ENGINE_FORMATS[fmt](tmp, recipe, target, drafter, include_target_weights)
+        else:
+            save_native(tmp, drafter, target, recipe.to_dict(), include_target_weights)
+            vocab = max(recipe.eval.draft_vocab, recipe.train.loss_vocab)
+            if vocab and recipe.data.features_dir and (Path(recipe.data.features_dir) / "manifest.json").is_file():
+                features = FeatureDataset(recipe.data.features_dir, verify_checksums=recipe.data.verify_checksums)
+                save_draft_vocab(tmp, frequent_loss_tokens(features, vocab))
+            if hasattr(drafter, "export_extra"):
+                merge = recipe.export.merge_lora if merge_lora is None else merge_lora
+                drafter.export_extra(tmp, target, merge_lora=merge)
+            load_drafter(tmp, target)  # strict round trip before reporting success
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
     return out
+
+
+def default_out(recipe: Recipe, run_dir: str | Path, fmt: str) -> Path:
+    """Where an export goes unless --out says: `export.out` for the recipe's own format, else the run directory's
+    `export/` (native, what evaluation reads) or `export-<format>/`: each format has its own directory."""
+    if recipe.export.out and fmt == recipe.export.format:
+        return Path(recipe.export.out)
+    return Path(run_dir) / ("export" if fmt == "native" else f"export-{fmt}")
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m train.export", description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dir", help="train.output_dir of a run")
-    parser.add_argument("--out", default=None, help="output directory (default: export.out or RUN_DIR/export)")
+    parser.add_argument(
+        "--out", default=None, help="output directory (default: export.out, RUN_DIR/export or RUN_DIR/export-FORMAT)"
+    )
     parser.add_argument("--format", default=None, choices=FORMATS, help="default: the recipe's export.format")
     parser.add_argument("--checkpoint", default=None, help="checkpoint directory (default: the newest)")
     parser.add_argument("--include-target-weights", action="store_true", default=None)

@@ -3,10 +3,10 @@
     python recipes/pocket/large_trees.py [--demo artifacts/demo] [--out artifacts/large-trees]
 
 Reuses the demo's self-distilled data, features and EAGLE-2 export; trains one more Medusa-1 variant with 4 heads
-(`MEDUSA_63` is 4 deep; the demo's heads are 3). Then evaluates, on the demo's 20 held-out prompts (greedy):
+(the named 63-node trees are 4 deep; the demo's heads are 3). Then evaluates, on the demo's 20 held-out prompts (greedy):
   - EAGLE-2, dynamic tree depth 5, top-k 10, 60 tokens (the EAGLE-2 paper's setting), and depth 3, top-k 2, 6 tokens;
-  - Medusa-1 (4 heads), the 63-node sparse tree of the Medusa repository, and a 64-node tree calibrated from the
-    heads' measured accuracies.
+  - Medusa-1 (4 heads): Medusa's published 63-node tree `mc_sim_7b_63`, this project's `calibrated63` (grown from
+    the Medusa paper's Vicuna-7B head accuracies), and a 64-node tree calibrated from these heads' measured accuracies.
 Each step is a subprocess with its log under OUT/logs/; completed steps are skipped when re-run. Prints one table.
 """
 
@@ -29,7 +29,8 @@ from eval.report import lossless_mark, markdown_table  # noqa: E402
 EVALS = {  # name -> (method, recipe overrides)
     "eagle2-dynamic-d5-k10-n60": ("eagle2", ["eval.tree=dynamic", "eval.tree_depth=5", "eval.tree_top_k=10"]),
     "eagle2-dynamic-d3-k2-n6": ("eagle2", ["eval.tree=dynamic", "eval.tree_depth=3", "eval.tree_top_k=2"]),
-    "medusa1-4heads-medusa63": ("medusa1", ["drafter.num_heads=4", "eval.tree=medusa63", "eval.tree_depth=4"]),
+    "medusa1-4heads-mc_sim_7b_63": ("medusa1", ["drafter.num_heads=4", "eval.tree=mc_sim_7b_63", "eval.tree_depth=4"]),
+    "medusa1-4heads-calibrated63": ("medusa1", ["drafter.num_heads=4", "eval.tree=calibrated63", "eval.tree_depth=4"]),
     "medusa1-4heads-calibrated64": (
         "medusa1",
         ["drafter.num_heads=4", "eval.tree=calibrated", "eval.tree_depth=4", "eval.tree_top_k=4"],
