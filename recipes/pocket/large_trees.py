@@ -3,7 +3,7 @@
     python recipes/pocket/large_trees.py [--demo artifacts/demo] [--out artifacts/large-trees]
 
 Reuses the demo's self-distilled data, features and EAGLE-2 export; trains one more Medusa-1 variant with 4 heads
-(the named 63-node trees are 4 deep; the demo's heads are 3). Then evaluates, on the demo's 20 held-out prompts (greedy):
+(the named 63-node trees are 4 deep; the demo's heads are 3). Then evaluates on the demo's 20 held-out prompts:
   - EAGLE-2, dynamic tree depth 5, top-k 10, 60 tokens (the EAGLE-2 paper's setting), and depth 3, top-k 2, 6 tokens;
   - Medusa-1 (4 heads): Medusa's published 63-node tree `mc_sim_7b_63`, this project's `calibrated63` (grown from
     the Medusa paper's Vicuna-7B head accuracies), and a 64-node tree calibrated from these heads' measured accuracies.
