@@ -100,6 +100,31 @@ def segment_ids(position_ids: torch.Tensor) -> torch.Tensor:
     return torch.cumsum((position_ids == 0).long(), dim=-1)
 
 
+def packed_causal_mask(batch: DraftBatch) -> torch.Tensor:
+    """(B, T, T) bool, [b, q, k] = query q may attend to key k: causal within each packed sample, never to padding.
+
+    Samples are found from `position_ids` restarting at 0 (`segment_ids`), padding from `attention_mask`. The
+    diagonal is always allowed, padding included, so that no softmax row is all masked (NaN); padding outputs are
+    never used.
+    """
+    seg = segment_ids(batch["position_ids"])  # (B, T)
+    real = batch["attention_mask"].bool()  # (B, T)
+    T = seg.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=seg.device).tril()  # (T, T)
+    allowed = causal & (seg[:, :, None] == seg[:, None, :]) & real[:, None, :]  # (B, T, T)
+    return allowed | torch.eye(T, dtype=torch.bool, device=seg.device)
+
+
+def packed_additive_mask(batch: DraftBatch, dtype: torch.dtype) -> torch.Tensor:
+    """(B, 1, T, T) `packed_causal_mask` as the additive mask HF decoders take: 0 where allowed, else dtype's minimum.
+
+    A 4D mask keeps packed samples apart (from a 2D padding mask the model would build one causal mask per row).
+    """
+    allowed = packed_causal_mask(batch)  # (B, T, T)
+    zero = torch.zeros((), dtype=dtype, device=allowed.device)
+    return torch.where(allowed, zero, torch.finfo(dtype).min)[:, None]
+
+
 def shifted_valid(batch: DraftBatch, shift: int) -> torch.Tensor:
     """(B, T) bool: position t has a target token at t+shift in the same sample, and it is a loss token.
 

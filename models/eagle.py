@@ -23,7 +23,7 @@ from models.common import (
     FrozenRef,
     TargetParts,
     num_loss_tokens,
-    segment_ids,
+    packed_causal_mask,
     shifted_valid,
 )
 
@@ -310,7 +310,8 @@ class EagleDrafter(nn.Module):
         # x_{t+1}; the last column (and a packed sample's last token) sees an unrelated token, but
         # such positions are never a loss position and no other position of their sample attends to them.
         next_ids = torch.cat([ids[:, 1:], ids[:, -1:]], dim=1)  # (B, T)
-        return self._predict(self.fuse_features(features), next_ids, batch["position_ids"], _train_mask(batch), None)
+        mask = packed_causal_mask(batch)  # (B, T, T)
+        return self._predict(self.fuse_features(features), next_ids, batch["position_ids"], mask, None)
 
     def forward(self, batch: DraftBatch) -> DrafterOutput:
         f_hat = self.predict_features(batch)  # (B, T, d)
@@ -407,14 +408,3 @@ class EagleDrafter(nn.Module):
     def is_head_param(self, name: str) -> bool:
         """EAGLE has no Medusa-style heads: no parameter gets the head LR multiplier."""
         return False
-
-
-def _train_mask(batch: DraftBatch) -> torch.Tensor:
-    """(B, T, T) bool: causal within each packed sample, never attending to padding."""
-    seg = segment_ids(batch["position_ids"])  # (B, T)
-    real = batch["attention_mask"].bool()  # (B, T)
-    T = seg.shape[1]
-    causal = torch.ones(T, T, dtype=torch.bool, device=seg.device).tril()
-    mask = causal & (seg[:, :, None] == seg[:, None, :]) & real[:, None, :]
-    # Padding queries see themselves: no all-masked softmax rows (NaN), and their outputs are never used.
-    return mask | torch.eye(T, dtype=torch.bool, device=seg.device)

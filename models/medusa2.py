@@ -26,7 +26,15 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
 
-from models.common import DraftBatch, DrafterInputError, DrafterOutput, TargetParts, num_loss_tokens, shifted_valid
+from models.common import (
+    DraftBatch,
+    DrafterInputError,
+    DrafterOutput,
+    TargetParts,
+    num_loss_tokens,
+    packed_additive_mask,
+    shifted_valid,
+)
 from models.medusa import MedusaConfig, MedusaHeads
 
 LLAMA_LINEAR_LAYERS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -169,7 +177,7 @@ class Medusa2Model(nn.Module):
     def last_hidden(self, batch: DraftBatch) -> torch.Tensor:
         """(B, T, d) last hidden state (after the final norm) of the adapted target on a (packed) token batch."""
         model = self.adapted
-        mask = block_attention_mask(batch, model.dtype)  # (B, 1, T, T)
+        mask = packed_additive_mask(batch, model.dtype)  # (B, 1, T, T)
         out = model.base_model(
             input_ids=batch["input_ids"], attention_mask=mask, position_ids=batch["position_ids"], use_cache=False
         )
@@ -269,18 +277,6 @@ def _shared_weights_copy(model: nn.Module) -> nn.Module:
     """
     memo = {id(t): t for t in [*model.parameters(), *model.buffers()]}
     return copy.deepcopy(model, memo)
-
-
-def block_attention_mask(batch: DraftBatch, dtype: torch.dtype) -> torch.Tensor:
-    """(B, 1, T, T) additive mask: causal within each packed sample, padding never attended."""
-    pos, real = batch["position_ids"], batch["attention_mask"].bool()
-    seg = torch.cumsum((pos == 0).long(), dim=-1)  # (B, T)
-    T = pos.shape[1]
-    causal = torch.ones(T, T, dtype=torch.bool, device=pos.device).tril()
-    allowed = causal & (seg[:, :, None] == seg[:, None, :]) & real[:, None, :]  # (B, T, T)
-    allowed |= torch.eye(T, dtype=torch.bool, device=pos.device)  # padding rows: no all-masked softmax
-    zero = torch.zeros((), dtype=dtype, device=pos.device)
-    return torch.where(allowed, zero, torch.finfo(dtype).min)[:, None]
 
 
 def stage1_form(path: Path, fail) -> Path:

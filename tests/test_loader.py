@@ -9,6 +9,7 @@ import torch
 
 from data.loader import BatchLoader
 from data.shards import FeatureDataset, FeatureShardWriter
+from models.common import packed_additive_mask, packed_causal_mask
 
 D, LAYERS = 8, [1, -1]
 
@@ -74,6 +75,29 @@ def test_packing_restarts_positions_per_sample(features) -> None:
             assert t <= 32 and batch["attention_mask"][b, t:].sum() == 0 and batch["loss_mask"][b, t:].sum() == 0
     assert sorted(seen) == list(range(len(samples)))
     assert any(len(row) > 1 for rows in loader.plan(0) for row in rows)  # it did pack
+
+
+def test_packed_causal_mask_matches_brute_force() -> None:
+    """The drafters' and online training's attention mask on packed, padded rows, against the loader's plan."""
+    samples = token_samples(12, seed=5)
+    loader = BatchLoader(samples, batch_size=3, packing=True, max_len=32, seed=2)
+    rows, batch = loader.plan(0)[0], next(loader.epoch(0))
+    assert any(len(row) > 1 for row in rows) and not batch["attention_mask"].all()  # packed and padded
+    B, T = batch["input_ids"].shape
+    want = torch.zeros(B, T, T, dtype=torch.bool)
+    for b, row in enumerate(rows):
+        sample: list[int] = []  # per token: which sample of the row (padding continues the last one's positions)
+        for k, i in enumerate(row):
+            sample += [k] * len(samples[i]["input_ids"])
+        real = [True] * len(sample) + [False] * (T - len(sample))
+        sample += [len(row) - 1] * (T - len(sample))
+        for q in range(T):
+            for k in range(T):
+                want[b, q, k] = (k <= q and sample[k] == sample[q] and real[k]) or k == q
+    assert torch.equal(packed_causal_mask(batch), want)
+    additive = packed_additive_mask(batch, torch.bfloat16)
+    assert additive.shape == (B, 1, T, T) and additive.dtype == torch.bfloat16
+    assert torch.equal(additive[:, 0] == 0, want) and (additive[:, 0][~want] == torch.finfo(torch.bfloat16).min).all()
 
 
 @pytest.mark.parametrize("packing", [False, True])

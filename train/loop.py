@@ -35,7 +35,7 @@ from data.loader import BatchLoader
 from data.prepare import data_sources, prepare_dataset, template_fingerprint
 from data.shards import FeatureDataset, FeatureMismatchError, frequent_loss_tokens, split_by_id
 from models import DRAFTERS
-from models.common import DraftBatch
+from models.common import DraftBatch, packed_additive_mask
 from models.target import Target, load_target
 from train.checkpoint import (
     METRICS_FILE,
@@ -224,16 +224,9 @@ def target_hidden(target: Target, batch: DraftBatch, layers: list[int]) -> torch
 
     A 4D additive mask keeps packed samples apart (a 2D mask would let them attend to each other).
     """
-    pos, real = batch["position_ids"], batch["attention_mask"].bool()
-    seg = torch.cumsum((pos == 0).long(), dim=-1)  # (B, T)
-    T = pos.shape[1]
-    causal = torch.ones(T, T, dtype=torch.bool, device=pos.device).tril()
-    allowed = causal & (seg[:, :, None] == seg[:, None, :]) & real[:, None, :]
-    allowed |= torch.eye(T, dtype=torch.bool, device=pos.device)  # padding rows: no all-masked softmax
-    mask = torch.zeros(allowed.shape, dtype=target.dtype, device=pos.device)
-    mask.masked_fill_(~allowed, torch.finfo(target.dtype).min)
+    mask = packed_additive_mask(batch, target.dtype)  # (B, 1, T, T)
     with torch.no_grad():
-        return target.hidden_states(batch["input_ids"], mask[:, None], pos, layers=layers)  # (B, T, n, d)
+        return target.hidden_states(batch["input_ids"], mask, batch["position_ids"], layers=layers)  # (B, T, n, d)
 
 
 class Stepper:
