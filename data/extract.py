@@ -30,7 +30,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -53,6 +53,9 @@ from data.shards import (
 )
 from models.target import Target, load_target
 
+if TYPE_CHECKING:  # train.config pulls in every drafter; extraction needs none of them
+    from train.config import DataConfig
+
 STOP_AFTER_ENV = "SPECDRAFT_EXTRACT_STOP_AFTER_SHARDS"
 """Test hook: every process exits (code 3) once each has written this many shards, as if killed."""
 PART_GLOB = "manifest.part-*.json"
@@ -60,6 +63,19 @@ PART_GLOB = "manifest.part-*.json"
 
 def part_name(rank: int) -> str:
     return f"manifest.part-{rank:05d}.json"
+
+
+def feature_identity(target: Target, data: DataConfig) -> dict[str, Any]:
+    """The header fields that say which features a directory holds: target identity, stored layers, template
+    fingerprint (when the target has a tokenizer), max_len and data sources. Extraction writes them (with the
+    storage details) and offline training expects them, so features built with other settings are refused."""
+    return {
+        "target": target.identity(),
+        "layers": list(data.layers),
+        **({} if target.tokenizer is None else {"template": template_fingerprint(target.tokenizer)}),
+        "max_len": data.max_len,
+        "sources": data_sources(data),
+    }
 
 
 def plan_shards(samples: list[TokenSample], shard_tokens: int) -> list[list[int]]:
@@ -289,13 +305,9 @@ def main(argv: list[str] | None = None) -> None:
     target.model.to(state.device)
     prepared: PreparedData = prepare_dataset(recipe.data, target.tokenizer)
     header = {
-        "target": target.identity(),
-        "layers": list(recipe.data.layers),
+        **feature_identity(target, recipe.data),
         "hidden_size": target.hidden_size,
         "dtype": recipe.data.storage_dtype,
-        "template": template_fingerprint(target.tokenizer),
-        "max_len": recipe.data.max_len,
-        "sources": data_sources(recipe.data),
         "shard_tokens": recipe.data.shard_tokens,
         "prepare": prepared.stats(),
     }

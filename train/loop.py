@@ -31,8 +31,9 @@ from accelerate.utils import DistributedType, InitProcessGroupKwargs, gather_obj
 from tqdm import tqdm
 from transformers.integrations import set_hf_deepspeed_config, unset_hf_deepspeed_config
 
+from data.extract import feature_identity
 from data.loader import BatchLoader
-from data.prepare import data_sources, prepare_dataset, template_fingerprint
+from data.prepare import prepare_dataset
 from data.shards import FeatureDataset, FeatureMismatchError, frequent_loss_tokens, split_by_id
 from models import DRAFTERS
 from models.common import DraftBatch, packed_additive_mask
@@ -149,10 +150,6 @@ def _check_zero3_sharing(accelerator: Accelerator, recipe: Recipe, target: Targe
         )
 
 
-def _template(target: Target) -> dict:
-    return {} if target.tokenizer is None else {"template": template_fingerprint(target.tokenizer)}
-
-
 def _features_problem(message: str, source: str) -> str:
     """A feature error's message saying once how to fix it, with the recipe named: shard errors already say to
     re-run `python -m data.extract RECIPE` (which re-extracts exactly the bad shards), settings mismatches do not."""
@@ -182,13 +179,7 @@ def build_loaders(recipe: Recipe, target: Target, accelerator: Accelerator) -> t
             samples = FeatureDataset(
                 data.features_dir,
                 verify_checksums=data.verify_checksums,
-                expect={
-                    "target": target.identity(),
-                    "layers": list(data.layers),
-                    **_template(target),
-                    "max_len": data.max_len,
-                    "sources": data_sources(data),
-                },
+                expect=feature_identity(target, data),
                 verify_shards=(accelerator.process_index, accelerator.num_processes),
             )
         except (FeatureMismatchError, FileNotFoundError) as exc:
