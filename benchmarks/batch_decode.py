@@ -24,21 +24,16 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.eval_overhead import pocket_target  # noqa: E402
+from benchmarks.eval_overhead import pocket_benchmark, random_proposers  # noqa: E402
 from eval.checks import ScriptedProposer  # noqa: E402
 from eval.generate import (  # noqa: E402
     DecodeSettings,
-    EagleProposer,
-    MedusaProposer,
     clock,
     plain_generate,
     plain_generate_batch,
     speculative_generate,
     speculative_generate_batch,
 )
-from eval.trees import calibrated_tree, medusa_rank_acc  # noqa: E402
-from models.eagle import EagleConfig, EagleDrafter  # noqa: E402
-from models.medusa import MedusaConfig, MedusaHeads  # noqa: E402
 
 GOAL = 1.5
 
@@ -63,27 +58,15 @@ def timed_runs(one, batch, prompts: list[torch.Tensor], size: int, device: str, 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--target", default=str(ROOT / "recipes/pocket/target"))
-    parser.add_argument("--kernels", default="triton" if torch.cuda.is_available() else "reference")
     parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--prompts", type=int, default=8)
-    parser.add_argument("--tokens", type=int, default=48, help="new tokens per prompt")
-    parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
-
-    target, device = pocket_target(args.target)
+    args, target, device = pocket_benchmark(parser, tokens=48, prompts=8, threads=2)
     model = target.model
     gen = torch.Generator().manual_seed(0)
     lengths = torch.randint(24, 72, (args.prompts,), generator=gen).tolist()
     prompts = [torch.randint(3, target.config.vocab_size, (n,), generator=gen).to(device) for n in lengths]
     settings = DecodeSettings(max_new_tokens=args.tokens)
-    eagle = EagleDrafter(EagleConfig(), target.parts([-1])).to(device).eval()
-    medusa = MedusaHeads(MedusaConfig(num_heads=3), target.parts([-1])).to(device).eval()
-    eagle_proposer = EagleProposer(eagle, depth=3, top_k=2, total_tokens=6)
-    medusa_proposer = MedusaProposer(medusa, calibrated_tree(medusa_rank_acc(top_k=3)[:3], 5))
+    proposers = random_proposers(target, device)
     # drafts right at random (scripted against the plain continuation): rows accept different lengths every round,
     # so the caches grow apart and rows finish in different rounds
     truth = {id(p): plain_generate(model, p[None], settings).tokens for p in prompts}
@@ -92,11 +75,9 @@ def main() -> None:
         vocab = target.config.vocab_size
         return ScriptedProposer(truth[id(p)], len(p), [-1, 0, 0, 1, 2, 3], "sometimes", vocab, seed=len(p))
 
-    runs = {  # name: (proposer for one prompt, proposer for a batch)
-        "eagle2 dynamic d3 k2 n6": (lambda p: eagle_proposer, lambda ps: eagle_proposer),
-        "medusa1 calibrated n6": (lambda p: medusa_proposer, lambda ps: medusa_proposer),
-        "scripted drafts right 60% of the time": (scripted, lambda ps: [scripted(p) for p in ps]),
-    }
+    # name: (proposer for one prompt, proposer for a batch)
+    runs = {name: (lambda p, q=q: q, lambda ps, q=q: q) for name, q in proposers.items()}
+    runs["scripted drafts right 60% of the time"] = (scripted, lambda ps: [scripted(p) for p in ps])
     print(f"{args.prompts} prompts of {min(lengths)}-{max(lengths)} tokens, {args.tokens} new tokens, {args.kernels}")
     one_plain, batch_plain, same = timed_runs(
         lambda p: plain_generate(model, p[None], settings),

@@ -23,7 +23,7 @@ from eval.generate import DecodeSettings, EagleProposer, MedusaProposer, clock, 
 from eval.trees import calibrated_tree, medusa_rank_acc  # noqa: E402
 from models.eagle import EagleConfig, EagleDrafter  # noqa: E402
 from models.medusa import MedusaConfig, MedusaHeads  # noqa: E402
-from models.target import load_target  # noqa: E402
+from models.target import Target, load_target  # noqa: E402
 
 POCKET_SHAPE = {
     "model_type": "llama",
@@ -47,6 +47,34 @@ def pocket_target(path: str):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     target.model.to(device)
     return target, device
+
+
+def pocket_benchmark(
+    parser: argparse.ArgumentParser, tokens: int, prompts: int, threads: int
+) -> tuple[argparse.Namespace, Target, str]:
+    """(args, target, device) for a decoding benchmark on the pocket target: adds the options they all take
+    (--target, --kernels, --tokens, --prompts, --threads, with these defaults) to `parser`, parses the command
+    line, sets the thread count and seed 0 (random drafters start from the same weights every run)."""
+    parser.add_argument("--target", default=str(ROOT / "recipes/pocket/target"))
+    parser.add_argument("--kernels", default="triton" if torch.cuda.is_available() else "reference")
+    parser.add_argument("--tokens", type=int, default=tokens, help="new tokens per prompt")
+    parser.add_argument("--prompts", type=int, default=prompts)
+    parser.add_argument("--threads", type=int, default=threads)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    return args, *pocket_target(args.target)
+
+
+def random_proposers(target: Target, device: str) -> dict[str, EagleProposer | MedusaProposer]:
+    """name -> proposer for the drafters the decoding benchmarks run, with random weights: an EAGLE-2 drafter
+    (dynamic tree: depth 3, top-2, 6 tokens) and 3 Medusa heads (a calibrated-shape tree of 6 tokens)."""
+    eagle = EagleDrafter(EagleConfig(), target.parts([-1])).to(device).eval()
+    medusa = MedusaHeads(MedusaConfig(num_heads=3), target.parts([-1])).to(device).eval()
+    return {
+        "eagle2 dynamic d3 k2 n6": EagleProposer(eagle, depth=3, top_k=2, total_tokens=6),
+        "medusa1 calibrated n6": MedusaProposer(medusa, calibrated_tree(medusa_rank_acc(top_k=3)[:3], 5)),
+    }
 
 
 def timed(fn, total: list[float], device: str):
@@ -74,34 +102,21 @@ def measure(model, proposer, drafter_time: list[float], prompts: list[torch.Tens
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--target", default=str(ROOT / "recipes/pocket/target"))
-    parser.add_argument("--kernels", default="triton" if torch.cuda.is_available() else "reference")
-    parser.add_argument("--tokens", type=int, default=64, help="new tokens per prompt")
-    parser.add_argument("--prompts", type=int, default=4)
-    parser.add_argument("--threads", type=int, default=1)
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
-
-    target, device = pocket_target(args.target)
+    args, target, device = pocket_benchmark(parser, tokens=64, prompts=4, threads=1)
     vocab = target.config.vocab_size
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, vocab, (1, 48), generator=gen).to(device) for _ in range(args.prompts)]
     settings = DecodeSettings(max_new_tokens=args.tokens)
 
-    eagle = EagleDrafter(EagleConfig(), target.parts([-1])).to(device).eval()
-    eagle_clock = [0.0]
-    eagle.step = timed(eagle.step, eagle_clock, device)
-    medusa = MedusaHeads(MedusaConfig(num_heads=3), target.parts([-1])).to(device).eval()
-    medusa_clock = [0.0]
-    medusa.head_logits = timed(medusa.head_logits, medusa_clock, device)
-    runs = {
-        "eagle2 dynamic d3 k2 n6": (EagleProposer(eagle, depth=3, top_k=2, total_tokens=6), eagle_clock),
-        "medusa1 calibrated n6": (
-            MedusaProposer(medusa, calibrated_tree(medusa_rank_acc(top_k=3)[:3], 5)),
-            medusa_clock,
-        ),
-    }
+    runs = {}  # name: (proposer, its drafter's forward time)
+    for name, proposer in random_proposers(target, device).items():
+        drafter_time = [0.0]
+        # the drafter's forward, timed on the instance: the proposer looks it up at every call
+        if isinstance(proposer, EagleProposer):
+            proposer.drafter.step = timed(proposer.drafter.step, drafter_time, device)
+        else:
+            proposer.heads.head_logits = timed(proposer.heads.head_logits, drafter_time, device)
+        runs[name] = (proposer, drafter_time)
     total_wall = total_work = 0.0
     for name, (proposer, drafter_time) in runs.items():
         wall, target_s, draft_s, tokens = measure(target.model, proposer, drafter_time, prompts, settings, args.kernels)
