@@ -43,7 +43,7 @@ from accelerate.utils import set_seed
 from data.extract import main as extract_main
 from data.loader import BatchLoader
 from data.shards import FeatureDataset
-from models import DRAFTERS
+from models.methods import METHODS
 from models.target import load_target
 from train import loop
 from train.config import load_recipe
@@ -87,7 +87,7 @@ def bare_steps(recipe, steps: int) -> tuple[float, float]:
     """The drafter's own forward + backward + optimizer step on in-memory batches, as train() builds it."""
     target = load_target(**vars(recipe.target))
     set_seed(recipe.train.seed)
-    drafter = DRAFTERS[recipe.drafter.method][1](recipe.drafter, target.parts(recipe.data.layers))
+    drafter = METHODS[recipe.drafter.method].module()(recipe.drafter, target.parts(recipe.data.layers))
     optimizer = build_optimizer(drafter, recipe.train)
     scheduler = build_scheduler(optimizer, recipe.train)
     cfg = recipe.train

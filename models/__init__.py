@@ -1,14 +1,5 @@
-"""Drafter modules. `DRAFTERS` maps a recipe's `drafter.method` to (config class, module class).
+"""Drafter methods and the frozen target.
 
-Adding a method = one file here, one entry below, recipes, one test file.
+`models.methods.METHODS` maps a recipe's `drafter.method` to its declaration (config, module, inputs, trees,
+export formats, ...); `models.configs` holds the method configs without importing torch.
 """
-
-from models.eagle import EagleConfig, EagleDrafter
-from models.medusa import MedusaConfig, MedusaHeads
-from models.medusa2 import Medusa2Config, Medusa2Model
-
-DRAFTERS: dict[str, tuple[type, type]] = {
-    "eagle2": (EagleConfig, EagleDrafter),
-    "medusa1": (MedusaConfig, MedusaHeads),
-    "medusa2": (Medusa2Config, Medusa2Model),
-}

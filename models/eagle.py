@@ -10,8 +10,7 @@ for the verified prefix and with the drafter's own `hidden_out` for the position
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -26,54 +25,7 @@ from models.common import (
     packed_causal_mask,
     shifted_valid,
 )
-
-
-@dataclass
-class EagleConfig:
-    """EAGLE-2 drafter (recipe section `drafter`, `method: eagle2`)."""
-
-    method: Literal["eagle2"] = "eagle2"
-    feature_layers: list[int] = field(default_factory=lambda: [-1])
-    """Target hidden-state indices fed to the drafter: [-1] = EAGLE-1/2; several = EAGLE-3-style fusion."""
-    num_layers: int = 1
-    """Llama decoder layers in the drafter (layer 0 has no input_layernorm, as in EAGLE-1/2)."""
-    fc_norm: bool = True
-    """EAGLE-3.1 FC-Norm: RMSNorm on each target feature before it enters fc."""
-    post_norm: bool = True
-    """EAGLE-3.1 post-norm: an output RMSNorm gives f̂ (loss, logits, next draft step); False = plain EAGLE-2."""
-    input_noise: float = 0.0
-    """Training-only noise U(-a, a) added to the target features, `a` in absolute units (not scaled by length)."""
-    w_feat: float = 1.0
-    """Weight of SmoothL1(f̂_{t+1}, f_{t+1})."""
-    w_ce: float = 0.1
-    """Weight of the soft cross-entropy against the target's next-token distribution."""
-    fc_bias: bool = True
-    topk_metric: int = 5
-    """k of the `acc@k` metric."""
-
-    def validate(self, err) -> None:
-        if not self.feature_layers:
-            err("drafter.feature_layers", "must list at least one hidden-state index")
-        if len(set(self.feature_layers)) != len(self.feature_layers):
-            err("drafter.feature_layers", f"has duplicates: {self.feature_layers}")
-        if self.num_layers < 1:
-            err("drafter.num_layers", f"must be >= 1, got {self.num_layers}")
-        if self.input_noise < 0:
-            err("drafter.input_noise", f"must be >= 0, got {self.input_noise}")
-        if self.w_feat < 0 or self.w_ce < 0 or self.w_feat + self.w_ce == 0:
-            err("drafter.w_feat", f"w_feat and w_ce must be >= 0 and not both 0, got {self.w_feat}, {self.w_ce}")
-        if self.topk_metric < 1:
-            err("drafter.topk_metric", f"must be >= 1, got {self.topk_metric}")
-
-    def check_recipe(self, recipe, err) -> None:
-        if recipe.eval.tree in ("mc_sim_7b_63", "calibrated63", "calibrated"):
-            err(
-                "eval.tree",
-                f"{recipe.eval.tree} is a Medusa tree; EAGLE drafts dynamic trees or chains (auto, dynamic, chain)",
-            )
-        if -1 not in recipe.data.layers and not recipe.train.online:
-            err("data.layers", f"EAGLE regresses the last hidden state: -1 must be stored, got {recipe.data.layers}")
-
+from models.configs import EagleConfig
 
 # ------------------------------------------------------------------------------------------------
 # Llama building blocks (written here so the drafter does not depend on a modeling file's internals)

@@ -8,8 +8,8 @@ A native export is a directory with
   drafter's batches carry), `recipe` (the resolved training recipe, informational);
 - `model.safetensors`: the trained drafter tensors under their module names; with
   `include_target_weights` also the frozen target tensors the drafter borrows (embedding, lm_head).
-Weights are never pickled. Loading rebuilds the module from `DRAFTERS` and requires the file to hold
-exactly its trainable tensors; frozen tensors found in the file must equal the target's.
+Weights are never pickled. Loading rebuilds the module from its method's declaration (`models.methods`) and
+requires the file to hold exactly its trainable tensors; frozen tensors found in the file must equal the target's.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from models import DRAFTERS
 from models.common import borrowed_state_dict
+from models.methods import METHODS
 from models.target import Target
 
 FORMAT = "specdraft"
@@ -67,7 +67,7 @@ def save_native(
     recipe: dict[str, Any] | None = None,
     include_target_weights: bool = False,
 ) -> Path:
-    """Write `drafter` (a module from DRAFTERS, trained against `target`) as a native export."""
+    """Write `drafter` (a method's module, trained against `target`) as a native export."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tensors = dict(drafter.trainable_state_dict())
@@ -115,8 +115,8 @@ def read_config(export_dir: str | Path) -> dict[str, Any]:
             f"{path}: format {config.get('format')!r} v{config.get('format_version')!r}, "
             f"this code reads {FORMAT!r} v{FORMAT_VERSION} (engine formats are for serving engines, not for eval)"
         )
-    if config.get("method") not in DRAFTERS:
-        raise ExportError(f"{path}: method: unknown method {config.get('method')!r} (known: {sorted(DRAFTERS)})")
+    if config.get("method") not in METHODS:
+        raise ExportError(f"{path}: method: unknown method {config.get('method')!r} (known: {sorted(METHODS)})")
     return config
 
 
@@ -138,7 +138,8 @@ def load_drafter(export_dir: str | Path, target: Target, check_identity: bool = 
     where = str(Path(export_dir) / CONFIG_FILE)
     if check_identity:
         check_target(config, target, where)
-    cfg_cls, module_cls = DRAFTERS[config["method"]]
+    method = METHODS[config["method"]]
+    cfg_cls, module_cls = method.config, method.module()
     try:
         cfg = cfg_cls(**config["drafter"])
     except TypeError as exc:

@@ -9,61 +9,12 @@ e.g. from a live LoRA backbone).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eval import named_trees
 from models.common import DraftBatch, DrafterOutput, FrozenRef, TargetParts, num_loss_tokens, shifted_valid
-
-
-@dataclass
-class MedusaConfig:
-    """Medusa-1 heads (recipe section `drafter`, `method: medusa1`)."""
-
-    method: Literal["medusa1"] = "medusa1"
-    num_heads: int = 5
-    """K: head k (1-based) predicts token t+k+1 from the hidden state at t."""
-    num_layers: int = 1
-    """L: residual blocks `h + SiLU(W1 h + b1)` per head, each with its own parameters."""
-    decay: float = 0.8
-    """λ_k = decay**k for head k = 1..K (head 1 weighs 0.8, head 2 0.64, ...)."""
-    share_lm_head: bool = False
-    """True: all heads project with the frozen target lm_head; False: each head trains its own copy."""
-
-    @property
-    def feature_layers(self) -> list[int]:
-        """Hidden-state indices the heads read: the target's last hidden state (after the final norm)."""
-        return [-1]
-
-    def validate(self, err) -> None:
-        if self.num_heads < 1:
-            err("drafter.num_heads", f"must be >= 1, got {self.num_heads}")
-        if self.num_layers < 1:
-            err("drafter.num_layers", f"must be >= 1, got {self.num_layers}")
-        if not 0.0 < self.decay <= 1.0:
-            err("drafter.decay", f"must be in (0, 1], got {self.decay}")
-
-    def check_recipe(self, recipe, err) -> None:
-        tree = recipe.eval.tree
-        if tree == "dynamic":
-            err("eval.tree", "dynamic trees need an EAGLE drafter; Medusa uses static trees (chain, calibrated, ...)")
-        if tree in ("chain", "calibrated") and recipe.eval.tree_depth > self.num_heads:
-            err("eval.tree_depth", f"{recipe.eval.tree_depth} exceeds the number of Medusa heads ({self.num_heads})")
-        if tree in named_trees.NAMED_TREES:
-            depth, top_k = named_trees.depth(tree), named_trees.top_k(tree)
-            if self.num_heads < depth:
-                err(
-                    "eval.tree",
-                    f"{tree} is {depth} deep and needs >= {depth} heads, drafter.num_heads is {self.num_heads}",
-                )
-            if 0 < recipe.eval.draft_vocab < top_k:
-                err("eval.draft_vocab", f"{tree} drafts each head's top {top_k} tokens, got {recipe.eval.draft_vocab}")
-        if recipe.train.loss_vocab and not self.share_lm_head:
-            err("train.loss_vocab", "needs drafter.share_lm_head: heads with their own lm_head train every row of it")
+from models.configs import MedusaConfig
 
 
 class ResidualStack(nn.Module):

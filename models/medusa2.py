@@ -4,7 +4,7 @@
     python -m train recipes/tiny/medusa2.yaml drafter.stage1_heads=runs/tiny-medusa1/export   # stage 2
     python -m train.export runs/tiny-medusa2 [--merge-lora]                      # heads/ + adapter/ (+ merged/)
 
-`Medusa2Model(cfg, target.parts(...))(batch)` takes token batches (`consumes = "tokens"`) and returns
+`Medusa2Model(cfg, target.parts(...))(batch)` takes token batches (its method declares `inputs="tokens"`) and returns
 `L_base + α(step)·head_loss_coef·Σ_k λ_k CE_k` with metrics; `set_step(step)` tells it the optimizer step
 (the α warm-up). For evaluation, `drafter.adapt_target(target)` merges the LoRA into the target and returns
 the heads, used exactly like Medusa-1 heads on it (`load_medusa2(export_dir, target)` does both).
@@ -14,12 +14,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
-import math
 import typing
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -35,86 +31,10 @@ from models.common import (
     packed_additive_mask,
     shifted_valid,
 )
-from models.medusa import MedusaConfig, MedusaHeads
+from models.configs import Medusa2Config, stage1_form
+from models.medusa import MedusaHeads
 
-LLAMA_LINEAR_LAYERS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 ADAPTER_DIR, HEADS_DIR, MERGED_DIR = "adapter", "heads", "merged"
-
-
-@dataclass
-class Medusa2Config:
-    """Medusa-2 (recipe section `drafter`, `method: medusa2`); needs `train.online: true`."""
-
-    method: Literal["medusa2"] = "medusa2"
-    num_heads: int = 5
-    """K: head k (1-based) predicts token t+k+1 (as Medusa-1)."""
-    num_layers: int = 1
-    """L: residual blocks per head (as Medusa-1)."""
-    decay: float = 0.8
-    """λ_k = decay**k for head k = 1..K (as Medusa-1)."""
-    share_lm_head: bool = False
-    """True: the heads project with the target's frozen lm_head (as Medusa-1; must match the stage-1 heads)."""
-    lora_r: int = 32
-    lora_alpha: int = 16
-    lora_dropout: float = 0.05
-    lora_target_modules: list[str] = field(default_factory=lambda: list(LLAMA_LINEAR_LAYERS))
-    """Module names that get LoRA adapters (defaults: every linear layer of a Llama-style decoder)."""
-    self_distill: bool = False
-    """L_base = KL(p_target ‖ p_adapted) (teacher = the same weights with adapters off) instead of next-token CE:
-    for self-distilled data, where the paper finds hard-label CE degrades the model; the KL keeps its distribution."""
-    head_loss_coef: float = 0.2
-    """Weight of the head losses against L_base. The Medusa paper uses 0.2, and 0.01 under self-distillation
-    (the KL term is much smaller than a CE, so the heads would otherwise dominate the backbone's updates)."""
-    alpha_schedule: Literal["constant", "linear", "sine"] = "constant"
-    """Warm-up of the head-loss weight α(step) from 0 to 1 over alpha_warmup_steps (constant: always 1)."""
-    alpha_warmup_steps: int = 0
-    stage1_heads: str | None = None
-    """Stage 2 starts from these Medusa-1 heads: a native export directory (config.json + model.safetensors),
-    a checkpoint directory (drafter.safetensors) or a .safetensors file; null = fresh heads."""
-    gradient_checkpointing: bool = False
-    """Recompute decoder activations in backward (large targets, long sequences)."""
-
-    @property
-    def feature_layers(self) -> list[int]:
-        """The heads read the (adapted) target's last hidden state, computed inside the step."""
-        return [-1]
-
-    def heads_config(self) -> MedusaConfig:
-        return MedusaConfig(
-            num_heads=self.num_heads, num_layers=self.num_layers, decay=self.decay, share_lm_head=self.share_lm_head
-        )
-
-    def alpha(self, step: int) -> float:
-        """α(step) ∈ [0, 1] after `step` optimizer steps (the head-loss warm-up of the Medusa-2 trainer)."""
-        if self.alpha_schedule == "constant" or self.alpha_warmup_steps == 0:
-            return 1.0
-        x = min(1.0, step / self.alpha_warmup_steps)
-        return x if self.alpha_schedule == "linear" else math.sin(0.5 * math.pi * x)
-
-    def validate(self, err) -> None:
-        self.heads_config().validate(err)
-        if self.lora_r < 1:
-            err("drafter.lora_r", f"must be >= 1, got {self.lora_r}")
-        if self.lora_alpha < 1:
-            err("drafter.lora_alpha", f"must be >= 1, got {self.lora_alpha}")
-        if not 0.0 <= self.lora_dropout < 1.0:
-            err("drafter.lora_dropout", f"must be in [0, 1), got {self.lora_dropout}")
-        if not self.lora_target_modules:
-            err("drafter.lora_target_modules", "must name at least one module (e.g. q_proj)")
-        if self.head_loss_coef < 0:
-            err("drafter.head_loss_coef", f"must be >= 0, got {self.head_loss_coef}")
-        if self.alpha_warmup_steps < 0:
-            err("drafter.alpha_warmup_steps", f"must be >= 0, got {self.alpha_warmup_steps}")
-
-    def check_inputs(self, err) -> None:
-        """Before training: the stage-1 heads exist in one of the forms `load_stage1_heads` reads."""
-        if self.stage1_heads is not None:
-            stage1_form(Path(self.stage1_heads), lambda msg: err("drafter.stage1_heads", msg))
-
-    def check_recipe(self, recipe, err) -> None:
-        if not recipe.train.online:
-            err("train.online", "medusa2 trains the backbone, so it runs online: set train.online: true")
-        self.heads_config().check_recipe(recipe, err)
 
 
 class Medusa2Model(nn.Module):
@@ -135,8 +55,6 @@ class Medusa2Model(nn.Module):
     whose parameters are the target's own tensors, so the loop's target stays the original model (until
     `adapt_target` merges the adapters into it for evaluation).
     """
-
-    consumes = "tokens"
 
     def __init__(self, cfg: Medusa2Config, target: TargetParts):
         super().__init__()
@@ -239,7 +157,7 @@ class Medusa2Model(nn.Module):
         """Interoperable files next to the native export: `heads/` (a Medusa-1 native export, loadable with
         `models.io.load_drafter`), `adapter/` (peft: adapter_config.json + adapter_model.safetensors) and,
         with `merge_lora`, `merged/` (the target with the adapters merged in, HF safetensors)."""
-        from models.io import save_native  # models.io imports DRAFTERS, which imports this module
+        from models.io import save_native
 
         out = Path(out_dir)
         save_native(out / HEADS_DIR, self.heads, target)
@@ -279,29 +197,6 @@ def _shared_weights_copy(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model, memo)
 
 
-def stage1_form(path: Path, fail) -> Path:
-    """The safetensors file of stage-1 heads at `path` (export, checkpoint or file); else `fail(message)`."""
-    if (path / "config.json").is_file() and (path / "model.safetensors").is_file():
-        try:
-            config = json.loads((path / "config.json").read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            fail(f"{path / 'config.json'}: not valid JSON ({exc})")
-        if not isinstance(config, dict) or config.get("method") != "medusa1":
-            method = config.get("method") if isinstance(config, dict) else None
-            fail(f"{path}: an export of method {method!r}, expected medusa1 heads")
-        return path / "model.safetensors"
-    if (path / "drafter.safetensors").is_file():
-        return path / "drafter.safetensors"
-    if path.is_file() and path.suffix == ".safetensors":
-        return path
-    if not path.exists():
-        fail(f"{path}: not a Medusa-1 export: no such file or directory (train stage 1 and export it first)")
-    fail(
-        f"{path}: not a Medusa-1 export (config.json + model.safetensors), checkpoint (drafter.safetensors) "
-        "or .safetensors file"
-    )
-
-
 def load_stage1_heads(heads: MedusaHeads, path: str | Path) -> None:
     """Load Medusa-1 heads (stage 1) into `heads` exactly: same tensor names and shapes, else DrafterInputError."""
     path = Path(path)
@@ -338,7 +233,7 @@ def load_medusa2(export_dir: str | Path, target, merge: bool = True) -> tuple[nn
     `merge`: the adapters are merged into `target.model` in place (`Medusa2Model.adapt_target`) and the verifier
     is `target.model`; else the verifier is a weight-sharing copy with the adapters attached, `target` untouched.
     """
-    from models.io import load_drafter  # models.io imports DRAFTERS, which imports this module
+    from models.io import load_drafter
 
     drafter = load_drafter(export_dir, target)
     if not isinstance(drafter, Medusa2Model):

@@ -18,9 +18,10 @@ from safetensors.torch import load_file, save_file
 from data.extract import main as extract_main
 from data.loader import BatchLoader
 from data.shards import FeatureDataset, frequent_loss_tokens
-from eval.__main__ import EvalError, draft_vocabulary
-from models import DRAFTERS
+from eval import EvalError
+from eval.run import draft_vocabulary
 from models.io import CONFIG_FILE, WEIGHTS_FILE, ExportError, load_draft_vocab, load_drafter, save_native
+from models.methods import METHODS
 from models.target import load_target
 from train.config import load_recipe
 from train.export import ENGINE_WEIGHTS, MEDUSA_WEIGHTS, export, load_run, medusa_names
@@ -130,7 +131,7 @@ def test_tied_target_weights_export_and_reload(tmp_path):
     target = load_target(random_init=config, dtype="float32")  # fmt: skip
     assert target.embed_tokens.weight.data_ptr() == target.lm_head.weight.data_ptr()
     recipe = load_recipe(ROOT / "recipes/tiny/eagle2.yaml")
-    drafter = DRAFTERS["eagle2"][1](recipe.drafter, target.parts([-1])).eval()
+    drafter = METHODS["eagle2"].module()(recipe.drafter, target.parts([-1])).eval()
     out = save_native(tmp_path / "export", drafter, target, include_target_weights=True)
     tensors = load_file(str(out / WEIGHTS_FILE))
     assert torch.equal(tensors["embed_tokens.weight"], tensors["lm_head.weight"])
@@ -181,7 +182,7 @@ def test_medusa_format_round_trip(runs, tmp_path):
     assert sorted(theirs) == sorted(["0.0.linear.weight", "0.0.linear.bias", "0.1.weight"] + [
         f"{h}.{k}" for h in (1, 2) for k in ("0.linear.weight", "0.linear.bias", "1.weight")
     ])  # fmt: skip
-    fresh = DRAFTERS["medusa1"][1](recipe.drafter, target.parts(recipe.data.layers)).eval()
+    fresh = METHODS["medusa1"].module()(recipe.drafter, target.parts(recipe.data.layers)).eval()
     fresh.load_state_dict({ours: theirs[name] for ours, name in medusa_names(fresh).items()}, strict=False)
     hidden = a_batch(runs["medusa1"])["hidden"][:, :, 0]
     with torch.no_grad():
@@ -260,7 +261,7 @@ def test_eagle_formats_round_trip(fmt, arch, runs, tmp_path):
     assert not any("input_layernorm" in k or k.startswith(("norm.", "fc_norm", "embed_tokens")) for k in theirs)
     assert theirs["fc.weight"].shape == (64, 128)  # cat(embedding(x_{t+1}), f_t) -> d
     recipe, target, trained = load_run(runs["eagle2-plain"])
-    fresh = DRAFTERS["eagle2"][1](recipe.drafter, target.parts(recipe.data.layers)).eval()
+    fresh = METHODS["eagle2"].module()(recipe.drafter, target.parts(recipe.data.layers)).eval()
     missing, unexpected = fresh.load_state_dict(theirs, strict=False)
     assert not unexpected and not missing  # the target's embedding and lm_head are borrowed, not registered
     batch = a_batch(runs["eagle2-plain"])
@@ -271,9 +272,9 @@ def test_eagle_formats_round_trip(fmt, arch, runs, tmp_path):
 def test_engine_formats_refuse_what_they_cannot_hold(runs, tmp_path):
     with pytest.raises(ExportError, match="no FC-Norm, post-norm"):
         export(runs["eagle2"], tmp_path / "a", fmt="eagle")
-    with pytest.raises(ExportError, match="holds Medusa heads"):
+    with pytest.raises(ExportError, match="medusa cannot hold a eagle2 drafter"):
         export(runs["eagle2"], tmp_path / "b", fmt="medusa")
-    with pytest.raises(ExportError, match="holds EAGLE drafters"):
+    with pytest.raises(ExportError, match="sglang cannot hold a medusa1 drafter"):
         export(runs["medusa1"], tmp_path / "c", fmt="sglang")
     with pytest.raises(ExportError, match="drafter.fc_bias=false"):  # vLLM would drop fc.bias without a word
         export(runs["eagle2-plain"], tmp_path / "d", fmt="vllm")

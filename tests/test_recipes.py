@@ -11,7 +11,7 @@ import pytest
 import yaml
 from accelerate.commands.config.config_args import load_config_from_file
 
-from models import DRAFTERS
+from models.methods import METHODS
 from train.__main__ import main as train_main
 from train.config import RecipeError, load_recipe
 
@@ -30,7 +30,7 @@ def test_recipes_are_found():
 def test_shipped_recipe_loads(path, monkeypatch):
     monkeypatch.chdir(ROOT)
     recipe = load_recipe(path.relative_to(ROOT))
-    assert recipe.drafter.method in DRAFTERS
+    assert recipe.drafter.method in METHODS
 
 
 @pytest.mark.parametrize("path", SPECDRAFT + ACCELERATE, ids=lambda p: str(p.relative_to(ROOT)))
@@ -130,5 +130,7 @@ def test_yaml_readings_a_user_did_not_mean(tmp_path):
 
 def test_eagle_refuses_medusa_trees():
     eagle = ROOT / "recipes/tiny/eagle2.yaml"
-    with pytest.raises(RecipeError, match="eval.tree: mc_sim_7b_63 is a Medusa tree"):
+    with pytest.raises(
+        RecipeError, match="eval.tree: mc_sim_7b_63: a eagle2 drafter drafts auto, dynamic, chain trees"
+    ):
         load_recipe(eagle, ["eval.tree=mc_sim_7b_63"])

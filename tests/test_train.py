@@ -25,7 +25,7 @@ from data.extract import main as extract_main
 from data.loader import BatchLoader
 from data.prepare import prepare_dataset
 from data.shards import FeatureDataset
-from models import DRAFTERS
+from models.methods import METHODS
 from models.target import load_target
 from train import loop
 from train.__main__ import main as train_main
@@ -83,7 +83,7 @@ def initial_drafter(r):
     """The drafter exactly as `train` initialises it (seeded before construction)."""
     target = load_target(**vars(r.target))
     set_seed(r.train.seed)
-    return DRAFTERS[r.drafter.method][1](r.drafter, target.parts(r.data.layers)), target
+    return METHODS[r.drafter.method].module()(r.drafter, target.parts(r.data.layers)), target
 
 
 @pytest.mark.parametrize("method,online", [("eagle2", False), ("medusa1", False), ("eagle2", True)])

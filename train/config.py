@@ -3,9 +3,10 @@
     recipe = load_recipe("recipes/tiny/eagle2.yaml", overrides=["train.lr=1e-3"])
 
 A recipe has seven sections: `target`, `data`, `drafter`, `train`, `eval`, `export`, `logging`.
-Every section is a dataclass below (the drafter section is the config class of the chosen method,
-from `models.DRAFTERS`). Unknown keys, wrong types and impossible values fail at load time with
-one line naming the key and the file (`RecipeError`). This is the one module every stage imports.
+Every section is a dataclass below (the drafter section is the config class of the chosen method, from
+`models.methods.METHODS`; loading a recipe imports no torch). Unknown keys, wrong types and impossible values
+fail at load time with one line naming the key and the file (`RecipeError`). This is the one module every stage
+imports.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any, Literal
 
 import yaml
 
-from models import DRAFTERS
+from models.methods import METHODS
 
 
 class RecipeError(ValueError):
@@ -292,7 +293,7 @@ class Recipe:
     target: TargetConfig
     data: DataConfig
     drafter: Any
-    """The method's config dataclass (models.DRAFTERS[method][0]); has a `method` field."""
+    """The method's config dataclass (`models.methods.METHODS[method].config`); has a `method` field."""
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
@@ -468,29 +469,33 @@ def recipe_from_dict(raw: dict, source: str = "<memory>") -> Recipe:
     sections = {name: build_dataclass(cls, raw.get(name), name, err) for name, cls in SECTIONS.items()}
     drafter_raw = raw["drafter"]
     if not isinstance(drafter_raw, dict) or "method" not in drafter_raw:
-        err("drafter.method", f"is required (one of {sorted(DRAFTERS)})")
+        err("drafter.method", f"is required (one of {sorted(METHODS)})")
     method = drafter_raw["method"]
-    if method not in DRAFTERS:
-        err("drafter.method", f"unknown method {method!r} (known: {sorted(DRAFTERS)})")
-    drafter = build_dataclass(DRAFTERS[method][0], drafter_raw, "drafter", err)
+    if method not in METHODS:
+        err("drafter.method", f"unknown method {method!r} (known: {sorted(METHODS)})")
+    drafter = build_dataclass(METHODS[method].config, drafter_raw, "drafter", err)
     recipe = Recipe(drafter=drafter, source=source, **sections)
     _check_cross_section(recipe, err)
     return recipe
 
 
 def _check_cross_section(recipe: Recipe, err) -> None:
-    """Constraints that span sections: layers in range, drafter needs vs stored features."""
+    """Constraints that span sections: layers in range, drafter needs vs stored features, what the method declares
+    (`models.methods`: the trees it drafts, online-only training), then the method's own limits."""
     n_layers = recipe.target.num_layers
     if n_layers is not None:
         for i, layer in enumerate(recipe.data.layers):
             if not -1 <= layer <= n_layers:
                 err(f"data.layers[{i}]", f"layer {layer} out of range for a {n_layers}-layer target (-1..{n_layers})")
-    needed = getattr(recipe.drafter, "feature_layers", [-1])
-    for layer in needed:
+    for layer in recipe.drafter.feature_layers:
         if layer not in recipe.data.layers and not recipe.train.online:
             err("drafter.feature_layers", f"layer {layer} is not stored in data.layers={recipe.data.layers}")
-    if hasattr(recipe.drafter, "check_recipe"):
-        recipe.drafter.check_recipe(recipe, err)
+    method = METHODS[recipe.drafter.method]
+    if recipe.eval.tree not in method.trees:
+        err("eval.tree", f"{recipe.eval.tree}: a {method.name} drafter drafts {', '.join(method.trees)} trees")
+    if method.online_only and not recipe.train.online:
+        err("train.online", f"{method.name} runs the target inside its training step: set train.online: true")
+    recipe.drafter.check_recipe(recipe, err)
 
 
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
@@ -532,7 +537,7 @@ def check_inputs(recipe: Recipe, keys: typing.Iterable[str]) -> None:
                 err(key, "is required (a JSONL file of prompts)")
             if not Path(recipe.eval.prompts).is_file():
                 err(key, f"no such file {recipe.eval.prompts}")
-        elif key == "drafter" and hasattr(recipe.drafter, "check_inputs"):
+        elif key == "drafter":
             recipe.drafter.check_inputs(err)
 
 

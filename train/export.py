@@ -41,10 +41,9 @@ from pathlib import Path
 from torch import nn
 
 from data.shards import FeatureDataset, FeatureMismatchError, frequent_loss_tokens
-from models import DRAFTERS
-from models.eagle import EagleDrafter
 from models.io import ExportError, load_drafter, read_safetensors, save_draft_vocab, save_native, write_safetensors
 from models.medusa import MedusaHeads
+from models.methods import METHODS
 from models.target import Target, TargetError, load_target
 from train.checkpoint import DRAFTER_FILE, RECIPE_FILE, CheckpointError, latest_checkpoint, read_state
 from train.config import Recipe, RecipeError, load_recipe
@@ -71,7 +70,7 @@ def load_run(run_dir: str | Path, checkpoint: str | Path | None = None) -> tuple
     cfg = recipe.drafter
     if getattr(cfg, "stage1_heads", None) is not None:  # Medusa-2: the checkpoint holds the trained heads
         cfg = dataclasses.replace(cfg, stage1_heads=None)
-    drafter = DRAFTERS[recipe.drafter.method][1](cfg, target.parts(recipe.data.layers))
+    drafter = METHODS[recipe.drafter.method].module()(cfg, target.parts(recipe.data.layers))
     tensors = read_safetensors(ckpt / DRAFTER_FILE)
     expected = drafter.trainable_state_dict().keys()
     if tensors.keys() != expected:
@@ -99,8 +98,6 @@ def medusa_names(drafter: MedusaHeads) -> dict[str, str]:
 
 
 def write_medusa(out: Path, recipe: Recipe, target: Target, drafter: nn.Module, include_target_weights: bool) -> None:
-    if not isinstance(drafter, MedusaHeads):
-        raise ExportError(f"export.format: medusa holds Medusa heads, not a {type(drafter).__name__}")
     state = drafter.state_dict()
     shared = drafter.lm_head.weight if drafter.lm_heads is None else None  # share_lm_head: every head gets a copy
     tensors = {theirs: state.get(ours, shared) for ours, theirs in medusa_names(drafter).items()}
@@ -143,22 +140,18 @@ def write_vllm(out: Path, recipe: Recipe, target: Target, drafter: nn.Module, in
     """vLLM: Medusa heads in its `MedusaModel` layout; EAGLE-1/2 drafters in the SafeAILab layout, which vLLM's
     `method: eagle` reads (vLLM wraps the Llama config itself). vLLM builds that drafter's fc without a bias and
     skips weights it has no parameter for, so drafters trained with an fc bias are refused, not exported wrong."""
-    if isinstance(drafter, EagleDrafter):
+    if METHODS[recipe.drafter.method].proposer == "eagle":
         if drafter.cfg.fc_bias:
             raise ExportError(
                 "export.format: vllm builds the EAGLE fc without bias and would silently drop fc.bias; train with "
                 "drafter.fc_bias=false, or export --format eagle / sglang (which keep the bias)"
             )
         return write_eagle(out, recipe, target, drafter, include_target_weights)
-    if not isinstance(drafter, MedusaHeads):
-        raise ExportError(f"export.format: vllm holds Medusa heads or EAGLE drafters, not a {type(drafter).__name__}")
     write_vllm_medusa(out, recipe, target, drafter)
 
 
 def _write_eagle(out: Path, target: Target, drafter: nn.Module, include_target_weights: bool, arch: str) -> None:
     cfg = drafter.cfg
-    if not isinstance(drafter, EagleDrafter):
-        raise ExportError(f"export.format: this layout holds EAGLE drafters, not a {type(drafter).__name__}")
     if cfg.fc_norm or cfg.post_norm or cfg.feature_layers != [-1]:
         raise ExportError(
             "export.format: the EAGLE-1/2 layout has no FC-Norm, post-norm or feature fusion; train with "
@@ -198,6 +191,11 @@ def export(
     fmt = fmt or recipe.export.format
     if fmt not in FORMATS:
         raise ExportError(f"export.format: {fmt!r} is not implemented yet (available: {', '.join(FORMATS)})")
+    method = METHODS[recipe.drafter.method]
+    if fmt not in method.formats:
+        raise ExportError(
+            f"export.format: {fmt} cannot hold a {method.name} drafter (its formats: {', '.join(method.formats)})"
+        )
     out = Path(out or default_out(recipe, run_dir, fmt))
     if include_target_weights is None:
         include_target_weights = recipe.export.include_target_weights
@@ -215,7 +213,7 @@ def export(
             if vocab and recipe.data.features_dir and (Path(recipe.data.features_dir) / "manifest.json").is_file():
                 features = FeatureDataset(recipe.data.features_dir, verify_checksums=recipe.data.verify_checksums)
                 save_draft_vocab(tmp, frequent_loss_tokens(features, vocab))
-            if hasattr(drafter, "export_extra"):
+            if METHODS[recipe.drafter.method].export_extra:
                 merge = recipe.export.merge_lora if merge_lora is None else merge_lora
                 drafter.export_extra(tmp, target, merge_lora=merge)
             load_drafter(tmp, target)  # strict round trip before reporting success

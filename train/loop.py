@@ -2,7 +2,7 @@
 
     accelerate launch [--config_file recipes/accelerate/X.yaml] -m train RECIPE [key=value ...]
 
-target -> TargetParts -> drafter (`DRAFTERS[method]`) -> AdamW groups + warm-up/cosine ->
+target -> TargetParts -> drafter (`METHODS[method].module()`) -> AdamW groups + warm-up/cosine ->
 `accelerator.prepare` (DDP, DeepSpeed ZeRO-2/3 or FSDP, as the accelerate config says).
 
 One optimizer step takes `grad_accum` micro-batches per process. Their loss tokens are counted and
@@ -10,7 +10,7 @@ summed over processes (N) before any backward, and micro-batch i backpropagates
 `loss_i · n_i / N · world · grad_accum`: accelerate divides by grad_accum and DDP averages over
 processes, so the gradient is exactly Σ(per-token losses) / N however the step is split (4×1 = 1×4).
 Offline runs read feature shards; online runs (`train.online`) compute the hidden states with the
-target inside the step, unless the drafter consumes tokens itself (`consumes = "tokens"`).
+target inside the step, unless the method's training inputs are tokens (`Method.inputs`).
 Every step is appended to `<output_dir>/metrics.jsonl`; checkpoints allow exact resumption.
 """
 
@@ -35,8 +35,8 @@ from data.extract import feature_identity
 from data.loader import BatchLoader
 from data.prepare import prepare_dataset
 from data.shards import FeatureDataset, FeatureMismatchError, frequent_loss_tokens, split_by_id
-from models import DRAFTERS
 from models.common import DraftBatch, packed_additive_mask
+from models.methods import METHODS
 from models.target import Target, load_target
 from train.checkpoint import (
     METRICS_FILE,
@@ -226,8 +226,7 @@ class Stepper:
     def __init__(self, accelerator: Accelerator, model: torch.nn.Module, target: Target, recipe: Recipe):
         self.accelerator, self.model, self.target = accelerator, model, target
         self.layers = list(recipe.data.layers)
-        drafter = accelerator.unwrap_model(model)
-        self.needs_hidden = recipe.train.online and getattr(drafter, "consumes", "features") != "tokens"
+        self.needs_hidden = recipe.train.online and METHODS[recipe.drafter.method].inputs == "features"
 
     def prepare(self, batch: dict) -> DraftBatch:
         batch = _to_device(batch, self.accelerator.device)
@@ -463,7 +462,8 @@ def train(recipe: Recipe, stop_after: int | None = None) -> Path:
     parts = target.parts(recipe.data.layers)
     if cfg.loss_vocab:  # offline only (checked at load): the loader's samples are the feature shards
         parts = parts.restricted(frequent_loss_tokens(train_loader.samples, cfg.loss_vocab).to(accelerator.device))
-    drafter = DRAFTERS[recipe.drafter.method][1](recipe.drafter, parts)
+    method = METHODS[recipe.drafter.method]
+    drafter = method.module()(recipe.drafter, parts)
     _check_zero3_sharing(accelerator, recipe, target, drafter)
     optimizer = build_optimizer(drafter, cfg)
     scheduler = build_scheduler(optimizer, cfg)
@@ -489,7 +489,7 @@ def train(recipe: Recipe, stop_after: int | None = None) -> Path:
         while step < cfg.max_steps:
             t0 = time.perf_counter()
             lr = scheduler.get_last_lr()[0]
-            if hasattr(drafter, "set_step"):  # losses that depend on training progress (Medusa-2's α warm-up)
+            if method.step_dependent:  # losses that depend on training progress (Medusa-2's α warm-up)
                 drafter.set_step(step)
             metrics, tokens = stepper.train_step([next(batches) for _ in range(cfg.grad_accum)])
             if not math.isfinite(metrics["loss"]):

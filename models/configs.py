@@ -1,0 +1,208 @@
+"""Drafter method configurations (recipe section `drafter`): plain dataclasses, no torch.
+
+The recipe schema (`train.config`) reads these to load and check a recipe, so loading one imports neither
+torch, transformers nor peft. Each config validates its own fields (`validate`), its recipe context
+(`check_recipe`: the method-specific limits on trees, vocabularies, online training) and, before a run, its
+input files (`check_inputs`). Which tree shapes a method drafts at all is declared once, in `models.methods`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from eval import named_trees
+
+LLAMA_LINEAR_LAYERS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@dataclass
+class EagleConfig:
+    """EAGLE-2 drafter (recipe section `drafter`, `method: eagle2`)."""
+
+    method: Literal["eagle2"] = "eagle2"
+    feature_layers: list[int] = field(default_factory=lambda: [-1])
+    """Target hidden-state indices fed to the drafter: [-1] = EAGLE-1/2; several = EAGLE-3-style fusion."""
+    num_layers: int = 1
+    """Llama decoder layers in the drafter (layer 0 has no input_layernorm, as in EAGLE-1/2)."""
+    fc_norm: bool = True
+    """EAGLE-3.1 FC-Norm: RMSNorm on each target feature before it enters fc."""
+    post_norm: bool = True
+    """EAGLE-3.1 post-norm: an output RMSNorm gives f̂ (loss, logits, next draft step); False = plain EAGLE-2."""
+    input_noise: float = 0.0
+    """Training-only noise U(-a, a) added to the target features, `a` in absolute units (not scaled by length)."""
+    w_feat: float = 1.0
+    """Weight of SmoothL1(f̂_{t+1}, f_{t+1})."""
+    w_ce: float = 0.1
+    """Weight of the soft cross-entropy against the target's next-token distribution."""
+    fc_bias: bool = True
+    topk_metric: int = 5
+    """k of the `acc@k` metric."""
+
+    def validate(self, err) -> None:
+        if not self.feature_layers:
+            err("drafter.feature_layers", "must list at least one hidden-state index")
+        if len(set(self.feature_layers)) != len(self.feature_layers):
+            err("drafter.feature_layers", f"has duplicates: {self.feature_layers}")
+        if self.num_layers < 1:
+            err("drafter.num_layers", f"must be >= 1, got {self.num_layers}")
+        if self.input_noise < 0:
+            err("drafter.input_noise", f"must be >= 0, got {self.input_noise}")
+        if self.w_feat < 0 or self.w_ce < 0 or self.w_feat + self.w_ce == 0:
+            err("drafter.w_feat", f"w_feat and w_ce must be >= 0 and not both 0, got {self.w_feat}, {self.w_ce}")
+        if self.topk_metric < 1:
+            err("drafter.topk_metric", f"must be >= 1, got {self.topk_metric}")
+
+    def check_inputs(self, err) -> None:
+        """No input files of its own."""
+
+    def check_recipe(self, recipe, err) -> None:
+        if -1 not in recipe.data.layers and not recipe.train.online:
+            err("data.layers", f"EAGLE regresses the last hidden state: -1 must be stored, got {recipe.data.layers}")
+
+
+@dataclass
+class MedusaConfig:
+    """Medusa-1 heads (recipe section `drafter`, `method: medusa1`)."""
+
+    method: Literal["medusa1"] = "medusa1"
+    num_heads: int = 5
+    """K: head k (1-based) predicts token t+k+1 from the hidden state at t."""
+    num_layers: int = 1
+    """L: residual blocks `h + SiLU(W1 h + b1)` per head, each with its own parameters."""
+    decay: float = 0.8
+    """λ_k = decay**k for head k = 1..K (head 1 weighs 0.8, head 2 0.64, ...)."""
+    share_lm_head: bool = False
+    """True: all heads project with the frozen target lm_head; False: each head trains its own copy."""
+
+    @property
+    def feature_layers(self) -> list[int]:
+        """Hidden-state indices the heads read: the target's last hidden state (after the final norm)."""
+        return [-1]
+
+    def validate(self, err) -> None:
+        if self.num_heads < 1:
+            err("drafter.num_heads", f"must be >= 1, got {self.num_heads}")
+        if self.num_layers < 1:
+            err("drafter.num_layers", f"must be >= 1, got {self.num_layers}")
+        if not 0.0 < self.decay <= 1.0:
+            err("drafter.decay", f"must be in (0, 1], got {self.decay}")
+
+    def check_inputs(self, err) -> None:
+        """No input files of its own."""
+
+    def check_recipe(self, recipe, err) -> None:
+        tree = recipe.eval.tree
+        if tree in ("chain", "calibrated") and recipe.eval.tree_depth > self.num_heads:
+            err("eval.tree_depth", f"{recipe.eval.tree_depth} exceeds the number of Medusa heads ({self.num_heads})")
+        if tree in named_trees.NAMED_TREES:
+            depth, top_k = named_trees.depth(tree), named_trees.top_k(tree)
+            if self.num_heads < depth:
+                err(
+                    "eval.tree",
+                    f"{tree} is {depth} deep and needs >= {depth} heads, drafter.num_heads is {self.num_heads}",
+                )
+            if 0 < recipe.eval.draft_vocab < top_k:
+                err("eval.draft_vocab", f"{tree} drafts each head's top {top_k} tokens, got {recipe.eval.draft_vocab}")
+        if recipe.train.loss_vocab and not self.share_lm_head:
+            err("train.loss_vocab", "needs drafter.share_lm_head: heads with their own lm_head train every row of it")
+
+
+@dataclass
+class Medusa2Config:
+    """Medusa-2 (recipe section `drafter`, `method: medusa2`); needs `train.online: true`."""
+
+    method: Literal["medusa2"] = "medusa2"
+    num_heads: int = 5
+    """K: head k (1-based) predicts token t+k+1 (as Medusa-1)."""
+    num_layers: int = 1
+    """L: residual blocks per head (as Medusa-1)."""
+    decay: float = 0.8
+    """λ_k = decay**k for head k = 1..K (as Medusa-1)."""
+    share_lm_head: bool = False
+    """True: the heads project with the target's frozen lm_head (as Medusa-1; must match the stage-1 heads)."""
+    lora_r: int = 32
+    lora_alpha: int = 16
+    lora_dropout: float = 0.05
+    lora_target_modules: list[str] = field(default_factory=lambda: list(LLAMA_LINEAR_LAYERS))
+    """Module names that get LoRA adapters (defaults: every linear layer of a Llama-style decoder)."""
+    self_distill: bool = False
+    """L_base = KL(p_target ‖ p_adapted) (teacher = the same weights with adapters off) instead of next-token CE:
+    for self-distilled data, where the paper finds hard-label CE degrades the model; the KL keeps its distribution."""
+    head_loss_coef: float = 0.2
+    """Weight of the head losses against L_base. The Medusa paper uses 0.2, and 0.01 under self-distillation
+    (the KL term is much smaller than a CE, so the heads would otherwise dominate the backbone's updates)."""
+    alpha_schedule: Literal["constant", "linear", "sine"] = "constant"
+    """Warm-up of the head-loss weight α(step) from 0 to 1 over alpha_warmup_steps (constant: always 1)."""
+    alpha_warmup_steps: int = 0
+    stage1_heads: str | None = None
+    """Stage 2 starts from these Medusa-1 heads: a native export directory (config.json + model.safetensors),
+    a checkpoint directory (drafter.safetensors) or a .safetensors file; null = fresh heads."""
+    gradient_checkpointing: bool = False
+    """Recompute decoder activations in backward (large targets, long sequences)."""
+
+    @property
+    def feature_layers(self) -> list[int]:
+        """The heads read the (adapted) target's last hidden state, computed inside the step."""
+        return [-1]
+
+    def heads_config(self) -> MedusaConfig:
+        return MedusaConfig(
+            num_heads=self.num_heads, num_layers=self.num_layers, decay=self.decay, share_lm_head=self.share_lm_head
+        )
+
+    def alpha(self, step: int) -> float:
+        """α(step) ∈ [0, 1] after `step` optimizer steps (the head-loss warm-up of the Medusa-2 trainer)."""
+        if self.alpha_schedule == "constant" or self.alpha_warmup_steps == 0:
+            return 1.0
+        x = min(1.0, step / self.alpha_warmup_steps)
+        return x if self.alpha_schedule == "linear" else math.sin(0.5 * math.pi * x)
+
+    def validate(self, err) -> None:
+        self.heads_config().validate(err)
+        if self.lora_r < 1:
+            err("drafter.lora_r", f"must be >= 1, got {self.lora_r}")
+        if self.lora_alpha < 1:
+            err("drafter.lora_alpha", f"must be >= 1, got {self.lora_alpha}")
+        if not 0.0 <= self.lora_dropout < 1.0:
+            err("drafter.lora_dropout", f"must be in [0, 1), got {self.lora_dropout}")
+        if not self.lora_target_modules:
+            err("drafter.lora_target_modules", "must name at least one module (e.g. q_proj)")
+        if self.head_loss_coef < 0:
+            err("drafter.head_loss_coef", f"must be >= 0, got {self.head_loss_coef}")
+        if self.alpha_warmup_steps < 0:
+            err("drafter.alpha_warmup_steps", f"must be >= 0, got {self.alpha_warmup_steps}")
+
+    def check_inputs(self, err) -> None:
+        """Before training: the stage-1 heads exist in one of the forms `load_stage1_heads` reads."""
+        if self.stage1_heads is not None:
+            stage1_form(Path(self.stage1_heads), lambda msg: err("drafter.stage1_heads", msg))
+
+    def check_recipe(self, recipe, err) -> None:
+        self.heads_config().check_recipe(recipe, err)
+
+
+def stage1_form(path: Path, fail) -> Path:
+    """The safetensors file of stage-1 heads at `path` (export, checkpoint or file); else `fail(message)`."""
+    if (path / "config.json").is_file() and (path / "model.safetensors").is_file():
+        try:
+            config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            fail(f"{path / 'config.json'}: not valid JSON ({exc})")
+        if not isinstance(config, dict) or config.get("method") != "medusa1":
+            method = config.get("method") if isinstance(config, dict) else None
+            fail(f"{path}: an export of method {method!r}, expected medusa1 heads")
+        return path / "model.safetensors"
+    if (path / "drafter.safetensors").is_file():
+        return path / "drafter.safetensors"
+    if path.is_file() and path.suffix == ".safetensors":
+        return path
+    if not path.exists():
+        fail(f"{path}: not a Medusa-1 export: no such file or directory (train stage 1 and export it first)")
+    fail(
+        f"{path}: not a Medusa-1 export (config.json + model.safetensors), checkpoint (drafter.safetensors) "
+        "or .safetensors file"
+    )

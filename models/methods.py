@@ -1,0 +1,87 @@
+"""The drafter contract: what each method declares, in one place. Train, export and eval ask it; none probes a module.
+
+    method = METHODS[recipe.drafter.method]
+    drafter = method.module()(recipe.drafter, target.parts(recipe.data.layers))   # imports torch on first use
+    method.trees, method.formats, method.inputs, method.proposer, ...
+
+A method declares:
+- `config`: its recipe section's dataclass (`models.configs`, no torch), and `module`: the nn.Module built from
+  (config, TargetParts), named as "package.module:Class" and imported only when a drafter is built;
+- `inputs`: what its training forward reads: "features" (target hidden states, stored by `data.extract` or
+  computed online) or "tokens" (token batches: it runs the target itself, e.g. through a LoRA backbone);
+  `online_only`: it cannot train from stored features;
+- `proposer`: how it drafts at evaluation ("eagle": a dynamic tree or a chain from the drafter's own feature
+  recurrence; "medusa": a static tree filled from per-head top-k), and `trees`: the `eval.tree` values it drafts;
+- `formats`: the export formats that can hold it (`train.export`);
+- `step_dependent`: its loss depends on the optimizer step (the loop calls `set_step(step)` before each step);
+  `adapts_target`: evaluation verifies with `drafter.adapt_target(target)` (a LoRA-merged target) and drafts with
+  what that returns; `export_extra`: the native export calls `drafter.export_extra(out, target, merge_lora=...)`.
+
+Adding a method: one model file (config in `models.configs`, module beside it), one entry below, recipes, one test.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Literal
+
+from models.configs import EagleConfig, Medusa2Config, MedusaConfig
+
+MEDUSA_TREES = ("auto", "chain", "calibrated", "mc_sim_7b_63", "calibrated63")
+EAGLE_TREES = ("auto", "dynamic", "chain")
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    config: type
+    module_path: str
+    inputs: Literal["features", "tokens"]
+    proposer: Literal["eagle", "medusa"]
+    trees: tuple[str, ...]
+    formats: tuple[str, ...]
+    online_only: bool = False
+    step_dependent: bool = False
+    adapts_target: bool = False
+    export_extra: bool = False
+
+    def module(self) -> type:
+        """The drafter's nn.Module class (imports torch and the model file on first use)."""
+        package, name = self.module_path.split(":")
+        return getattr(importlib.import_module(package), name)
+
+
+METHODS: dict[str, Method] = {
+    "eagle2": Method(
+        name="eagle2",
+        config=EagleConfig,
+        module_path="models.eagle:EagleDrafter",
+        inputs="features",
+        proposer="eagle",
+        trees=EAGLE_TREES,
+        formats=("native", "eagle", "sglang", "vllm"),
+    ),
+    "medusa1": Method(
+        name="medusa1",
+        config=MedusaConfig,
+        module_path="models.medusa:MedusaHeads",
+        inputs="features",
+        proposer="medusa",
+        trees=MEDUSA_TREES,
+        formats=("native", "medusa", "vllm"),
+    ),
+    "medusa2": Method(
+        name="medusa2",
+        config=Medusa2Config,
+        module_path="models.medusa2:Medusa2Model",
+        inputs="tokens",
+        proposer="medusa",
+        trees=MEDUSA_TREES,
+        formats=("native",),
+        online_only=True,
+        step_dependent=True,
+        adapts_target=True,
+        export_extra=True,
+    ),
+}
