@@ -530,7 +530,8 @@ def train(recipe: Recipe, stop_after: int | None = None) -> Path:
         bar.close()
         accelerator.end_training()
     if accelerator.is_main_process:
-        print(f"metrics: {out_dir / METRICS_FILE}\nlast checkpoint: {last_ckpt}")
+        print(f"metrics: {out_dir / METRICS_FILE}")
         if step >= cfg.max_steps:
             print(f"export: python -m train.export {out_dir}")
+        print(f"last checkpoint: {last_ckpt}")
     return last_ckpt
