@@ -25,15 +25,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.eval_overhead import pocket_benchmark, random_proposers  # noqa: E402
-from eval.checks import ScriptedProposer  # noqa: E402
-from eval.generate import (  # noqa: E402
-    DecodeSettings,
-    clock,
-    plain_generate,
-    plain_generate_batch,
-    speculative_generate,
-    speculative_generate_batch,
-)
+from eval.baselines import plain_generate, plain_generate_batch  # noqa: E402
+from eval.checks import PerRow, ScriptedProposer  # noqa: E402
+from eval.decode import DecodeSettings, clock, speculative_generate, speculative_generate_batch  # noqa: E402
 
 GOAL = 1.5
 
@@ -77,7 +71,7 @@ def main() -> None:
 
     # name: (proposer for one prompt, proposer for a batch)
     runs = {name: (lambda p, q=q: q, lambda ps, q=q: q) for name, q in proposers.items()}
-    runs["scripted drafts right 60% of the time"] = (scripted, lambda ps: [scripted(p) for p in ps])
+    runs["scripted drafts right 60% of the time"] = (scripted, lambda ps: PerRow([scripted(p) for p in ps]))
     print(f"{args.prompts} prompts of {min(lengths)}-{max(lengths)} tokens, {args.tokens} new tokens, {args.kernels}")
     one_plain, batch_plain, same = timed_runs(
         lambda p: plain_generate(model, p[None], settings),

@@ -19,7 +19,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from eval.generate import DecodeSettings, EagleProposer, MedusaProposer, clock, speculative_generate  # noqa: E402
+from eval.decode import DecodeSettings, clock, speculative_generate  # noqa: E402
+from eval.proposers import EagleProposer, MedusaProposer  # noqa: E402
 from eval.trees import calibrated_tree, medusa_rank_acc  # noqa: E402
 from models.eagle import EagleConfig, EagleDrafter  # noqa: E402
 from models.medusa import MedusaConfig, MedusaHeads  # noqa: E402
@@ -78,7 +79,7 @@ def random_proposers(target: Target, device: str) -> dict[str, EagleProposer | M
 
 
 def timed(fn, total: list[float], device: str):
-    """`fn` that adds its own run time (device work included: `eval.generate.clock`) to total[0]."""
+    """`fn` that adds its own run time (device work included: `eval.decode.clock`) to total[0]."""
 
     def wrapper(*args, **kwargs):
         start = clock(device)

@@ -124,8 +124,9 @@ def check_kv_commit(device, gen) -> None:
 def check_batch_decode(device, kernels_list: tuple[str, ...]) -> None:
     """A tiny Llama target decodes three prompts of different lengths as one batch whose rows accept never / always /
     sometimes (a ragged KV cache): each row equals plain greedy decoding of its prompt alone."""
-    from eval.checks import ScriptedProposer
-    from eval.generate import DecodeSettings, plain_generate, speculative_generate_batch
+    from eval.baselines import plain_generate
+    from eval.checks import PerRow, ScriptedProposer
+    from eval.decode import DecodeSettings, speculative_generate_batch
     from models.target import load_target
 
     config = {
@@ -138,10 +139,12 @@ def check_batch_decode(device, kernels_list: tuple[str, ...]) -> None:
     settings = DecodeSettings(max_new_tokens=24)
     plains = [plain_generate(model, p[None], settings).tokens for p in prompts]
     for kernels_kind in kernels_list:
-        stubs = [
-            ScriptedProposer(t, len(p), [-1, 0, 0, 0, 1, 1, 2, 4, 4, 7], mode, 96, 3)
-            for t, p, mode in zip(plains, prompts, ("never", "always", "sometimes"))
-        ]
+        stubs = PerRow(
+            [
+                ScriptedProposer(t, len(p), [-1, 0, 0, 0, 1, 1, 2, 4, 4, 7], mode, 96, 3)
+                for t, p, mode in zip(plains, prompts, ("never", "always", "sometimes"))
+            ]
+        )
         out = speculative_generate_batch(model, stubs, prompts, settings, kernels_kind)
         rounds = [len(r.accepted) for r in out]
         check(f"batch of 3 ragged rows {kernels_kind}", [r.tokens for r in out] == plains, f"rounds per row {rounds}")
@@ -152,16 +155,10 @@ def check_spread_target(devices: list[str], kernels_list: tuple[str, ...]) -> No
     lm_head on the last one): greedy speculative decoding equals plain greedy on each kernel path, with a scripted
     stub drafter and with (untrained) drafters that borrow the target's lm_head: EAGLE over a draft vocabulary,
     Medusa heads sharing the lm_head."""
+    from eval.baselines import plain_generate, plain_generate_batch
     from eval.checks import ScriptedProposer, spread_layers
-    from eval.generate import (
-        DecodeSettings,
-        EagleProposer,
-        MedusaProposer,
-        plain_generate,
-        plain_generate_batch,
-        speculative_generate,
-        speculative_generate_batch,
-    )
+    from eval.decode import DecodeSettings, speculative_generate, speculative_generate_batch
+    from eval.proposers import EagleProposer, MedusaProposer
     from eval.trees import chain
     from models.eagle import EagleConfig, EagleDrafter
     from models.medusa import MedusaConfig, MedusaHeads

@@ -1,0 +1,15 @@
+"""Evaluation: speculative decoding with tree verification against plain decoding (`python -m eval RECIPE`).
+
+    from eval.run import run               # the whole evaluation of a recipe -> summary (report files written)
+    from eval.decode import speculative_generate, DecodeSettings
+    from eval.baselines import plain_generate
+
+Files: `trees.py` / `named_trees.py` (tree shapes), `kernels.py` (Triton) and `reference.py` (its PyTorch twins),
+`proposers.py` (drafters as the loop uses them), `decode.py` (the speculative loop), `baselines.py` (plain decoding
+and prompt lookup), `run.py` (prompts, drafter, batches, report), `report.py`, `checks.py` (losslessness judges and
+stub drafters), `__main__.py` (the command line).
+"""
+
+
+class EvalError(ValueError):
+    """Bad eval input (prompts file, drafter, tree); the message names the file / key."""

@@ -1,7 +1,11 @@
 """Helpers for equivalence checks that run anywhere (the test suite, `benchmarks/gpu_kernels.py` on a lent GPU).
 
 - `ScriptedProposer`: a stub drafter that knows the plain greedy continuation, so a check can choose how often the
-  target accepts (never, always, sometimes) without training anything.
+  target accepts (never, always, sometimes) without training anything; `RowProposer` is the base of such one-prompt
+  stubs, `PerRow` runs one per prompt as a batch proposer:
+
+    out = speculative_generate_batch(model, PerRow([ScriptedProposer(...) for prompt in prompts]), prompts, settings)
+
 - `spread_layers`: place a target's decoder layers over several devices with the same accelerate hooks that
   `from_pretrained(device_map=...)` installs, so a one-machine check exercises a target spread over GPUs (and the
   CPU, where only one GPU is lent): KV caches on several devices, hidden states handed between them.
@@ -12,11 +16,74 @@ from __future__ import annotations
 import copy
 import random
 import weakref
+from collections.abc import Sequence
 
 import torch
 
-from eval.generate import DecodeState, RowProposer
+from eval.proposers import DecodeState, Proposer
 from eval.trees import Tree
+
+
+class RowProposer:
+    """Base of a drafter written for one prompt (stubs, scripted drafters): implement `propose_row(state) -> Tree`,
+    and `reset_row()` / `commit_row(path)` if it keeps state. It is a batch of one; `PerRow` batches several."""
+
+    feature_layers: list[int] = []
+
+    def reset(self, batch_size: int) -> None:
+        if batch_size != 1:
+            raise ValueError(f"{type(self).__name__} drafts for one prompt; give one per prompt (PerRow)")
+        self.reset_row()
+
+    def propose(self, states: Sequence[DecodeState]) -> list[Tree]:
+        return [self.propose_row(state) for state in states]
+
+    def commit(self, paths: Sequence[list[int]]) -> None:
+        for path in paths:
+            self.commit_row(path)
+
+    def keep_rows(self, rows: list[int]) -> None:
+        pass
+
+    def reset_row(self) -> None:
+        pass
+
+    def propose_row(self, state: DecodeState) -> Tree:
+        raise NotImplementedError
+
+    def commit_row(self, path: list[int]) -> None:
+        pass
+
+
+class PerRow:
+    """A batch proposer whose row b is `proposers[b]`, run as a batch of one (each keeps its own state)."""
+
+    def __init__(self, proposers: Sequence[Proposer]):
+        if len({id(p) for p in proposers}) != len(proposers):
+            raise ValueError("PerRow: proposers keep per-prompt state; pass a distinct proposer per prompt")
+        layers = {tuple(p.feature_layers) for p in proposers}
+        if len(layers) > 1:
+            raise ValueError(f"PerRow: the proposers of one batch must read the same target layers, got {layers}")
+        self.proposers = list(proposers)
+        self.rows = list(proposers)
+        self.feature_layers = list(proposers[0].feature_layers) if proposers else []
+
+    def reset(self, batch_size: int) -> None:
+        if batch_size != len(self.proposers):
+            raise ValueError(f"one proposer per prompt: got {len(self.proposers)} proposers for {batch_size} prompts")
+        self.rows = list(self.proposers)
+        for proposer in self.rows:
+            proposer.reset(1)
+
+    def propose(self, states: Sequence[DecodeState]) -> list[Tree]:
+        return [proposer.propose([state])[0] for proposer, state in zip(self.rows, states)]
+
+    def commit(self, paths: Sequence[list[int]]) -> None:
+        for proposer, path in zip(self.rows, paths):
+            proposer.commit([path])
+
+    def keep_rows(self, rows: list[int]) -> None:
+        self.rows = [self.rows[r] for r in rows]
 
 
 class ScriptedProposer(RowProposer):

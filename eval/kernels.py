@@ -8,7 +8,7 @@ Tested by `TRITON_INTERPRET=1 .venv/bin/pytest tests/test_kernels.py -q`; timed 
     accept_len, accepted_nodes, bonus = ops.verify_greedy(tree_tokens, target_logits, tree)
     new_len = ops.kv_commit(k_cache, v_cache, prefix_len, accepted_nodes)
 
-    register_tree_attention()          # HF models: model.set_attn_implementation("specdraft_tree")
+    name = register_tree_attention()   # HF models: model.set_attn_implementation(name)
     with tree_context(tree.mask_bits):
         logits = model(input_ids=tree_tokens, position_ids=tree.positions(prefix_len)[None], cache=cache).logits
 
@@ -20,8 +20,10 @@ the temperature / top-p processing of the target logits stays in torch) and the 
 typical-acceptance path log-likelihoods (siblings with the same token) and float-rounding boundary cases (sums taken in
 another order) may be resolved differently from the twins; everything else matches them exactly.
 
-Without CUDA the kernels run under the Triton interpreter: this module sets TRITON_INTERPRET=1 (unless already set)
-before defining them. The interpreter has no bf16 arithmetic, so inputs are cast to fp32 after loading there.
+Without CUDA the kernels run only under the Triton interpreter, and only when TRITON_INTERPRET=1 is set before this
+module is imported (the interpreter is chosen when the kernels are defined): `python -m eval` sets it when there is
+no GPU, the test suite sets it itself; this module never does. The interpreter has no bf16 arithmetic, so inputs are
+cast to fp32 after loading there.
 """
 
 from __future__ import annotations
@@ -35,20 +37,18 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
+import triton
+import triton.language as tl
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-
-from eval import reference  # noqa: E402
-from eval.trees import Tree  # noqa: E402
+from eval import reference
+from eval.trees import Tree
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+"""Whether the kernels below were defined for the Triton interpreter (TRITON_INTERPRET=1 at import)."""
 LOG2E = 1.4426950408889634
 
 __all__ = [
+    "TREE_ATTENTION",
     "TreeOps",
     "get_ops",
     "kv_commit",
@@ -177,18 +177,18 @@ def _merge_splits_kernel(
     )
 
 
-def on_device(t: torch.Tensor) -> AbstractContextManager:
+def _on_device(t: torch.Tensor) -> AbstractContextManager:
     """Triton launches on the *current* CUDA device: make it the one holding `t` (layers of a `device_map` target
     live on several GPUs, and a launch with another GPU's pointers faults)."""
     return torch.cuda.device(t.device) if t.device.type == "cuda" else nullcontext()
 
 
 def _on_first_device(fn: Callable) -> Callable:
-    """Run `fn` (whose first argument is a tensor) with that tensor's GPU current, see `on_device`."""
+    """Run `fn` (whose first argument is a tensor) with that tensor's GPU current, see `_on_device`."""
 
     @functools.wraps(fn)
     def wrapper(first: torch.Tensor, *args, **kwargs):
-        with on_device(first):
+        with _on_device(first):
             return fn(first, *args, **kwargs)
 
     return wrapper
@@ -587,7 +587,7 @@ def kv_commit(
             on[cache.device] = tuple(x.to(cache.device) for x in (nodes, prefix, start))
         cache_nodes, cache_prefix, cache_start = on[cache.device]
         block_d = _pow2(d, 16, 128)
-        with on_device(cache):
+        with _on_device(cache):
             _kv_commit_kernel[(bsz * hkv, triton.cdiv(d, block_d))](
                 cache, cache_nodes, cache_prefix, cache_start, cache.stride(0), cache.stride(1), cache.stride(2),
                 cache_nodes.stride(0), d, HKV=hkv, WIDTH=width, BLOCK_D=block_d, num_warps=1,
@@ -624,9 +624,14 @@ _OPS = {
 
 
 def get_ops(kind: str = "triton") -> TreeOps:
-    """`"triton"` (fused kernels; the interpreter on CPU) or `"reference"` (plain PyTorch)."""
+    """`"triton"` (fused kernels: on the GPU, or under the Triton interpreter) or `"reference"` (plain PyTorch)."""
     if kind not in _OPS:
         raise ValueError(f"unknown ops kind {kind!r}; expected one of {sorted(_OPS)}")
+    if kind == "triton" and not INTERPRET and not torch.cuda.is_available():
+        raise RuntimeError(
+            "the Triton kernels need a GPU, or the Triton interpreter: set TRITON_INTERPRET=1 before eval.kernels is "
+            "imported (`python -m eval` does when there is no GPU), or use the reference kernels"
+        )
     return _OPS[kind]
 
 
@@ -647,20 +652,22 @@ def tree_context(mask_bits: torch.Tensor, prefix_lens: torch.Tensor | None = Non
         _TREE_MASK.reset(token)
 
 
-def register_tree_attention(name: str = "specdraft_tree", kind: str = "triton") -> str:
-    """Register `name` with transformers' AttentionInterface (and the sdpa mask builder) and return it.
+TREE_ATTENTION = "specdraft_tree"
+"""The attention implementation name `register_tree_attention` registers with transformers."""
 
-    Then `model.set_attn_implementation(name)`. Inside `tree_context(mask_bits, prefix_lens)` (or with
-    `tree_mask_bits=` and `tree_prefix_lens=` passed through the model's forward kwargs) a query block whose length
-    matches the tree runs `get_ops(kind).tree_attention` over keys split as [cached prefix | N tree keys]; the prefix
-    is visible up to `prefix_lens` (all of it by default), so the HF attention mask is ignored there. Anything else
-    (prefill, plain decoding) is SDPA under the HF mask (causal, or a 4D mask passed to the model).
+
+def register_tree_attention() -> str:
+    """Register `TREE_ATTENTION` with transformers' AttentionInterface (and the sdpa mask builder) and return it.
+
+    Then `model.set_attn_implementation(name)`. Inside `tree_context(mask_bits, prefix_lens)` a query block whose
+    length matches the tree runs the Triton `tree_attention` over keys split as [cached prefix | N tree keys]; the
+    prefix is visible up to `prefix_lens` (all of it by default), so the HF attention mask is ignored there. Anything
+    else (prefill, plain decoding) is SDPA under the HF mask (causal, or a 4D mask passed to the model). The reference
+    path needs no registration: it passes an additive 4D tree mask to the model's own attention.
     """
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    attend = get_ops(kind).tree_attention
 
     def tree_attention_forward(
         module: torch.nn.Module,
@@ -672,14 +679,12 @@ def register_tree_attention(name: str = "specdraft_tree", kind: str = "triton") 
         dropout: float = 0.0,
         **kwargs,
     ) -> tuple[torch.Tensor, None]:
-        bits, lens = kwargs.pop("tree_mask_bits", None), kwargs.pop("tree_prefix_lens", None)
-        if bits is None:
-            bits, lens = _TREE_MASK.get() or (None, None)
+        bits, lens = _TREE_MASK.get() or (None, None)
         n = query.shape[2]
         if bits is None or bits.shape[-2] != n:
             return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        out = attend(
+        out = tree_attention(
             query,
             key[:, :, :-n],
             value[:, :, :-n],
@@ -691,6 +696,6 @@ def register_tree_attention(name: str = "specdraft_tree", kind: str = "triton") 
         )
         return out.transpose(1, 2).contiguous(), None  # (B, N, H, D) like every HF attention function
 
-    AttentionInterface.register(name, tree_attention_forward)
-    AttentionMaskInterface.register(name, sdpa_mask)
-    return name
+    AttentionInterface.register(TREE_ATTENTION, tree_attention_forward)
+    AttentionMaskInterface.register(TREE_ATTENTION, sdpa_mask)
+    return TREE_ATTENTION

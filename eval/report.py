@@ -1,6 +1,6 @@
 """Summaries of an evaluation run: `report.json`, `report.md` (markdown tables) and `report.png`.
 
-    summary = summarize(records, meta)      # records: one dict per prompt, from eval/__main__.py
+    summary = summarize(records, meta)      # records: one dict per prompt, from eval.run.evaluate_batch
     write_report(summary, "runs/x/eval")    # report.json, report.md, report.png
 
 Speeds are pooled over prompts (total new tokens / total wall time per method), τ is pooled over
@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from eval.generate import round_stats
+from eval.decode import round_stats
 
 METHODS = ("plain", "speculative", "prompt_lookup")
 
@@ -176,6 +176,7 @@ def to_markdown(s: dict[str, Any]) -> str:
             f"Prompt lookup (transformers, no training): {_fmt(pl, 1)} tok/s, "
             f"{_fmt(s['prompt_lookup_vs_plain'], 2, '×')} vs plain."
             + (f" Tree calibrated on {s['tree_calibration']}." if s.get("tree_calibration") else ""),
+            *([f"kernels: {s['kernels_backend']}"] if s.get("kernels_backend") else []),
             markdown_table(SUMMARY_HEADER, [summary_row(s)]),
             "## Acceptance by depth\n\n" + markdown_table(depth_header, depth_rows),
             *([_group_table(s["by_group"])] if s.get("by_group") else []),

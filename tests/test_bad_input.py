@@ -338,7 +338,8 @@ def test_cases_cover_every_cli():
 def test_an_eval_output_dir_is_reused_only_with_the_same_settings(world, tmp_path):
     """In process (the CLI case above runs one refusal): the same settings replace a report, other settings and a
     report of unknown settings are refused, an empty or absent directory is fine."""
-    from eval.__main__ import EvalError, check_output_dir
+    from eval import EvalError
+    from eval.run import check_output_dir
     from train.config import load_recipe
 
     args = EVAL.format(**world, out=tmp_path / "ev").split()

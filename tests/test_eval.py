@@ -18,25 +18,21 @@ import yaml
 from tiny import tiny_llama
 
 from data.extract import main as extract_main
+from data.prepare import prepare_dataset
 from data.shards import FeatureDataset, frequent_loss_tokens
-from eval.__main__ import (
-    EvalError,
-    calibration_samples,
-    calibration_sequences,
-    load_prompts,
-    main,
-    medusa_rank_accuracy,
-    process_gpus,
-    prompt_token_ids,
-)
+from eval import EvalError
+from eval.__main__ import main
 from eval.checks import near_tie
+from eval.prompts import load_prompts, prompt_token_ids
 from eval.report import summarize, to_markdown, write_report
+from eval.run import calibration_samples, calibration_sequences, medusa_rank_accuracy, process_gpus
 from models.eagle import EagleConfig, EagleDrafter
 from models.io import save_native
 from models.medusa import MedusaConfig, MedusaHeads
 from models.medusa2 import Medusa2Config, Medusa2Model
 from models.target import load_target
 from train.config import load_recipe
+from train.heldout import HeldoutError, read_heldout, write_heldout
 
 TOKENIZER = "recipes/pocket/target"
 TARGET = {
@@ -160,7 +156,7 @@ def test_eval_batches_decode_what_batch_one_decodes(tmp_path, target):
 def test_eval_batch_rechecks_a_differing_batched_plain_row_alone(tmp_path, target, monkeypatch):
     """If the batched plain baseline disagrees with a speculative row (a padding mask breaking a near-tie), the row is
     judged against plain decoding of its prompt alone, and the record says so."""
-    import eval.__main__ as cli
+    import eval.run as cli
 
     torch.manual_seed(0)
     save_native(tmp_path / "run" / "export", EagleDrafter(EagleConfig(), target.parts([-1])), target)
@@ -208,7 +204,8 @@ def test_draft_vocabulary_counts_loss_tokens_of_the_shards(tmp_path, monkeypatch
 
     # Medusa tree calibration reads the training run's held-out split (the shards' token ids, or the prepared
     # data without shards), never the eval prompts; the verifying target computes the hidden states
-    recipe = load_recipe("recipes/tiny/eagle2.yaml", [f"data.features_dir={features}", "data.heldout_fraction=0.25"])
+    overrides = [f"data.features_dir={features}", "data.heldout_fraction=0.25", f"train.output_dir={tmp_path}/run"]
+    recipe = load_recipe("recipes/tiny/eagle2.yaml", overrides)  # a run directory without a recorded split
     tiny = load_target(**dataclasses.asdict(recipe.target))
     torch.manual_seed(0)
     heads = MedusaHeads(MedusaConfig(num_heads=2), tiny.parts([-1])).eval()
@@ -234,6 +231,47 @@ def test_draft_vocabulary_counts_loss_tokens_of_the_shards(tmp_path, monkeypatch
                         counts[k - 1] += 1
     assert counts.min() > 0
     torch.testing.assert_close(accuracy, hits / counts[:, None])
+
+
+def test_calibration_reads_the_held_out_split_the_run_recorded(tmp_path, monkeypatch, capsys):
+    """A run directory with `heldout.json` gives calibration exactly those samples, whatever the recipe's fraction and
+    seed now say; without one the split is re-created from the recipe, with a log line; a recorded split of other data
+    is refused."""
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])
+    run = tmp_path / "run"
+    recipe = load_recipe("recipes/tiny/eagle2.yaml", ["data.features_dir=null", f"train.output_dir={run}"])
+    tiny = load_target(**dataclasses.asdict(recipe.target))
+    ids = [s["id"] for s in prepare_dataset(recipe.data, tiny.tokenizer).samples]
+    chosen = sorted(ids)[2:5]
+    assert read_heldout(run) is None
+    _, desc = calibration_samples(recipe, tiny.tokenizer, limit=64)
+    assert desc.endswith("held-out samples of the recipe's data") and "re-creating" in capsys.readouterr().out
+
+    assert write_heldout(run, chosen) == run / "heldout.json" and read_heldout(run) == chosen
+    samples, desc = calibration_samples(recipe, tiny.tokenizer, limit=64)
+    assert desc == "3 held-out samples of the recipe's data" and "re-creating" not in capsys.readouterr().out
+    prepared = {s["id"]: s for s in prepare_dataset(recipe.data, tiny.tokenizer).samples}
+    assert [ids.tolist() for ids, _ in samples] == [prepared[i]["input_ids"] for i in chosen]
+
+    write_heldout(run, [10**9])
+    with pytest.raises(EvalError, match="none of its 1 held-out samples is in the recipe's data"):
+        calibration_samples(recipe, tiny.tokenizer, limit=64)
+    (run / "heldout.json").write_text("{not json\n")
+    with pytest.raises(HeldoutError, match="heldout.json: not a held-out split written by training"):
+        read_heldout(run)
+
+
+def test_cli_runs_triton_kernels_under_the_interpreter_without_a_gpu_and_says_so(tmp_path, target, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU runs the kernels")
+    torch.manual_seed(0)
+    save_native(tmp_path / "run" / "export", EagleDrafter(EagleConfig(), target.parts([-1])), target)
+    section = {"tree": "dynamic", "tree_depth": 2, "tree_top_k": 2, "tree_total_tokens": 4, "kernels": "triton"}
+    main([_recipe(tmp_path, "eagle2", {}, section | {"baselines": ["plain"], "max_prompts": 1})])
+    assert "the Triton kernels run under the Triton interpreter" in capsys.readouterr().out
+    report = json.loads((tmp_path / "run" / "eval" / "report.json").read_text())
+    assert report["kernels_backend"] == "Triton interpreter (no GPU)" and report["lossless"] is True
+    assert "kernels: Triton interpreter (no GPU)" in (tmp_path / "run" / "eval" / "report.md").read_text()
 
 
 @pytest.mark.parametrize("path", ["recipes/pocket/eagle2.yaml", "recipes/pocket/medusa1.yaml"])

@@ -11,21 +11,11 @@ import pytest
 import torch
 
 from eval import reference
-from eval.checks import ScriptedProposer, spread_layers
-from eval.generate import (
-    DecodeSettings,
-    DecodeState,
-    EagleProposer,
-    MedusaProposer,
-    RowProposer,
-    VocabProjection,
-    plain_generate,
-    plain_generate_batch,
-    round_stats,
-    speculative_generate,
-    speculative_generate_batch,
-)
+from eval.baselines import plain_generate, plain_generate_batch
+from eval.checks import PerRow, RowProposer, ScriptedProposer, spread_layers
+from eval.decode import DecodeSettings, round_stats, speculative_generate, speculative_generate_batch
 from eval.kernels import get_ops
+from eval.proposers import DecodeState, EagleProposer, MedusaProposer, VocabProjection
 from eval.trees import MC_SIM_7B_63, Tree, chain, medusa_tree
 from models.eagle import EagleConfig, EagleDrafter
 from models.medusa import MedusaConfig, MedusaHeads
@@ -388,7 +378,7 @@ def test_batch_greedy_stub_lossless_with_ragged_rows(target, kernels):
             for plain, p, mode in zip(plains, BATCH_PROMPTS, modes)
         ]
 
-    batch = speculative_generate_batch(target.model, stubs(), BATCH_PROMPTS, settings, kernels)
+    batch = speculative_generate_batch(target.model, PerRow(stubs()), BATCH_PROMPTS, settings, kernels)
     alone = [
         speculative_generate(target.model, stub, p[None], settings, kernels) for stub, p in zip(stubs(), BATCH_PROMPTS)
     ]
@@ -416,7 +406,7 @@ def test_batch_greedy_real_drafters_lossless(target, kind, batched):
             return MedusaProposer(drafter, tree)
         return EagleProposer(drafter, depth=3, top_k=2, total_tokens=6, draft_vocab=vocab)
 
-    proposer = make() if batched else [make() for _ in BATCH_PROMPTS]
+    proposer = make() if batched else PerRow([make() for _ in BATCH_PROMPTS])
     batch = speculative_generate_batch(target.model, proposer, BATCH_PROMPTS, settings)
     for row, (out, p) in enumerate(zip(batch, BATCH_PROMPTS)):
         assert out.tokens == plain_generate(target.model, p[None], settings).tokens, row
@@ -544,7 +534,7 @@ def test_batch_rows_finish_at_eos_and_leave_the_batch(target):
         lambda module, args, kwargs: rows.append(kwargs["input_ids"].shape[0]), with_kwargs=True
     )
     try:
-        out = speculative_generate_batch(target.model, stubs, BATCH_PROMPTS, settings)
+        out = speculative_generate_batch(target.model, PerRow(stubs), BATCH_PROMPTS, settings)
     finally:
         hook.remove()
     assert out[1].tokens == plains[1][: plains[1].index(eos) + 1]
@@ -557,12 +547,12 @@ def test_batch_is_refused_with_a_clear_error_when_malformed(target):
     settings = DecodeSettings(max_new_tokens=4)
     stub = lambda parents: FixedTreeProposer(parents, [1] * (len(parents) - 1))  # noqa: E731
     with pytest.raises(ValueError, match="one proposer per prompt"):
-        speculative_generate_batch(target.model, [stub([-1, 0])], BATCH_PROMPTS[:2], settings)
+        speculative_generate_batch(target.model, PerRow([stub([-1, 0])]), BATCH_PROMPTS[:2], settings)
     same = stub([-1, 0])
     with pytest.raises(ValueError, match="distinct proposer"):
-        speculative_generate_batch(target.model, [same, same], BATCH_PROMPTS[:2], settings)
+        speculative_generate_batch(target.model, PerRow([same, same]), BATCH_PROMPTS[:2], settings)
     with pytest.raises(ValueError, match=r"same node count, got \{0: 2, 1: 3\}"):
-        speculative_generate_batch(target.model, [stub([-1, 0]), stub([-1, 0, 1])], BATCH_PROMPTS[:2], settings)
+        speculative_generate_batch(target.model, PerRow([stub([-1, 0]), stub([-1, 0, 1])]), BATCH_PROMPTS[:2], settings)
     with pytest.raises(ValueError, match="speculative_generate_batch"):
         speculative_generate(target.model, stub([-1, 0]), torch.stack([PROMPT[0], PROMPT[0]]), settings)
 
@@ -582,7 +572,7 @@ def test_batch_sampled_row_follows_target_distribution():
     for seed in range(trials):
         s = DecodeSettings(**{**vars(settings), "seed": seed})
         rows = [FixedTreeProposer(parents, drafts), FixedTreeProposer(parents, drafts[::-1])]
-        out = speculative_generate_batch(target.model, rows, prompts, s)[1]
+        out = speculative_generate_batch(target.model, PerRow(rows), prompts, s)[1]
         counts[out.tokens[1], out.tokens[2]] += 1
     joint = counts / trials
     assert _tv(joint.sum(1), exact.sum(1)) < 2 * noise
@@ -593,7 +583,7 @@ def test_batch_sampled_row_follows_target_distribution():
     for seed in range(runs):
         s = DecodeSettings(**{**vars(settings), "seed": seed})
         rows = [FixedTreeProposer(parents, drafts), FixedTreeProposer(parents, drafts)]
-        out = speculative_generate_batch(target.model, rows, [SMALL_PROMPT[0], SMALL_PROMPT[0]], s)
+        out = speculative_generate_batch(target.model, PerRow(rows), [SMALL_PROMPT[0], SMALL_PROMPT[0]], s)
         same += out[0].tokens[1] == out[1].tokens[1]
     p1 = exact.sum(1)
     chance = float((p1**2).sum())

@@ -1,14 +1,10 @@
 import os
 
+import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before eval.kernels defines its @triton.jit functions
-
-import pytest  # noqa: E402
-
-from eval import kernels, reference  # noqa: E402
-from eval.trees import Tree, chain, stack_trees  # noqa: E402
+from eval import kernels, reference  # under the Triton interpreter without a GPU: tests/conftest.py
+from eval.trees import Tree, chain, stack_trees
 
 HAND_PARENTS = [-1, 0, 0, 0, 1, 1, 3, 4]  # see tests/test_trees.py
 
@@ -325,16 +321,15 @@ def test_hf_tree_attention_matches_per_path_and_masked_eager():
     tokens = torch.randint(0, 256, (1, tree.num_nodes), generator=gen)
     positions = tree.positions(prefix.shape[1])[None]
 
-    def tree_logits(attn: str, mask=None, **kwargs) -> torch.Tensor:
+    def tree_logits(attn: str, mask=None) -> torch.Tensor:
         model.set_attn_implementation(attn)
         cache = DynamicCache(config=model.config)
         model(input_ids=prefix, cache=cache, use_cache=True)  # prefill: causal SDPA fallback for `name`
         assert cache.get_seq_length() == prefix.shape[1]
-        return model(input_ids=tokens, position_ids=positions, attention_mask=mask, cache=cache, **kwargs).logits[0]
+        return model(input_ids=tokens, position_ids=positions, attention_mask=mask, cache=cache).logits[0]
 
     with kernels.tree_context(tree.mask_bits):
         got = tree_logits(name)
-    torch.testing.assert_close(tree_logits(name, tree_mask_bits=tree.mask_bits), got)  # bits as a forward kwarg
     model.set_attn_implementation("sdpa")
     for i in range(tree.num_nodes):
         path = tree.dense_mask()[i].nonzero().squeeze(-1)
@@ -347,6 +342,21 @@ def test_hf_tree_attention_matches_per_path_and_masked_eager():
     plain = model(input_ids=prefix).logits
     model.set_attn_implementation(name)
     torch.testing.assert_close(model(input_ids=prefix).logits, plain)
+
+
+def test_importing_the_kernels_leaves_the_interpreter_alone():
+    """The Triton interpreter is a choice of the entry point (`python -m eval`, tests/conftest.py), never a side effect
+    of importing `eval.kernels`: imported without TRITON_INTERPRET it stays unset (and `get_ops("triton")` then needs
+    a GPU)."""
+    import pathlib
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = "import os, eval.kernels as k; print(os.environ.get('TRITON_INTERPRET'), k.INTERPRET)"
+    root = pathlib.Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=root)
+    assert proc.returncode == 0 and proc.stdout.split() == ["None", "False"], proc.stderr[-2000:]
 
 
 # -------------------------------------------------------------------------------------------- NVIDIA compilation

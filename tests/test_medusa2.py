@@ -336,7 +336,7 @@ def metrics(out: Path) -> list[dict]:
 
 
 def test_two_stages_train_export_and_decode(in_repo, tmp_path):
-    from eval.__main__ import run as run_eval
+    from eval.run import run as run_eval
     from train.export import export
     from train.loop import train
 

@@ -26,8 +26,10 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from data.shards import FeatureDataset  # noqa: E402
-from eval.__main__ import load_prompts, stop_token_ids  # noqa: E402
-from eval.generate import DecodeSettings, plain_generate  # noqa: E402
+from eval.baselines import plain_generate  # noqa: E402
+from eval.decode import DecodeSettings  # noqa: E402
+from eval.prompts import load_prompts, stop_token_ids  # noqa: E402
+from eval.run import heldout_positions  # noqa: E402
 from models.io import load_drafter  # noqa: E402
 from models.target import load_target  # noqa: E402
 from train.config import load_recipe  # noqa: E402
@@ -68,7 +70,7 @@ def main() -> None:
     report = json.loads((run / "eval" / "report.json").read_text())
 
     dataset = FeatureDataset(demo / "features")
-    _, heldout = dataset.split(recipe.data.heldout_fraction, recipe.train.seed)
+    _, heldout = heldout_positions(recipe, dataset.sample_ids, str(demo / "features"))  # the run's recorded split
     logged = min(recipe.train.eval_batches * recipe.train.batch_size, len(heldout))  # behind the logged eval/acc@1
     metric_logged, metric_all, data_all = Rate(), Rate(), Rate()
     by_offset: dict[int, Rate] = {}

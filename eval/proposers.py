@@ -1,0 +1,321 @@
+"""Drafters as the speculative loop uses them: the `Proposer` contract, the EAGLE-2 and Medusa proposers.
+
+    proposer, desc = build_proposer(drafter, recipe.eval, calibrate, draft_vocab)  # per `eval.tree`
+    proposer.reset(batch_size)
+    trees = proposer.propose([DecodeState(tokens=row_tokens, new_hidden=row_hidden), ...])  # one tree per row
+    proposer.commit(paths)  # the accepted node indices of each row's tree, root first
+
+`eval.decode` runs the loop: it calls `reset(B)`, then each round `propose` with the states of the rows still
+decoding, `commit` with their accepted paths, and `keep_rows` when some rows finish. `EagleProposer` and
+`MedusaProposer` draft every row of a batch in the same forwards; `VocabProjection` restricts drafting to a draft
+vocabulary (`eval.draft_vocab`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from eval import EvalError
+from eval.trees import NAMED_TREES, Tree, calibrated_tree, chain, dynamic_trees, medusa_tokens, medusa_tree
+from models.eagle import EagleDrafter
+from models.medusa import MedusaHeads
+from train.config import EvalConfig
+
+
+@dataclass
+class DecodeState:
+    """What a proposer sees of one row (prompt) before drafting.
+
+    `tokens[:, -1]` is the root: chosen by the target, not yet in its KV cache, so the target cache
+    holds `prefix_len = L - 1` positions. `new_hidden` holds the target hidden states (at the
+    proposer's `feature_layers`) of the positions cached since the previous round, i.e. positions
+    `L-1-n .. L-2`, whose next tokens are `tokens[:, L-n:]`.
+    """
+
+    tokens: torch.Tensor  # (1, L) int64, prompt + generated
+    new_hidden: torch.Tensor | None  # (1, n, S, d) or None when the proposer wants no features
+
+    @property
+    def prefix_len(self) -> int:
+        return self.tokens.shape[1] - 1
+
+
+class Proposer(Protocol):
+    """A drafter as the decoding loop uses it (EAGLE-2, Medusa heads, check stubs), for a batch of rows.
+
+    The loop calls `reset(B)`, then each round `propose` with the states of the rows still decoding, `commit` with
+    their accepted paths, and `keep_rows` when some rows finish. Stub drafters written for one prompt at a time
+    (`eval.checks.RowProposer`) run as a batch through `eval.checks.PerRow`.
+    """
+
+    feature_layers: list[int]
+    """Target hidden-state indices (HF convention) the proposer reads from `DecodeState.new_hidden`."""
+
+    def reset(self, batch_size: int) -> None:
+        """Forget previous prompts: the next round drafts for `batch_size` new rows."""
+
+    def propose(self, states: Sequence[DecodeState]) -> list[Tree]:
+        """Draft one tree per row, rooted at `states[b].tokens[:, -1]`."""
+
+    def commit(self, paths: Sequence[list[int]]) -> None:
+        """Per row, the target accepted `paths[b]` (node indices of its last proposed tree, root first)."""
+
+    def keep_rows(self, rows: list[int]) -> None:
+        """Only these rows (indices among the current ones, in order) decode on; the others finished."""
+
+
+class VocabProjection:
+    """A draft vocabulary: a vocabulary projection restricted to `ids` (K,), its rows gathered once.
+
+    Drafting then costs a (K × d) instead of a (V × d) matmul per step; tokens outside `ids` are never drafted.
+    Verification still uses the target's full distribution, so the output is unchanged (greedy) or still
+    follows the target (sampled); only acceptance can drop.
+    """
+
+    def __init__(self, projection: torch.nn.Linear, ids: torch.Tensor):
+        self.ids = ids  # (K,)
+        self.vocab_size = projection.weight.shape[0]
+        rows = ids.to(projection.weight.device)  # the projection's device: a `device_map` lm_head may be on another GPU
+        self.weight = projection.weight[rows].detach()  # (K, d)
+        self.bias = None if projection.bias is None else projection.bias[rows].detach()
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        """(..., d) -> (..., K) float32 logits over the draft vocabulary, on h's device."""
+        logits = torch.nn.functional.linear(h.to(self.weight.device, self.weight.dtype), self.weight, self.bias)
+        return logits.float().to(h.device)
+
+    def token_ids(self, index: torch.Tensor) -> torch.Tensor:
+        """Positions in the draft vocabulary -> token ids (on index's device)."""
+        return self.ids.to(index.device)[index]
+
+    def full_log_probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """(..., K) draft logits -> (..., V) log-probabilities, -inf outside the draft vocabulary."""
+        out = torch.full((*logits.shape[:-1], self.vocab_size), float("-inf"), device=logits.device)
+        return out.index_copy_(-1, self.ids.to(logits.device), torch.log_softmax(logits, dim=-1))
+
+
+def _check_draft_vocab(draft_vocab: torch.Tensor | None, top_k: int) -> None:
+    if draft_vocab is not None and len(draft_vocab) < top_k:
+        raise ValueError(
+            f"the draft vocabulary has {len(draft_vocab)} tokens, fewer than the top {top_k} a tree drafts"
+        )
+
+
+class MedusaProposer:
+    """Medusa heads fill a static tree: node at depth k with rank r gets head k's r-th most likely token.
+
+    The heads read the target's last hidden state at the last cached position (the one that chose the root):
+    head k predicts the token k positions after the root. Stateless: every row of a batch drafts in one pass.
+    """
+
+    feature_layers = [-1]
+
+    def __init__(self, heads: torch.nn.Module, tree: Tree, draft_vocab: torch.Tensor | None = None):
+        if tree.max_depth > heads.cfg.num_heads:
+            raise ValueError(f"tree depth {tree.max_depth} exceeds the number of Medusa heads ({heads.cfg.num_heads})")
+        self.heads = heads
+        self.tree = tree
+        self.top_k = int(tree.head_rank.max()) + 1
+        self.vocab = None  # per head: its projection restricted to the draft vocabulary
+        _check_draft_vocab(draft_vocab, self.top_k)
+        if draft_vocab is not None:
+            self.vocab = [VocabProjection(heads.projection(k), draft_vocab) for k in range(1, tree.max_depth + 1)]
+
+    def reset(self, batch_size: int) -> None:
+        pass
+
+    def propose(self, states: Sequence[DecodeState]) -> list[Tree]:
+        last = torch.cat([state.new_hidden[:, -1:, 0] for state in states])  # (B, 1, d)
+        if self.vocab is None:
+            logits = self.heads.head_logits(last, self.tree.max_depth)[:, :, 0]  # (D, B, V): the heads the tree reaches
+            head_topk = logits.topk(self.top_k, dim=-1).indices.transpose(0, 1)  # (B, D, top_k)
+        else:
+            top = []
+            for k, vocab in enumerate(self.vocab, 1):
+                logits = vocab(self.heads.head_state(k, last[:, 0]))  # (B, K)
+                top.append(vocab.token_ids(logits.topk(self.top_k, dim=-1).indices))  # (B, top_k) token ids
+            head_topk = torch.stack(top, dim=1)  # (B, D, top_k)
+        roots = torch.cat([state.tokens[:, -1] for state in states]).to(head_topk.device)
+        tokens = medusa_tokens(self.tree, roots, head_topk)  # (B, N)
+        return [dataclasses.replace(self.tree, tokens=row) for row in tokens]
+
+    def commit(self, paths: Sequence[list[int]]) -> None:
+        pass
+
+    def keep_rows(self, rows: list[int]) -> None:
+        pass
+
+
+class EagleProposer:
+    """EAGLE-2 drafting for a batch of rows: catch up on the target features of the newly verified tokens, then grow
+    a dynamic tree per row (top_k expansion by cumulative draft log-probability for `depth` steps, `total_tokens`
+    kept; top_k = 1 gives a chain), every row in the same drafter forwards.
+
+    The drafter's KV cache holds each row's verified prefix, ragged like the target's: row b owns its first
+    `lengths[b]` positions. A catch-up pads the rows' new positions to the longest and then packs each row's to its
+    own prefix end; tree steps are appended under a per-row mask (own prefix + ancestors) and cropped away at commit,
+    because the accepted tokens are re-run next round with the target's true features.
+    """
+
+    def __init__(
+        self,
+        drafter: torch.nn.Module,
+        depth: int,
+        top_k: int,
+        total_tokens: int,
+        draft_vocab: torch.Tensor | None = None,
+    ):
+        self.drafter = drafter
+        self.feature_layers = list(drafter.cfg.feature_layers)
+        self.depth, self.top_k, self.total_tokens = depth, top_k, total_tokens
+        _check_draft_vocab(draft_vocab, top_k)
+        self.vocab = None if draft_vocab is None else VocabProjection(drafter.lm_head, draft_vocab)
+        self.reset(1)
+
+    def reset(self, batch_size: int) -> None:
+        self.cache = self.drafter.new_cache()
+        self.lengths = [0] * batch_size  # per row: cached positions that are its own
+        self.committed = 0  # cache length after the last catch-up (tree steps start there)
+
+    def _catch_up(self, states: Sequence[DecodeState]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run every row's new target features on top of its cached prefix; -> logits at each row's last new position
+        (B, V or K), f̂ there (B, d). Afterwards row b's cache is [its prefix | its new positions], packed."""
+        feats = [state.new_hidden for state in states]  # (1, n_b, S, d) each
+        counts = [f.shape[1] for f in feats]
+        bsz, n = len(states), max(counts)
+        device = feats[0].device
+        cached = self.cache.length
+        padded = any(m != n for m in counts)
+        ragged = padded or any(length != cached for length in self.lengths)
+        if not padded:
+            inputs = torch.cat(feats)
+            ids = torch.cat([state.tokens[:, -n:] for state in states])
+            if bsz == 1:
+                positions = torch.arange(states[0].prefix_len - n, states[0].prefix_len, device=device)[None]
+            else:
+                prefix = torch.tensor([state.prefix_len for state in states], device=device)
+                positions = prefix[:, None] - n + torch.arange(n, device=device)  # (B, n)
+        else:  # rows with fewer new positions are padded at the end
+            inputs = feats[0].new_zeros(bsz, n, *feats[0].shape[2:])
+            ids = torch.zeros(bsz, n, dtype=torch.long, device=device)
+            positions = torch.zeros(bsz, n, dtype=torch.long, device=device)
+            for b, (state, f, m) in enumerate(zip(states, feats, counts)):
+                inputs[b, :m], ids[b, :m] = f[0], state.tokens[0, -m:]
+                positions[b] = state.prefix_len - m + torch.arange(n, device=device)  # past m: padding
+        mask, last = None, None  # without padding or stale rows: the step's own mask (causal, whole cache visible)
+        if ragged:
+            last = torch.tensor(counts, device=device) - 1
+            own = torch.arange(cached, device=device) < torch.tensor(self.lengths, device=device)[:, None]  # (B, S)
+            new = torch.arange(n, device=device)
+            causal = (new[None, :] <= new[:, None]) & (new[None, :] < last[:, None, None] + 1)  # (B, n, n)
+            causal |= torch.eye(n, dtype=torch.bool, device=device)  # padded positions see themselves: no empty row
+            mask = torch.cat([own[:, None, :].expand(-1, n, -1), causal], dim=-1)  # (B, n, S + n)
+        logits, hidden = self.drafter.step(
+            inputs,
+            ids,
+            positions,
+            self.cache,
+            tree_mask=mask,
+            project=self.vocab,
+            logits_at=last if padded else None,
+            last_only=not padded,
+        )  # (B, 1, V or K), (B, n, d)
+        if ragged:
+            keep = [list(range(length)) + list(range(cached, cached + m)) for length, m in zip(self.lengths, counts)]
+            width = max(len(k) for k in keep)
+            self.cache.select(torch.tensor([k + [0] * (width - len(k)) for k in keep], device=device))  # packed
+        self.lengths = [length + m for length, m in zip(self.lengths, counts)]
+        self.committed = self.cache.length
+        return logits[:, 0], (hidden[torch.arange(bsz, device=device), last] if padded else hidden[:, -1])
+
+    def propose(self, states: Sequence[DecodeState]) -> list[Tree]:
+        logits, hidden = self._catch_up(states)
+        device, committed = hidden.device, self.committed
+        if all(length == committed for length in self.lengths):
+            own = torch.ones(len(states), committed, dtype=torch.bool, device=device)  # (B, S)
+        else:
+            own = torch.arange(committed, device=device) < torch.tensor(self.lengths, device=device)[:, None]
+        prefix = torch.tensor([state.prefix_len for state in states], device=device)
+        rows = {"hidden": hidden[:, None], "anc": torch.zeros(len(states), 1, 0, dtype=torch.bool, device=device)}
+
+        def log_probs(step_logits: torch.Tensor) -> torch.Tensor:  # (B, F, V or K) -> (B, F, V)
+            return (
+                torch.log_softmax(step_logits, dim=-1) if self.vocab is None else self.vocab.full_log_probs(step_logits)
+            )
+
+        def expand(tokens: torch.Tensor, parent_rows: torch.Tensor, step: int) -> torch.Tensor:
+            if step == 0:  # the root's children come from the catch-up's last position
+                return log_probs(logits[:, None])  # (B, 1, V)
+            parent_rows = parent_rows.to(device)
+            f = tokens.shape[1]
+            parent_anc = rows["anc"].gather(1, parent_rows[:, :, None].expand(-1, -1, rows["anc"].shape[2]))
+            eye = torch.eye(f, dtype=torch.bool, device=device).expand(len(states), -1, -1)
+            anc = torch.cat([parent_anc, eye], dim=2)  # (B, F, T + F) over the tree steps so far
+            mask = torch.cat([own[:, None, :].expand(-1, f, -1), anc], dim=2)  # (B, F, S + T + F)
+            pos = (prefix + step - 1)[:, None].expand(-1, f)  # the parent's position
+            parent_hidden = rows["hidden"].gather(1, parent_rows[:, :, None].expand(-1, -1, hidden.shape[-1]))
+            step_logits, step_hidden = self.drafter.step(
+                parent_hidden, tokens.to(device), pos, self.cache, tree_mask=mask, from_target=False, project=self.vocab
+            )
+            rows["hidden"], rows["anc"] = step_hidden, anc
+            return log_probs(step_logits)  # (B, F, V)
+
+        roots = torch.cat([state.tokens[:, -1] for state in states])
+        return dynamic_trees(expand, roots, self.depth, self.top_k, self.total_tokens)
+
+    def commit(self, paths: Sequence[list[int]]) -> None:
+        self.cache.crop(self.committed)
+
+    def keep_rows(self, rows: list[int]) -> None:
+        self.cache.keep_rows(torch.tensor(rows, dtype=torch.long))
+        self.lengths = [self.lengths[r] for r in rows]
+        self.committed = max(self.lengths, default=0)
+        self.cache.crop(self.committed)
+
+
+# --------------------------------------------------------------------------------------------
+# Drafter + recipe -> proposer
+
+
+def build_proposer(
+    drafter: torch.nn.Module,
+    ev: EvalConfig,
+    calibrate: Callable[[int], torch.Tensor],
+    draft_vocab: torch.Tensor | None = None,
+) -> tuple[Proposer, str]:
+    """The proposer for `drafter` and `eval.tree`, with a short description of the tree for the report.
+
+    `calibrate(top_k)` returns measured Medusa rank accuracies (only called for calibrated trees); `draft_vocab`
+    restricts drafting to those token ids.
+    """
+    tree, vocab = ev.tree, draft_vocab
+    suffix = "" if vocab is None else f", draft vocab {len(vocab)}"
+    if isinstance(drafter, EagleDrafter):
+        if tree in ("auto", "dynamic"):
+            desc = f"dynamic d{ev.tree_depth} k{ev.tree_top_k} n{ev.tree_total_tokens}{suffix}"
+            return EagleProposer(drafter, ev.tree_depth, ev.tree_top_k, ev.tree_total_tokens, vocab), desc
+        if tree == "chain":
+            return EagleProposer(drafter, ev.tree_depth, 1, ev.tree_depth + 1, vocab), f"chain d{ev.tree_depth}{suffix}"
+        raise EvalError(f"eval.tree: {tree!r} is not an EAGLE tree (auto, dynamic, chain)")
+    if isinstance(drafter, MedusaHeads):
+        heads = drafter.cfg.num_heads
+        if tree == "chain":
+            depth = min(ev.tree_depth, heads)
+            return MedusaProposer(drafter, chain(depth), vocab), f"chain d{depth}{suffix}"
+        if tree in NAMED_TREES:
+            return MedusaProposer(drafter, medusa_tree(NAMED_TREES[tree], heads), vocab), f"{tree}{suffix}"
+        if tree in ("auto", "calibrated"):
+            depth = min(ev.tree_depth, heads)
+            rank_acc = calibrate(ev.tree_top_k)[:depth]
+            static = calibrated_tree(rank_acc, ev.tree_total_tokens - 1)
+            desc = f"calibrated d{static.max_depth} n{static.num_nodes}{suffix}"
+            return MedusaProposer(drafter, static, vocab), desc
+        raise EvalError(
+            f"eval.tree: {tree!r} is not a Medusa tree (auto, calibrated, mc_sim_7b_63, calibrated63, chain)"
+        )
+    raise EvalError(f"no proposer for drafter type {type(drafter).__name__}")

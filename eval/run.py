@@ -1,0 +1,465 @@
+"""An evaluation run: speculative decoding against plain decoding and prompt lookup, same prompts, same run.
+
+    recipe = load_recipe("recipes/pocket/eagle2.yaml", ["eval.max_prompts=4"])
+    summary = run(recipe)                                   # what `python -m eval` runs; None off process 0
+    print(summary_line(summary, output_dir(recipe)))
+
+Loads the recipe's target and the exported drafter (`eval.drafter`, default `<train.output_dir>/export`) and
+builds its proposer (a calibrated Medusa tree is measured on the training run's held-out samples), reads
+`eval.prompts` (`eval/prompts.py`: chat records rendered with the chat template up to the first assistant turn, or
+plain `prompt` records), checks `eval.output_dir`, splits the prompts across processes and decodes them
+`eval.batch_size` at a time (`evaluate_batch`, every batch size) with
+- speculative decoding with the drafter (`eval.decode`; proposer and tree per `eval.tree`, `eval.proposers`),
+- plain decoding (`eval.baselines.plain_generate_batch`: left-padded batched decoding with the model's own
+  attention, as HF batched generation; none of the speculative loop's code),
+- transformers' prompt-lookup decoding (`generate(prompt_lookup_num_tokens=10)`, one prompt at a time): what a
+  user gets without training a drafter.
+Speeds of batches are batch throughputs; prompt lookup decodes one prompt at a time, so recipes with B > 1 are
+refused unless `eval.baselines` leaves it out. Decoding stops at the target's EOS tokens (and `<|end|>` where the
+vocabulary has it) or after `eval.max_new_tokens`. Greedy speculative output is checked against plain greedy output
+token for token. Process 0 writes `report.json`, `report.md` and `report.png` to `eval.output_dir` (default
+`<train.output_dir>/eval`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from data.chat import ChatTemplateError, DataError
+from data.prepare import prepare_dataset
+from data.shards import FeatureDataset, FeatureMismatchError, frequent_loss_tokens, split_by_id
+from eval import EvalError, kernels
+from eval.baselines import PROMPT_LOOKUP_TOKENS, plain_generate, plain_generate_batch, prompt_lookup_generate
+from eval.checks import near_tie, tie_margin
+from eval.decode import DecodeSettings, GenerationResult, speculative_generate_batch
+from eval.prompts import load_prompts, stop_token_ids
+from eval.proposers import Proposer, build_proposer
+from eval.report import summarize, write_report
+from models.io import ExportError, load_draft_vocab, load_drafter, read_config
+from models.medusa import MedusaHeads
+from models.target import Target, TargetError, load_target
+from train.config import EvalConfig, Recipe, RecipeError
+from train.heldout import HELDOUT_FILE, HeldoutError, read_heldout
+
+CALIBRATION_SAMPLES = 64
+WARMUP_TOKENS = 4
+
+INPUT_ERRORS = (
+    RecipeError,
+    EvalError,
+    ExportError,
+    TargetError,
+    DataError,
+    ChatTemplateError,
+    FeatureMismatchError,
+    HeldoutError,
+)
+"""Bad input, reported as one line (`error: ...`) and a non-zero exit by `python -m eval`."""
+
+
+# --------------------------------------------------------------------------------------------
+# Drafter -> proposer
+
+
+@torch.inference_mode()
+def medusa_rank_accuracy(
+    heads: MedusaHeads, sequences: Iterable[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], top_k: int
+) -> torch.Tensor:
+    """(K, top_k) measured P(head k's rank-r token is right), teacher-forced: the calibration of a Medusa static
+    tree. `sequences` yields (last hidden states (T, d), token ids (T,), scored (T,) bool: the tokens that count as
+    predictions, e.g. response tokens); head k at position t predicts token t + k + 1."""
+    K = heads.cfg.num_heads
+    hits, counts = torch.zeros(K, top_k), torch.zeros(K)
+    for hidden, ids, scored in sequences:
+        for k in range(1, K + 1):
+            pos = torch.nonzero(scored[k + 1 :]).flatten()  # t such that token t + k + 1 is scored
+            if pos.numel() == 0:
+                continue
+            top = heads.head(k, hidden[pos]).topk(top_k, dim=-1).indices.cpu()  # (n, top_k), one head at a time
+            hits[k - 1] += (top == ids[pos + k + 1, None].cpu()).sum(0).float()
+            counts[k - 1] += pos.numel()
+    return hits / counts.clamp(min=1)[:, None]
+
+
+def calibration_samples(recipe: Recipe, tokenizer, limit: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], str]:
+    """Token data to calibrate a Medusa tree on, never the eval prompts: (ids (T,), loss mask (T,) bool) of the
+    training run's held-out samples (the ids it recorded in `<train.output_dir>/heldout.json`; for runs without
+    that file the split re-created from `data.heldout_fraction` and `train.seed`), or of its first samples when it
+    held none out; read from the feature shards when there are any (no tokenizing), else prepared from the recipe's
+    data. Returns (samples, description)."""
+    data = recipe.data
+    if data.features_dir is not None and (Path(data.features_dir) / "manifest.json").is_file():
+        dataset = FeatureDataset(data.features_dir, verify_checksums=data.verify_checksums)
+        sample_ids, source = dataset.sample_ids, f"the feature shards of {data.features_dir}"
+
+        def sample(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+            item = dataset[i]
+            return item["input_ids"], item["loss_mask"] > 0
+    else:
+        prepared = prepare_dataset(data, tokenizer).samples
+        sample_ids, source = [s["id"] for s in prepared], "the recipe's data"
+
+        def sample(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+            return torch.tensor(prepared[i]["input_ids"]), torch.tensor(prepared[i]["loss_mask"]) > 0
+
+    train_idx, heldout_idx = heldout_positions(recipe, sample_ids, source)
+    chosen, which = (heldout_idx, "held-out") if heldout_idx else (train_idx, "training")
+    chosen = sorted(chosen, key=lambda i: sample_ids[i])[:limit]  # by sample id: the same from shards or data
+    samples = [sample(i) for i in chosen]
+    return samples, f"{len(samples)} {which} samples of {source}"
+
+
+def heldout_positions(recipe: Recipe, sample_ids: list, source: str) -> tuple[list[int], list[int]]:
+    """(training, held-out) positions in `sample_ids`: the held-out ids the training run recorded, else (with a log
+    line) the split re-created from the recipe, as training made it before runs recorded their split."""
+    run_dir = recipe.train.output_dir
+    recorded = read_heldout(run_dir)
+    if recorded is None:
+        print(
+            f"eval: no {HELDOUT_FILE} in {run_dir}: re-creating the training run's held-out split from "
+            f"data.heldout_fraction={recipe.data.heldout_fraction} and train.seed={recipe.train.seed}"
+        )
+        return split_by_id(sample_ids, recipe.data.heldout_fraction, recipe.train.seed)
+    heldout = set(recorded)
+    heldout_idx = [i for i, sample_id in enumerate(sample_ids) if sample_id in heldout]
+    if recorded and not heldout_idx:
+        raise EvalError(
+            f"{Path(run_dir) / HELDOUT_FILE}: none of its {len(recorded)} held-out samples is in {source}: the run "
+            "was trained on other data than the recipe names"
+        )
+    return [i for i, sample_id in enumerate(sample_ids) if sample_id not in heldout], heldout_idx
+
+
+def calibration_sequences(target: Target, samples: list[tuple[torch.Tensor, torch.Tensor]]):
+    """`medusa_rank_accuracy` input: the verifying target's last hidden states over each sample (for Medusa-2 the
+    LoRA-merged backbone its heads read), its ids, and its loss tokens as the scored ones."""
+    for ids, scored in samples:
+        ids = ids.to(target.device)
+        hidden = target.hidden_states(ids[None], layers=[-1])[0, :, 0].to(ids.device)  # device_map: last GPU
+        yield hidden, ids, scored.to(ids.device)
+
+
+def draft_vocabulary(recipe: Recipe, drafter_dir: str, size: int) -> torch.Tensor:
+    """The `size` most frequent loss tokens of the training data: from the export's own draft vocabulary when it
+    has one with that many tokens (shipped drafters), else counted in the feature shards of data.features_dir."""
+    shipped = load_draft_vocab(drafter_dir)
+    if shipped is not None and len(shipped) >= size:
+        return shipped[:size]
+    features = recipe.data.features_dir
+    if shipped is not None and (features is None or not (Path(features) / "manifest.json").is_file()):
+        # the export was written asking for at least this many: its training data had no more distinct tokens
+        print(
+            f"eval.draft_vocab: {size} asked, {len(shipped)} available: {drafter_dir} ships every distinct loss token "
+            "of its training data; drafting among all of them"
+        )
+        return shipped
+    if features is None or not (Path(features) / "manifest.json").is_file():
+        have = f"{drafter_dir} ships {len(shipped)} draft tokens and n" if shipped is not None else "N"
+        raise EvalError(
+            f"{recipe.source}: eval.draft_vocab: {size}: {have}o feature shards at data.features_dir ({features}) "
+            "to count the training data's tokens in"
+        )
+    vocab = frequent_loss_tokens(FeatureDataset(features, verify_checksums=recipe.data.verify_checksums), size)
+    if len(vocab) < size:  # never shrink quietly: the report would describe a vocabulary the run did not use
+        raise EvalError(
+            f"{recipe.source}: eval.draft_vocab: {size} asked, {len(vocab)} available (the distinct loss tokens of "
+            f"{features}); ask for at most {len(vocab)}, or 0 for the whole vocabulary"
+        )
+    return vocab
+
+
+# --------------------------------------------------------------------------------------------
+# One batch of prompts, three decoders
+
+
+def evaluate_batch(
+    target: Target, proposer: Proposer, prompts: list[dict[str, Any]], settings: DecodeSettings, ev: EvalConfig
+) -> list[dict[str, Any]]:
+    """Decode a batch of prompts (any size, 1 included) with every method; one record per prompt, the per-prompt
+    records of the report, with the size of the batch it ran in when `eval.batch_size` > 1 (a last batch may be
+    smaller).
+
+    Speculative and plain decoding run the batch together; prompt i samples with seed `eval.seed + i` in both, so
+    outputs do not depend on the batching. A row's `wall_s` is its share (1 / B) of its batch's wall time, so pooled
+    speeds are batch throughputs. Prompt lookup decodes one prompt at a time (batch size 1 only, see EvalConfig)."""
+    ids = [torch.tensor(p["input_ids"], device=target.device) for p in prompts]
+    seeds = [ev.seed + p["index"] for p in prompts]
+    share = 1 / len(prompts)
+    specs = speculative_generate_batch(target.model, proposer, ids, settings, ev.kernels, seeds=seeds)
+    plains = plain_generate_batch(target.model, ids, settings, seeds) if "plain" in ev.baselines else None
+    records = []
+    for row, (prompt, spec) in enumerate(zip(prompts, specs)):
+        spec.wall_s, spec.target_s, spec.draft_s = spec.wall_s * share, spec.target_s * share, spec.draft_s * share
+        record = _record(target, prompt, spec) | ({"batch_size": len(prompts)} if ev.batch_size > 1 else {})
+        row_settings = dataclasses.replace(settings, seed=seeds[row])
+        if plains is not None:
+            plain = plains[row].tokens
+            _compare_plain(record, spec.tokens, plain, plains[row].wall_s * share, settings)
+            if record["lossless"] is False and len(prompts) > 1:  # the padding mask may break a near-tie:
+                plain = plain_generate(target.model, ids[row][None], row_settings).tokens  # the prompt alone
+                _compare_plain(record, spec.tokens, plain, record["plain"]["wall_s"], settings)
+                record["lossless_baseline"] = "plain decoding of the prompt alone (the batched plain output differed)"
+            _judge_mismatch(record, target, prompt["input_ids"], spec.tokens, plain, ev)
+        if "prompt_lookup" in ev.baselines:
+            tokens, seconds = prompt_lookup_generate(target.model, ids[row][None], row_settings)
+            record["prompt_lookup"] = {"new_tokens": len(tokens), "wall_s": seconds}
+        records.append(record)
+    return records
+
+
+def _record(target: Target, prompt: dict[str, Any], spec: GenerationResult) -> dict[str, Any]:
+    return {
+        "index": prompt["index"],
+        "id": prompt["id"],
+        "prompt_tokens": len(prompt["input_ids"]),
+        "group": prompt.get("group"),
+        "speculative": spec.stats()
+        | {
+            "accepted": spec.accepted,
+            "tree_depth": spec.tree_depth,
+            "extendable": spec.extendable,
+            "target_s": spec.target_s,
+            "draft_s": spec.draft_s,
+        },
+        "output": target.tokenizer.decode(spec.tokens) if target.tokenizer is not None else None,
+        "lossless": None,
+    }
+
+
+def _compare_plain(
+    record: dict[str, Any], spec: list[int], plain: list[int], wall_s: float, settings: DecodeSettings
+) -> None:
+    record["plain"] = {"new_tokens": len(plain), "wall_s": wall_s}
+    if settings.greedy:
+        record["lossless"] = spec == plain
+        mismatch = [i for i, (a, b) in enumerate(zip(spec, plain)) if a != b]
+        record["first_mismatch"] = mismatch[0] if mismatch else None
+
+
+def _judge_mismatch(
+    record: dict[str, Any], target: Target, prompt: list[int], spec: list[int], plain: list[int], ev: EvalConfig
+) -> None:
+    """A greedy output that differs from plain decoding is a failure, unless the first differing position is a
+    near-tie of the target (`eval.checks.near_tie`): then both tokens are the target's own greedy choice up to
+    rounding, the prompt counts as lossless, and the record says where and by how much."""
+    if record["lossless"] is not False or record["first_mismatch"] is None:
+        return
+    i = record["first_mismatch"]
+    tie = near_tie(target.model, prompt + plain[:i], spec[i], plain[i], tie_margin(ev, target))
+    record["near_tie"] = tie
+    record["lossless"] = tie["tie"]
+
+
+# --------------------------------------------------------------------------------------------
+# Entry
+
+
+def process_gpus(local_index: int, num_local_processes: int, num_gpus: int) -> list[int]:
+    """The GPUs one eval process spreads a `device_map` target over: an equal, disjoint share of the node's.
+
+    No GPUs (CPU runs) gives []; fewer GPUs than processes is an error, since shares would overlap.
+    """
+    if num_gpus == 0:
+        return []
+    if num_gpus < num_local_processes:
+        raise EvalError(
+            f"target.device_map: {num_local_processes} processes on a node with {num_gpus} GPUs; "
+            "launch at most one process per GPU (`accelerate launch --num_processes N`)"
+        )
+    share = num_gpus // num_local_processes
+    return list(range(local_index * share, (local_index + 1) * share))
+
+
+def drafter_directory(recipe: dict[str, Any]) -> str:
+    """The export a recipe (as a dict) evaluates: `eval.drafter`, else `export.out`, else <train.output_dir>/export."""
+    return recipe["eval"]["drafter"] or recipe["export"]["out"] or str(Path(recipe["train"]["output_dir"]) / "export")
+
+
+REPORT_FILES = ("report.json", "report.md", "report.png", "recipe.yaml")
+"""What an evaluation writes to its output directory (recipe.yaml: the settings it ran with)."""
+
+
+def _settings(recipe: dict[str, Any]) -> dict[str, Any]:
+    """The flat (dotted keys) settings a report depends on: target, data, drafter and eval sections, the evaluated
+    export's resolved directory instead of eval.drafter, and not eval.output_dir (where the report goes)."""
+    flat: dict[str, Any] = {}
+
+    def walk(value: Any, key: str) -> None:
+        if isinstance(value, dict) and value:
+            for k, v in value.items():
+                walk(v, f"{key}.{k}")
+        else:
+            flat[key] = value
+
+    for section in ("target", "data", "drafter", "eval"):
+        walk(recipe.get(section) or {}, section)
+    flat.pop("eval.output_dir", None)
+    flat.pop("data.verify_checksums", None)  # a check, not a setting
+    flat["eval.drafter"] = str(Path(drafter_directory(recipe)).resolve())
+    return flat
+
+
+def check_output_dir(recipe: Recipe, out_dir: str) -> None:
+    """Refuse an `eval.output_dir` that holds a report made with other settings, as training refuses an output_dir
+    that holds checkpoints: the new report would silently replace a measurement of something else. A report made
+    with the same settings (its recipe.yaml) is replaced."""
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise EvalError(f"{recipe.source}: eval.output_dir: {out_dir} is a file, not a directory")
+    found = [name for name in REPORT_FILES if (out / name).exists()]
+    if not found:
+        return
+    try:
+        before = _settings(yaml.safe_load((out / "recipe.yaml").read_text(encoding="utf-8")))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, AttributeError, KeyError, TypeError):
+        before = None  # no recipe.yaml, or not one an evaluation wrote
+    fix = f"choose another eval.output_dir, or delete {out_dir} to replace its report"
+    if before is None:
+        raise EvalError(
+            f"{out_dir} holds {found[0]} of an evaluation with unknown settings (no readable recipe.yaml): {fix}"
+        )
+    now = _settings(yaml.safe_load(yaml.safe_dump(recipe.to_dict(), sort_keys=False)))
+    changed = next((k for k in sorted(before.keys() | now.keys()) if before.get(k) != now.get(k)), None)
+    if changed is not None:
+        raise EvalError(
+            f"{out_dir} holds a report made with other settings ({changed}: {before.get(changed)!r:.60} there, "
+            f"{now.get(changed)!r:.60} in {recipe.source}): {fix}"
+        )
+
+
+def output_dir(recipe: Recipe) -> str:
+    """Where a recipe's report goes: `eval.output_dir`, else <train.output_dir>/eval."""
+    return recipe.eval.output_dir or str(Path(recipe.train.output_dir) / "eval")
+
+
+def kernels_backend(kind: str, device: torch.device) -> str:
+    """What ran the tree kernels, for the report: the GPU's name, the Triton interpreter (turned on by `python -m
+    eval` when there is no GPU), or the PyTorch twins (`eval.kernels: reference`)."""
+    if kind == "reference":
+        return "PyTorch reference twins (no Triton)"
+    if kernels.INTERPRET:
+        return "Triton interpreter" + ("" if torch.cuda.is_available() else " (no GPU)")
+    return torch.cuda.get_device_name(device if device.type == "cuda" else None)
+
+
+def summary_line(summary: dict[str, Any], out_dir: str) -> str:
+    """The one line `python -m eval` prints at the end: τ, speedups, losslessness and where the report is."""
+    fmt = lambda key, spec, unit="": "n/a" if summary[key] is None else format(summary[key], spec) + unit
+    return (
+        f"eval/accept_len {fmt('accept_len', '.3f')}  speedup vs plain {fmt('speedup_vs_plain', '.2f', 'x')}  "
+        f"vs prompt lookup {fmt('speedup_vs_prompt_lookup', '.2f', 'x')}  lossless {summary['lossless_prompts']}"
+        f"  -> {out_dir}/report.md"
+    )
+
+
+def run(recipe: Recipe) -> dict[str, Any] | None:
+    """Evaluate; returns the summary on the main process (None on the others)."""
+    from accelerate import PartialState
+    from accelerate.utils import gather_object, parse_flag_from_env
+    from tqdm import tqdm
+
+    ev = recipe.eval
+    if ev.prompts is None:
+        raise EvalError(f"{recipe.source}: eval.prompts: is required (a JSONL file of prompts)")
+    drafter_dir = drafter_directory(recipe.to_dict())
+    out_dir = output_dir(recipe)
+    exported = read_config(drafter_dir)["method"]  # before any heavy work: the export exists and is a drafter
+    if exported != recipe.drafter.method:
+        method = recipe.drafter.method
+        raise EvalError(
+            f"{Path(drafter_dir) / 'config.json'}: method: the export holds a {exported} drafter, {recipe.source} has "
+            f"drafter.method={method}; evaluate it with a {exported} recipe, or point eval.drafter at an export of a "
+            f"{method} drafter"
+        )
+    check_output_dir(recipe, out_dir)
+    # on CPU-only machines (or ACCELERATE_USE_CPU) processes talk gloo: `accelerate launch --multi_gpu` there
+    state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU") or not torch.cuda.is_available())
+    if recipe.target.device_map is None:
+        target = load_target(**dataclasses.asdict(recipe.target))
+        target.model.to(state.device)
+    else:  # a target too large for one GPU: this process's share of the node's GPUs
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", state.num_processes))  # processes on this node
+        gpus = process_gpus(state.local_process_index, local, torch.cuda.device_count())
+        memory = {g: torch.cuda.get_device_properties(g).total_memory for g in gpus} if gpus else None
+        target = load_target(**dataclasses.asdict(recipe.target) | {"max_memory": memory})
+    if target.tokenizer is None:
+        raise EvalError(f"{recipe.source}: target.tokenizer: the target has no tokenizer to render prompts")
+    drafter = load_drafter(drafter_dir, target)
+    target_desc = target.name
+    if hasattr(drafter, "adapt_target"):  # Medusa-2: the LoRA-merged target verifies, and is the baseline too
+        drafter = drafter.adapt_target(target)
+        target_desc += f" + {recipe.drafter.method} LoRA (merged)"
+    prompts = load_prompts(ev.prompts, target.tokenizer, ev.max_prompts)
+    eos = stop_token_ids(target)
+    settings = DecodeSettings(
+        max_new_tokens=ev.max_new_tokens,
+        temperature=ev.temperature,
+        top_p=ev.top_p,
+        acceptance=ev.acceptance,
+        typical_epsilon=ev.typical_epsilon,
+        typical_delta=ev.typical_delta,
+        eos_token_ids=eos,
+        seed=ev.seed,
+    )
+
+    calibration: list[str] = []  # what the calibrated tree was measured on, for the report
+
+    def calibrate(top_k: int) -> torch.Tensor:
+        """Every process measures the same data, so every process builds the same tree."""
+        samples, desc = calibration_samples(recipe, target.tokenizer, CALIBRATION_SAMPLES)
+        calibration.append(desc)
+        return medusa_rank_accuracy(drafter, calibration_sequences(target, samples), top_k)
+
+    draft_vocab = None
+    if ev.draft_vocab:
+        draft_vocab = draft_vocabulary(recipe, drafter_dir, ev.draft_vocab).to(target.device)
+    try:
+        proposer, tree_desc = build_proposer(drafter, ev, calibrate, draft_vocab)
+    except EvalError:
+        raise
+    except ValueError as exc:  # e.g. a calibrated tree deeper than the heads
+        raise EvalError(f"{recipe.source}: eval: {exc}") from None
+    with state.split_between_processes(prompts) as local:
+        batches = [local[i : i + ev.batch_size] for i in range(0, len(local), ev.batch_size)]
+        if batches:  # warm-up (kernel compilation, allocator), not timed
+            warm = dataclasses.replace(settings, max_new_tokens=WARMUP_TOKENS)
+            evaluate_batch(target, proposer, batches[0], warm, ev)
+        bar = tqdm(total=len(local), desc=f"eval {recipe.drafter.method}", disable=not state.is_local_main_process)
+        records = []
+        for batch in batches:
+            records += evaluate_batch(target, proposer, batch, settings, ev)
+            bar.update(len(batch))
+        bar.close()
+    if state.num_processes > 1:
+        records = gather_object(records)
+    if not state.is_main_process:
+        return None
+    meta = {
+        "method": recipe.drafter.method,
+        "tree": tree_desc,
+        "target": target_desc,
+        "drafter": drafter_dir,
+        "prompts": ev.prompts,
+        "max_new_tokens": ev.max_new_tokens,
+        "temperature": ev.temperature,
+        "top_p": ev.top_p,
+        "acceptance": ev.acceptance,
+        "kernels": ev.kernels,
+        "kernels_backend": kernels_backend(ev.kernels, target.device),
+        "device": str(target.device),
+        "num_processes": state.num_processes,
+        "batch_size": ev.batch_size,
+        "prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS,
+        "tree_calibration": calibration[0] if calibration else None,
+    }
+    summary = summarize(records, meta)
+    write_report(summary, out_dir)
+    recipe.save(Path(out_dir) / "recipe.yaml")
+    return summary
