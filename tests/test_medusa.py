@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from tiny import make_batch, make_samples, sample_hidden
+from tiny import make_batch, make_samples, sample_hidden, trainable_names
 from tiny import tiny_llama as tiny_target
 from transformers import LlamaForCausalLM
 
@@ -114,7 +114,7 @@ def test_blocks_have_their_own_parameters():
     assert len({w.data_ptr() for w in projs}) == 4  # trainable copies, not views of the target's
     for w in projs[:-1]:
         assert torch.equal(w, model.lm_head.weight)
-    names = set(heads.trainable_parameter_names())
+    names = set(trainable_names(heads))
     assert "blocks.1.layers.2.weight" in names and "lm_heads.2.weight" in names
 
 
@@ -142,7 +142,7 @@ def test_gradients_and_frozen_target(setup, share_lm_head):
     opt = torch.optim.Adam(heads.parameters(), lr=1e-2)  # all parameters: frozen ones must still not move
     heads(padded)["loss"].backward()
     trainable = dict(heads.named_parameters())
-    for name in heads.trainable_parameter_names():
+    for name in trainable_names(heads):
         grad = trainable[name].grad
         assert grad is not None and torch.count_nonzero(grad) > 0, name
     assert model.lm_head.weight.grad is None and model.model.embed_tokens.weight.grad is None
@@ -150,7 +150,7 @@ def test_gradients_and_frozen_target(setup, share_lm_head):
     assert torch.equal(model.lm_head.weight, head_before)
     assert torch.equal(model.model.embed_tokens.weight, embed_before)
     state = heads.trainable_state_dict()
-    assert set(state) == set(heads.trainable_parameter_names())
+    assert set(state) == set(trainable_names(heads))
     assert not any(name.startswith("lm_head.") for name in state)
     assert all(heads.is_head_param(name) for name in state)
 

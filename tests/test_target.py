@@ -92,7 +92,7 @@ def test_load_is_frozen_seeded_and_identity_tracks_weights() -> None:
 def test_parts_and_layer_validation() -> None:
     target = tiny_target()
     parts = target.parts([0, -1])
-    assert parts.stored_layers == [0, -1] and parts.layer_slot(-1) == 1
+    assert parts.stored_layers == [0, -1]
     assert parts.embed_tokens is target.embed_tokens and parts.lm_head is target.lm_head
     with pytest.raises(ValueError, match="out of range"):
         target.parts([4])

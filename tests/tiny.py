@@ -16,6 +16,11 @@ def tiny_llama(seed: int = 0, **overrides) -> LlamaForCausalLM:
     return LlamaForCausalLM(config).eval()
 
 
+def trainable_names(module: torch.nn.Module) -> list[str]:
+    """Names of the parameters a drafter trains (requires_grad), in registration order."""
+    return [name for name, p in module.named_parameters() if p.requires_grad]
+
+
 def make_samples(lengths: list[int], seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(input_ids (T,), loss_mask (T,)): a short prompt without loss, then assistant tokens."""
     g = torch.Generator().manual_seed(seed)
