@@ -19,10 +19,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(Path(__file__).parent))
 
-from demo import RECIPES, banner, followup_parser, followup_setup, run_step, skip  # noqa: E402
-from run import clear_report  # noqa: E402
+from demo import RECIPES, banner, clear_report, followup_parser, followup_setup, run_step, skip  # noqa: E402
 
 from eval.report import lossless_mark, markdown_table  # noqa: E402
 
