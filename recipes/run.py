@@ -28,7 +28,7 @@ A recipe set is a directory with `pipeline.yaml` and one training recipe per met
 Every step is a subprocess with its log under <first recipe's output parent>/logs/ (or --logs); steps whose output
 is complete are skipped, so re-running resumes (training resumes from its last checkpoint). The features of the
 first recipe are shared by the others (same target, data and layers: each recipe must agree). The table gives, per
-method, τ, tokens/s and speedups over plain decoding (transformers' `generate`) and prompt lookup.
+method, τ, tokens/s and speedups over plain decoding (`eval.baselines`) and prompt lookup.
 """
 
 from __future__ import annotations
@@ -178,7 +178,7 @@ def table(reports: dict[str, dict[str, Any]]) -> str:
 
     first = next(iter(reports.values()))
     plain = first["tokens_per_s"]["plain"]
-    rows = [["plain decoding (transformers `generate`)", "-", "-", f"{plain:.1f}" if plain else "n/a", "1.00×", "-"]]
+    rows = [["plain decoding", "-", "-", f"{plain:.1f}" if plain else "n/a", "1.00×", "-"]]
     lookup = first["tokens_per_s"].get("prompt_lookup")
     if lookup:
         rows.append(["prompt lookup (transformers)", "-", "-", f"{lookup:.1f}", f"{lookup / plain:.2f}×", "-"])
