@@ -1,6 +1,6 @@
 """Drafters as the speculative loop uses them: the `Proposer` contract, the EAGLE-2 and Medusa proposers.
 
-    proposer, desc = build_proposer(drafter, recipe.eval, calibrate, draft_vocab)  # per `eval.tree`
+    proposer, desc = build_proposer(METHODS[method], drafter, recipe.eval, calibrate, draft_vocab)  # per `eval.tree`
     proposer.reset(batch_size)
     trees = proposer.propose([DecodeState(tokens=row_tokens, new_hidden=row_hidden), ...])  # one tree per row
     proposer.commit(paths)  # the accepted node indices of each row's tree, root first
@@ -20,10 +20,8 @@ from typing import Protocol
 
 import torch
 
-from eval import EvalError
 from eval.trees import NAMED_TREES, Tree, calibrated_tree, chain, dynamic_trees, medusa_tokens, medusa_tree
-from models.eagle import EagleDrafter
-from models.medusa import MedusaHeads
+from models.methods import Method
 from train.config import EvalConfig
 
 
@@ -283,39 +281,30 @@ class EagleProposer:
 
 
 def build_proposer(
+    method: Method,
     drafter: torch.nn.Module,
     ev: EvalConfig,
     calibrate: Callable[[int], torch.Tensor],
     draft_vocab: torch.Tensor | None = None,
 ) -> tuple[Proposer, str]:
-    """The proposer for `drafter` and `eval.tree`, with a short description of the tree for the report.
+    """The proposer `method` declares for `drafter` and `eval.tree`, with a short description of the tree.
 
-    `calibrate(top_k)` returns measured Medusa rank accuracies (only called for calibrated trees); `draft_vocab`
-    restricts drafting to those token ids.
+    `eval.tree` is one of `method.trees` (the recipe schema checks it). `calibrate(top_k)` returns measured Medusa
+    rank accuracies (only called for calibrated trees); `draft_vocab` restricts drafting to those token ids.
     """
     tree, vocab = ev.tree, draft_vocab
     suffix = "" if vocab is None else f", draft vocab {len(vocab)}"
-    if isinstance(drafter, EagleDrafter):
-        if tree in ("auto", "dynamic"):
-            desc = f"dynamic d{ev.tree_depth} k{ev.tree_top_k} n{ev.tree_total_tokens}{suffix}"
-            return EagleProposer(drafter, ev.tree_depth, ev.tree_top_k, ev.tree_total_tokens, vocab), desc
+    if method.proposer == "eagle":  # trees: auto, dynamic, chain
         if tree == "chain":
             return EagleProposer(drafter, ev.tree_depth, 1, ev.tree_depth + 1, vocab), f"chain d{ev.tree_depth}{suffix}"
-        raise EvalError(f"eval.tree: {tree!r} is not an EAGLE tree (auto, dynamic, chain)")
-    if isinstance(drafter, MedusaHeads):
-        heads = drafter.cfg.num_heads
-        if tree == "chain":
-            depth = min(ev.tree_depth, heads)
-            return MedusaProposer(drafter, chain(depth), vocab), f"chain d{depth}{suffix}"
-        if tree in NAMED_TREES:
-            return MedusaProposer(drafter, medusa_tree(NAMED_TREES[tree], heads), vocab), f"{tree}{suffix}"
-        if tree in ("auto", "calibrated"):
-            depth = min(ev.tree_depth, heads)
-            rank_acc = calibrate(ev.tree_top_k)[:depth]
-            static = calibrated_tree(rank_acc, ev.tree_total_tokens - 1)
-            desc = f"calibrated d{static.max_depth} n{static.num_nodes}{suffix}"
-            return MedusaProposer(drafter, static, vocab), desc
-        raise EvalError(
-            f"eval.tree: {tree!r} is not a Medusa tree (auto, calibrated, mc_sim_7b_63, calibrated63, chain)"
-        )
-    raise EvalError(f"no proposer for drafter type {type(drafter).__name__}")
+        desc = f"dynamic d{ev.tree_depth} k{ev.tree_top_k} n{ev.tree_total_tokens}{suffix}"
+        return EagleProposer(drafter, ev.tree_depth, ev.tree_top_k, ev.tree_total_tokens, vocab), desc
+    heads = drafter.cfg.num_heads  # Medusa: auto, calibrated, chain and the named trees
+    if tree == "chain":
+        depth = min(ev.tree_depth, heads)
+        return MedusaProposer(drafter, chain(depth), vocab), f"chain d{depth}{suffix}"
+    if tree in NAMED_TREES:
+        return MedusaProposer(drafter, medusa_tree(NAMED_TREES[tree], heads), vocab), f"{tree}{suffix}"
+    depth = min(ev.tree_depth, heads)
+    static = calibrated_tree(calibrate(ev.tree_top_k)[:depth], ev.tree_total_tokens - 1)
+    return MedusaProposer(drafter, static, vocab), f"calibrated d{static.max_depth} n{static.num_nodes}{suffix}"

@@ -44,6 +44,7 @@ from eval.proposers import Proposer, build_proposer
 from eval.report import summarize, write_report
 from models.io import ExportError, load_draft_vocab, load_drafter, read_config
 from models.medusa import MedusaHeads
+from models.methods import METHODS
 from models.target import Target, TargetError, load_target
 from train.config import EvalConfig, Recipe, RecipeError
 from train.heldout import HELDOUT_FILE, HeldoutError, read_heldout
@@ -393,7 +394,8 @@ def run(recipe: Recipe) -> dict[str, Any] | None:
         raise EvalError(f"{recipe.source}: target.tokenizer: the target has no tokenizer to render prompts")
     drafter = load_drafter(drafter_dir, target)
     target_desc = target.name
-    if hasattr(drafter, "adapt_target"):  # Medusa-2: the LoRA-merged target verifies, and is the baseline too
+    method = METHODS[recipe.drafter.method]
+    if method.adapts_target:  # Medusa-2: the LoRA-merged target verifies, and is the baseline too
         drafter = drafter.adapt_target(target)
         target_desc += f" + {recipe.drafter.method} LoRA (merged)"
     prompts = load_prompts(ev.prompts, target.tokenizer, ev.max_prompts)
@@ -421,7 +423,7 @@ def run(recipe: Recipe) -> dict[str, Any] | None:
     if ev.draft_vocab:
         draft_vocab = draft_vocabulary(recipe, drafter_dir, ev.draft_vocab).to(target.device)
     try:
-        proposer, tree_desc = build_proposer(drafter, ev, calibrate, draft_vocab)
+        proposer, tree_desc = build_proposer(method, drafter, ev, calibrate, draft_vocab)
     except EvalError:
         raise
     except ValueError as exc:  # e.g. a calibrated tree deeper than the heads

@@ -61,12 +61,6 @@ class TargetParts:
             self.config, self.embed_tokens, sub.requires_grad_(False), self.stored_layers, self.model, vocab_ids
         )
 
-    def layer_slot(self, layer: int) -> int:
-        """Position of hidden-state index `layer` in `DraftBatch.hidden`'s third axis."""
-        if layer not in self.stored_layers:
-            raise ValueError(f"hidden-state layer {layer} not among stored layers {self.stored_layers}")
-        return self.stored_layers.index(layer)
-
 
 class FrozenRef:
     """A module borrowed from the frozen target, hidden from nn.Module registration: not in state_dict(),

@@ -350,9 +350,6 @@ class EagleDrafter(nn.Module):
     # ---------------------------------------------------------------------------------------
     # What the training loop needs
 
-    def trainable_parameter_names(self) -> list[str]:
-        return [name for name, p in self.named_parameters() if p.requires_grad]
-
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
         """Trained tensors only; the frozen target embedding and lm_head are the target's, never saved here."""
         return {name: p.detach() for name, p in self.named_parameters() if p.requires_grad}

@@ -134,9 +134,6 @@ class MedusaHeads(nn.Module):
     # ---------------------------------------------------------------------------------------
     # What the training loop needs
 
-    def trainable_parameter_names(self) -> list[str]:
-        return [name for name, p in self.named_parameters() if p.requires_grad]
-
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
         """Trained tensors only (the shared frozen lm_head is the target's and is never saved here)."""
         return {name: p.detach() for name, p in self.named_parameters() if p.requires_grad}

@@ -142,9 +142,6 @@ class Medusa2Model(nn.Module):
     # ---------------------------------------------------------------------------------------
     # What the training loop and exports need
 
-    def trainable_parameter_names(self) -> list[str]:
-        return [name for name, p in self.named_parameters() if p.requires_grad]
-
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
         """LoRA adapters and heads (the frozen backbone is the target's and is never saved here)."""
         return {name: p.detach() for name, p in self.named_parameters() if p.requires_grad}

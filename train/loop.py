@@ -49,6 +49,7 @@ from train.checkpoint import (
     save_checkpoint,
 )
 from train.config import Recipe
+from train.heldout import write_heldout
 from train.optim import build_optimizer, build_scheduler
 from train.state import gather_state, restore_state, rng_state, set_rng_state
 
@@ -188,6 +189,8 @@ def build_loaders(recipe: Recipe, target: Target, accelerator: Accelerator) -> t
         if problems:
             raise TrainingError(f"{recipe.source}: data.features_dir: {problems[0]}")
         train_idx, heldout_idx = samples.split(data.heldout_fraction, cfg.seed)
+    if accelerator.is_main_process:  # evaluation calibrates on these samples, never on training ones
+        write_heldout(cfg.output_dir, [samples[i]["id"] if cfg.online else samples.sample_ids[i] for i in heldout_idx])
     common = dict(
         batch_size=cfg.batch_size,
         accum=cfg.grad_accum,
