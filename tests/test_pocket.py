@@ -1,7 +1,6 @@
 """The shipped pocket target: tokenizer, recipe config, weights and their recorded greedy output."""
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -10,9 +9,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 POCKET = Path(__file__).resolve().parents[1] / "recipes" / "pocket"
 TARGET = POCKET / "target"
-sys.path.insert(0, str(POCKET))
-from pretrain import PretrainConfig  # noqa: E402
-from tokenizer import CHAT_TEMPLATE, SPECIAL_TOKENS, VOCAB_SIZE  # noqa: E402
+from recipes.pocket.pretrain import PretrainConfig  # noqa: E402
+from recipes.pocket.tokenizer import CHAT_TEMPLATE, SPECIAL_TOKENS, VOCAB_SIZE  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -102,8 +102,7 @@ def test_two_processes_draw_their_own_batches_and_step_the_schedule_once(tmp_pat
     state = json.loads((tmp_path / "two" / "checkpoint" / "state.json").read_text())
     assert state["scheduler"]["last_epoch"] == 4
 
-    sys.path.insert(0, str(SCRIPT.parent))
-    from pretrain import PretrainConfig, train_batch
+    from recipes.pocket.pretrain import PretrainConfig, train_batch
 
     cfg = PretrainConfig(corpus="", tokenizer="", out_dir="", export_dir="", model=TINY_MODEL, seq_len=4, batch_size=3)
     stream = torch.arange(1000)

@@ -23,7 +23,6 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
 
 from data.shards import FeatureDataset  # noqa: E402
 from eval.baselines import plain_generate  # noqa: E402

@@ -26,13 +26,10 @@ import sys
 import time
 from pathlib import Path
 
+from eval.report import lossless_mark, markdown_table
+from recipes.run import banner, clear_report, run_step, skip
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "recipes"))  # run.py: the step helpers every pipeline script shares
-
-from run import banner, clear_report, run_step, skip  # noqa: E402
-
-from eval.report import lossless_mark, markdown_table  # noqa: E402
 
 RECIPES = {"eagle2": "recipes/pocket/eagle2.yaml", "medusa1": "recipes/pocket/medusa1.yaml"}
 DEFAULT_TARGET, DEFAULT_OUT = "recipes/pocket/target", "artifacts/demo"

@@ -18,11 +18,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-
-from demo import RECIPES, banner, clear_report, followup_parser, followup_setup, run_step, skip  # noqa: E402
 
 from eval.report import lossless_mark, markdown_table  # noqa: E402
+from recipes.pocket.demo import RECIPES, banner, clear_report, followup_parser, followup_setup, run_step, skip  # noqa: E402
 
 EVALS = {  # name -> (method, recipe overrides)
     "eagle2-dynamic-d5-k10-n60": ("eagle2", ["eval.tree=dynamic", "eval.tree_depth=5", "eval.tree_top_k=10"]),

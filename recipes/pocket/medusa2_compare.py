@@ -24,11 +24,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-
-from demo import RECIPES, banner, clear_report, followup_parser, followup_setup, run_step, skip  # noqa: E402
 
 from eval.report import lossless_mark, markdown_table  # noqa: E402
+from recipes.pocket.demo import RECIPES, banner, clear_report, followup_parser, followup_setup, run_step, skip  # noqa: E402
 
 MEDUSA2_RECIPE = "recipes/pocket/medusa2.yaml"
 HELDOUT_PROMPTS = ROOT / "recipes" / "pocket" / "prompts" / "heldout.jsonl"

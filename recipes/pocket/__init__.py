@@ -1,0 +1,1 @@
+"""The bundled pocket target: its corpus, tokenizer, pretraining, recipes and follow-up experiments."""
