@@ -21,7 +21,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from eval.decode import DecodeSettings, GenerationResult, cache_arg, clock
+from eval.decode import DecodeSettings, GenerationResult, cache_arg, check_prompts, clock
 from eval.reference import target_probs
 
 PROMPT_LOOKUP_TOKENS = 10
@@ -50,7 +50,7 @@ def plain_generate_batch(
     batched HF generation does it (left padding, a 2D padding mask, the model's own attention; none of the tree
     kernels), rows leaving the batch when they finish. Row b samples with its own generator seeded `seeds[b]`
     (default `settings.seed + b`), so every row decodes what it decodes alone with that seed. Times are the batch's."""
-    prompts, seeds = _check_prompts(prompts, seeds, settings)
+    prompts, seeds = check_prompts(prompts, seeds, settings)
     device, lengths = prompts[0].device, [int(p.shape[0]) for p in prompts]
     gens = [torch.Generator(device=device).manual_seed(seed) for seed in seeds]
     start = clock(device)
@@ -90,21 +90,6 @@ def plain_generate_batch(
     for result in results:
         result.target_forwards, result.wall_s, result.target_s = len(result.tokens), wall, wall
     return results
-
-
-def _check_prompts(
-    prompts: Sequence[torch.Tensor], seeds: Sequence[int] | None, settings: DecodeSettings
-) -> tuple[list[torch.Tensor], list[int]]:
-    """Prompts as (L_b,) tensors and one seed per prompt (default settings.seed + row), or a clear error."""
-    if not prompts:
-        raise ValueError("no prompts to decode")
-    prompts = [p.reshape(-1) for p in prompts]
-    if any(p.numel() == 0 for p in prompts):
-        raise ValueError(f"empty prompt at batch row {next(i for i, p in enumerate(prompts) if p.numel() == 0)}")
-    seeds = [settings.seed + b for b in range(len(prompts))] if seeds is None else list(seeds)
-    if len(seeds) != len(prompts):
-        raise ValueError(f"one seed per prompt: got {len(seeds)} seeds for {len(prompts)} prompts")
-    return prompts, seeds
 
 
 def _next_tokens(logits: torch.Tensor, settings: DecodeSettings, gens: Sequence[torch.Generator]) -> torch.Tensor:

@@ -33,7 +33,7 @@ import functools
 import inspect
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 import torch
@@ -43,22 +43,23 @@ from eval.kernels import TreeOps, get_ops, register_tree_attention, tree_context
 from eval.proposers import DecodeState, Proposer
 from eval.reference import target_probs
 from eval.trees import Tree, stack_trees
+from train.config import EvalConfig, SamplingConfig
 
 Kernels = Literal["triton", "reference"]
 
 
 @dataclass
-class DecodeSettings:
-    """How to decode; greedy when temperature == 0."""
+class DecodeSettings(SamplingConfig):
+    """How to decode (the recipe's sampling fields, plus stop tokens and the seed); greedy when temperature == 0."""
 
-    max_new_tokens: int = 128
-    temperature: float = 0.0
-    top_p: float = 1.0
-    acceptance: Literal["exact", "typical"] = "exact"
-    typical_epsilon: float = 0.09
-    typical_delta: float = 0.3
     eos_token_ids: list[int] = field(default_factory=list)
     seed: int = 0
+
+    @classmethod
+    def from_recipe(cls, ev: EvalConfig, eos_token_ids: Sequence[int]) -> DecodeSettings:
+        """The settings of a recipe's `eval` section."""
+        shared = {f.name: getattr(ev, f.name) for f in fields(SamplingConfig)}
+        return cls(**shared, eos_token_ids=list(eos_token_ids), seed=ev.seed)
 
     @property
     def greedy(self) -> bool:
@@ -384,7 +385,7 @@ def speculative_generate_batch(
     (greedy: plain greedy decoding of its prompt). Times (`wall_s`, `target_s`, `draft_s`) are the batch's, shared
     by its rows.
     """
-    prompts, seeds = _check_batch(prompts, seeds, settings)
+    prompts, seeds = check_prompts(prompts, seeds, settings)
     device = prompts[0].device
     gens = [torch.Generator(device=device).manual_seed(seed) for seed in seeds]
     start = clock(device)
@@ -448,10 +449,11 @@ def speculative_generate_batch(
     return results
 
 
-def _check_batch(
+def check_prompts(
     prompts: Sequence[torch.Tensor], seeds: Sequence[int] | None, settings: DecodeSettings
 ) -> tuple[list[torch.Tensor], list[int]]:
-    """Prompts as (L_b,) tensors and one seed per prompt (default settings.seed + row), or a clear error."""
+    """Prompts as (L_b,) tensors and one seed per prompt (default settings.seed + row), or a clear error (the
+    plain baselines check their input with this too: input checks, not decoding, are shared)."""
     if not prompts:
         raise ValueError("no prompts to decode")
     prompts = [p.reshape(-1) for p in prompts]

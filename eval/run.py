@@ -400,16 +400,7 @@ def run(recipe: Recipe) -> dict[str, Any] | None:
         target_desc += f" + {recipe.drafter.method} LoRA (merged)"
     prompts = load_prompts(ev.prompts, target.tokenizer, ev.max_prompts)
     eos = stop_token_ids(target)
-    settings = DecodeSettings(
-        max_new_tokens=ev.max_new_tokens,
-        temperature=ev.temperature,
-        top_p=ev.top_p,
-        acceptance=ev.acceptance,
-        typical_epsilon=ev.typical_epsilon,
-        typical_delta=ev.typical_delta,
-        eos_token_ids=eos,
-        seed=ev.seed,
-    )
+    settings = DecodeSettings.from_recipe(ev, eos)
 
     calibration: list[str] = []  # what the calibrated tree was measured on, for the report
 

@@ -190,8 +190,22 @@ class TrainConfig:
 
 
 @dataclass
-class EvalConfig:
-    """Acceptance-length evaluation (eval/__main__.py)."""
+class SamplingConfig:
+    """How the target decodes: the fields `eval` recipes and `eval.decode.DecodeSettings` share."""
+
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    """0 = greedy."""
+    top_p: float = 1.0
+    acceptance: Literal["exact", "typical"] = "exact"
+    """`exact`: greedy / lossless rejection sampling; `typical`: Medusa typical acceptance (lossy)."""
+    typical_epsilon: float = 0.09
+    typical_delta: float = 0.3
+
+
+@dataclass
+class EvalConfig(SamplingConfig):
+    """Acceptance-length evaluation (`python -m eval`); the decoding fields come from `SamplingConfig`."""
 
     drafter: str | None = None
     """Exported drafter directory (train.export output); defaults to <train.output_dir>/export."""
@@ -199,13 +213,6 @@ class EvalConfig:
     """JSONL prompts (chat or plain)."""
     output_dir: str | None = None
     max_prompts: int | None = None
-    max_new_tokens: int = 128
-    temperature: float = 0.0
-    top_p: float = 1.0
-    acceptance: Literal["exact", "typical"] = "exact"
-    """`exact`: greedy / lossless rejection sampling; `typical`: Medusa typical acceptance (lossy)."""
-    typical_epsilon: float = 0.09
-    typical_delta: float = 0.3
     tree: Literal["auto", "chain", "mc_sim_7b_63", "calibrated63", "calibrated", "dynamic"] = "auto"
     """Tree shape; `auto` = EAGLE's dynamic tree or Medusa's calibrated one; `mc_sim_7b_63` is Medusa's published
     tree, `calibrated63` this project's 63-node tree (`eval/named_trees.py`)."""
