@@ -112,18 +112,11 @@ class MedusaConfig:
 
 
 @dataclass
-class Medusa2Config:
-    """Medusa-2 (recipe section `drafter`, `method: medusa2`); needs `train.online: true`."""
+class Medusa2Config(MedusaConfig):
+    """Medusa-2 (recipe section `drafter`, `method: medusa2`): Medusa-1's head fields (with `share_lm_head` matching
+    the stage-1 heads) plus the LoRA backbone's; runs online only."""
 
     method: Literal["medusa2"] = "medusa2"
-    num_heads: int = 5
-    """K: head k (1-based) predicts token t+k+1 (as Medusa-1)."""
-    num_layers: int = 1
-    """L: residual blocks per head (as Medusa-1)."""
-    decay: float = 0.8
-    """λ_k = decay**k for head k = 1..K (as Medusa-1)."""
-    share_lm_head: bool = False
-    """True: the heads project with the target's frozen lm_head (as Medusa-1; must match the stage-1 heads)."""
     lora_r: int = 32
     lora_alpha: int = 16
     lora_dropout: float = 0.05
@@ -144,11 +137,6 @@ class Medusa2Config:
     gradient_checkpointing: bool = False
     """Recompute decoder activations in backward (large targets, long sequences)."""
 
-    @property
-    def feature_layers(self) -> list[int]:
-        """The heads read the (adapted) target's last hidden state, computed inside the step."""
-        return [-1]
-
     def heads_config(self) -> MedusaConfig:
         return MedusaConfig(
             num_heads=self.num_heads, num_layers=self.num_layers, decay=self.decay, share_lm_head=self.share_lm_head
@@ -162,7 +150,7 @@ class Medusa2Config:
         return x if self.alpha_schedule == "linear" else math.sin(0.5 * math.pi * x)
 
     def validate(self, err) -> None:
-        self.heads_config().validate(err)
+        super().validate(err)
         if self.lora_r < 1:
             err("drafter.lora_r", f"must be >= 1, got {self.lora_r}")
         if self.lora_alpha < 1:
@@ -181,8 +169,7 @@ class Medusa2Config:
         if self.stage1_heads is not None:
             stage1_form(Path(self.stage1_heads), lambda msg: err("drafter.stage1_heads", msg))
 
-    def check_recipe(self, recipe, err) -> None:
-        self.heads_config().check_recipe(recipe, err)
+    # check_recipe: Medusa-1's (the heads draft the same trees)
 
 
 def stage1_form(path: Path, fail) -> Path:
