@@ -53,35 +53,13 @@ class Method:
 
 
 METHODS: dict[str, Method] = {
-    "eagle2": Method(
-        name="eagle2",
-        config=EagleConfig,
-        module_path="models.eagle:EagleDrafter",
-        inputs="features",
-        proposer="eagle",
-        trees=EAGLE_TREES,
-        formats=("native", "eagle", "sglang", "vllm"),
-    ),
-    "medusa1": Method(
-        name="medusa1",
-        config=MedusaConfig,
-        module_path="models.medusa:MedusaHeads",
-        inputs="features",
-        proposer="medusa",
-        trees=MEDUSA_TREES,
-        formats=("native", "medusa", "vllm"),
-    ),
-    "medusa2": Method(
-        name="medusa2",
-        config=Medusa2Config,
-        module_path="models.medusa2:Medusa2Model",
-        inputs="tokens",
-        proposer="medusa",
-        trees=MEDUSA_TREES,
-        formats=("native",),
-        online_only=True,
-        step_dependent=True,
-        adapts_target=True,
-        export_extra=True,
-    ),
-}
+    m.name: m
+    for m in (
+        Method("eagle2", EagleConfig, "models.eagle:EagleDrafter", "features", "eagle", EAGLE_TREES,
+               formats=("native", "eagle", "sglang", "vllm")),
+        Method("medusa1", MedusaConfig, "models.medusa:MedusaHeads", "features", "medusa", MEDUSA_TREES,
+               formats=("native", "medusa", "vllm")),
+        Method("medusa2", Medusa2Config, "models.medusa2:Medusa2Model", "tokens", "medusa", MEDUSA_TREES,
+               formats=("native",), online_only=True, step_dependent=True, adapts_target=True, export_extra=True),
+    )
+}  # fmt: skip
