@@ -4,7 +4,7 @@
     from eval.decode import speculative_generate, DecodeSettings
     from eval.baselines import plain_generate
 
-Files: `trees.py` / `named_trees.py` (tree shapes), `kernels.py` (Triton) and `reference.py` (its PyTorch twins),
+Files: `trees.py` / `named_trees.py` (tree shapes), `kernels/` (Triton) and `reference.py` (its PyTorch twins),
 `proposers.py` (drafters as the loop uses them), `decode.py` (the speculative loop), `baselines.py` (plain decoding
 and prompt lookup), `run.py` (prompts, drafter, batches, report), `report.py`, `checks.py` (losslessness judges and
 stub drafters), `__main__.py` (the command line).

@@ -365,7 +365,7 @@ COMPILE_SCRIPT = """
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from eval import kernels as K
+from eval.kernels import attention, commit, verify
 
 def compile_sm90(fn, types, consts, **options):
     signature = {a: "constexpr" if a in consts else types.get(a, "i32") for a in fn.arg_names}
@@ -377,21 +377,21 @@ for dt, cast, block_p in (("bf16", False, 64), ("fp32", True, 32)):
     blocks = dict(BLOCK_M=64, BLOCK_P=block_p, BLOCK_N=32, BLOCK_D=128)
     for ragged in (False, True):
         consts = dict(HKV=8, GROUP=4, NUM_SPLITS=4, CAST_F32=cast, RAGGED=ragged, **blocks)
-        compile_sm90(K._tree_attention_kernel, ptrs, consts)
-compile_sm90(K._merge_splits_kernel, {"O_PART": "*fp32", "L_PART": "*fp32", "OUT": "*bf16"},
+        compile_sm90(attention._tree_attention_kernel, ptrs, consts)
+compile_sm90(attention._merge_splits_kernel, {"O_PART": "*fp32", "L_PART": "*fp32", "OUT": "*bf16"},
              dict(NUM_SPLITS=4, BLOCK_R=32, BLOCK_D=128))
-compile_sm90(K._kv_commit_kernel, {"CACHE": "*bf16", "NODES": "*i64", "PREFIX": "*i64", "START": "*i64"},
+compile_sm90(commit._kv_commit_kernel, {"CACHE": "*bf16", "NODES": "*i64", "PREFIX": "*i64", "START": "*i64"},
              dict(HKV=8, WIDTH=5, BLOCK_D=128), num_warps=1)
 stats = {"LOGITS": "*bf16", "ARGMAX": "*i64", "LSE": "*fp32", "LOG_THR": "*fp32", "inv_temp": "fp32",
          "log_eps": "fp32", "log_delta": "fp32"}
-compile_sm90(K._row_stats_kernel, stats, dict(TYPICAL=True, BLOCK_V=1024))
+compile_sm90(verify._row_stats_kernel, stats, dict(TYPICAL=True, BLOCK_V=1024))
 path = {a: "*i64" for a in ("TOKENS", "PARENTS", "DEPTH", "ARGMAX", "ACCEPT_LEN", "ACCEPTED", "BONUS")}
 path.update(BITS="*i32", LOGITS="*bf16", LSE="*fp32", LOG_THR="*fp32", inv_temp="fp32")
-compile_sm90(K._longest_path_kernel, path, dict(WIDTH=5, TYPICAL=True, BLOCK_N=64, BLOCK_W=16))
+compile_sm90(verify._longest_path_kernel, path, dict(WIDTH=5, TYPICAL=True, BLOCK_N=64, BLOCK_W=16))
 walk = {a: "*i64" for a in ("TOKENS", "FIRST_CHILD", "NEXT_SIBLING", "ACCEPT_LEN", "ACCEPTED", "BONUS")}
 walk.update(P="*fp32", Q="*bf16", RES="*fp32", COINS="*fp32")
 for sampled in (True, False):
-    compile_sm90(K._sampled_walk_kernel, walk, dict(SAMPLED=sampled, BLOCK_V=2048), num_warps=8)
+    compile_sm90(verify._sampled_walk_kernel, walk, dict(SAMPLED=sampled, BLOCK_V=2048), num_warps=8)
 print("compiled")
 """
 
