@@ -7,8 +7,8 @@
 Plain decoding has one path at every batch size: left-padded batched decoding with the model's own attention and a
 2D padding mask, as batched HF generation does it, one target forward per token. It shares none of the speculative
 loop's target-side code (`eval.decode.TargetRunner`: prefill, tree masks, tree kernels, KV commits), so the greedy
-losslessness check does not test that code against itself; only the settings / result types, the clock and the
-name of the model's cache argument come from `eval.decode`. Sampled rows draw from `eval.reference.target_probs`,
+losslessness check does not test that code against itself; only the settings / result types, the input check, the
+clock and two KV-cache utilities (the model's cache argument name, dropping finished rows) come from `eval.decode`. Sampled rows draw from `eval.reference.target_probs`,
 the processed target distribution that sampled verification follows.
 """
 
@@ -21,7 +21,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from eval.decode import DecodeSettings, GenerationResult, cache_arg, check_prompts, clock
+from eval.decode import DecodeSettings, GenerationResult, cache_arg, check_prompts, clock, select_cache_rows
 from eval.reference import target_probs
 
 PROMPT_LOOKUP_TOKENS = 10
@@ -73,7 +73,7 @@ def plain_generate_batch(
         if not still:
             break
         if len(still) < len(active):
-            _keep_cache_rows(cache, still)
+            select_cache_rows(cache, still)
             keep = torch.tensor(still, device=device)
             toks, mask, next_pos, active = toks[keep], mask[keep], next_pos[keep], [active[i] for i in still]
             pads = [pads[i] for i in still]
@@ -105,16 +105,6 @@ def _append(generated: list[int], token: int, settings: DecodeSettings) -> bool:
     """Append `token`; True when the row is done (a stop token, or max_new_tokens)."""
     generated.append(token)
     return token in settings.eos_token_ids or len(generated) >= settings.max_new_tokens
-
-
-def _keep_cache_rows(cache: DynamicCache, rows: list[int]) -> None:
-    """Keep only these batch rows of every layer (each on its own device under a `device_map`)."""
-    index: dict[torch.device, torch.Tensor] = {}
-    for layer in cache.layers:
-        device = layer.keys.device
-        if device not in index:
-            index[device] = torch.tensor(rows, dtype=torch.long, device=device)
-        layer.keys, layer.values = layer.keys[index[device]], layer.values[index[device]]
 
 
 @torch.inference_mode()
