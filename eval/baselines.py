@@ -8,8 +8,9 @@ Plain decoding has one path at every batch size: left-padded batched decoding wi
 2D padding mask, as batched HF generation does it, one target forward per token. It shares none of the speculative
 loop's target-side code (`eval.decode.TargetRunner`: prefill, tree masks, tree kernels, KV commits), so the greedy
 losslessness check does not test that code against itself; only the settings / result types, the input check, the
-clock and two KV-cache utilities (the model's cache argument name, dropping finished rows) come from `eval.decode`. Sampled rows draw from `eval.reference.target_probs`,
-the processed target distribution that sampled verification follows.
+clock and two KV-cache utilities (the model's cache argument name, dropping finished rows) come from `eval.decode`.
+Sampled rows draw from `eval.reference.target_probs`, the processed target distribution that sampled verification
+follows.
 """
 
 from __future__ import annotations
