@@ -1,0 +1,14 @@
+"""Training: a drafter from a recipe, with exact resumption (`accelerate launch -m train RECIPE`, `python -m train`).
+
+    from train.loop import train           # the whole run of a recipe -> newest checkpoint
+    from train.export import export        # a checkpoint -> native / engine formats
+
+Files: `config.py` (the recipe schema), `loop.py` (accelerator, target, loaders, the step and the loop), `resume.py`
+(which checkpoint to continue from, saving and restoring a run), `checkpoint.py` (checkpoint files), `state.py`
+(name-keyed model and optimizer state under any backend), `optim.py` (AdamW groups and schedule), `heldout.py` (the
+recorded held-out split), `export.py`, `__main__.py` (the command line).
+"""
+
+
+class TrainingError(RuntimeError):
+    """A run that cannot start or continue; the message says why and what to do."""

@@ -11,7 +11,7 @@ summed over processes (N) before any backward, and micro-batch i backpropagates
 processes, so the gradient is exactly Σ(per-token losses) / N however the step is split (4×1 = 1×4).
 Offline runs read feature shards; online runs (`train.online`) compute the hidden states with the
 target inside the step, unless the method's training inputs are tokens (`Method.inputs`).
-Every step is appended to `<output_dir>/metrics.jsonl`; checkpoints allow exact resumption.
+Every step is appended to `<output_dir>/metrics.jsonl`; checkpoints allow exact resumption (`train.resume`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import os
 import time
 import uuid
 from pathlib import Path
-from typing import Any
 
 import torch
 from accelerate import Accelerator
@@ -38,25 +37,12 @@ from data.shards import FeatureDataset, FeatureMismatchError, frequent_loss_toke
 from models.common import DraftBatch, packed_additive_mask
 from models.methods import METHODS
 from models.target import Target, load_target
-from train.checkpoint import (
-    METRICS_FILE,
-    RECIPE_FILE,
-    CheckpointError,
-    latest_checkpoint,
-    list_checkpoints,
-    load_checkpoint,
-    read_state,
-    save_checkpoint,
-)
+from train import TrainingError
+from train.checkpoint import METRICS_FILE, RECIPE_FILE
 from train.config import Recipe
 from train.heldout import write_heldout
 from train.optim import build_optimizer, build_scheduler
-from train.state import gather_state, restore_state, rng_state, set_rng_state
-
-
-class TrainingError(RuntimeError):
-    """A run that cannot start or continue; the message says why and what to do."""
-
+from train.resume import checkpoint_to_resume, restore_run, save_run, truncate_metrics
 
 # --------------------------------------------------------------------------------------------
 # Setup
@@ -284,7 +270,7 @@ class Stepper:
 
 
 # --------------------------------------------------------------------------------------------
-# Bookkeeping
+# Trackers
 
 
 def _flat(d: dict, prefix: str = "") -> dict:
@@ -317,138 +303,6 @@ def _tracker_kwargs(recipe: Recipe, accelerator: Accelerator) -> dict:
     return {"wandb": kwargs}
 
 
-def _truncate_metrics(path: Path, step: int) -> None:
-    """Drop lines past `step` (a run that died after its last checkpoint), and a last line torn by the crash,
-    before appending again. A torn line anywhere else is refused: the file was edited."""
-    if not path.is_file():
-        return
-    lines = path.read_text(errors="replace").splitlines()
-    kept = []
-    for number, line in enumerate(lines, 1):
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            if number == len(lines):
-                print(f"{path}:{number}: dropped a torn last line (the run was killed while writing it)")
-                continue
-            raise TrainingError(f"{path}:{number}: not a JSON line; move the file away to resume") from None
-        if record["step"] <= step:
-            kept.append(line)
-    path.write_text("".join(line + "\n" for line in kept))
-
-
-def _resume_from(recipe: Recipe, accelerator: Accelerator) -> Path | None:
-    """The checkpoint to resume from, if any, checked before any heavy work."""
-    cfg = recipe.train
-    existing = list_checkpoints(cfg.output_dir)
-    if cfg.resume is None:
-        if existing:
-            raise TrainingError(
-                f"{cfg.output_dir} already holds checkpoints ({existing[-1].name}): pass --resume "
-                "(train.resume=auto) to continue, or choose another train.output_dir"
-            )
-        return None
-    if cfg.resume == "auto":
-        path = latest_checkpoint(cfg.output_dir)
-        if path is None:
-            return None
-    elif not Path(cfg.resume).is_dir():
-        raise TrainingError(f"{recipe.source}: train.resume: no checkpoint directory {cfg.resume}")
-    else:
-        path = Path(cfg.resume)
-    try:
-        saved = read_state(path)
-    except CheckpointError as exc:
-        raise TrainingError(str(exc)) from None
-    if saved["recipe_hash"] != recipe.section_hash("target", "data", "drafter"):
-        raise TrainingError(
-            f"{path}: saved with different target/data/drafter settings than {recipe.source}; "
-            "resume with the recipe it was trained with (see its recipe.yaml)"
-        )
-    plan, want = saved.get("batch_plan", {}), _batch_plan(recipe, accelerator.num_processes)
-    changed = sorted(k for k in want if plan.get(k) != want[k])
-    if "global_batch" in changed:
-        raise TrainingError(
-            f"{path}: saved with a global batch of {plan.get('global_batch')} rows (train.batch_size x "
-            f"train.grad_accum x {saved['world_size']} processes), resuming with {want['global_batch']} "
-            f"({recipe.train.batch_size} x {recipe.train.grad_accum} x {accelerator.num_processes}): set "
-            "train.grad_accum (or train.batch_size) so the product is the same"
-        )
-    if changed:
-        raise TrainingError(
-            f"{path}: saved with train.{changed[0]}={plan.get(changed[0])}, {recipe.source} has {want[changed[0]]}; "
-            "the saved data position only means something in the same batch plan (and the seed also picks the "
-            "held-out split)"
-        )
-    newer = [p for p in existing if _step_of(p) > saved["step"] and p.resolve() != path.resolve()]
-    if newer:
-        raise TrainingError(
-            f"{cfg.output_dir} holds checkpoints newer than {path} ({', '.join(p.name for p in newer)}): "
-            "continuing from an older one would mix two runs and prune the wrong checkpoints; move them away "
-            "first, or resume into another train.output_dir"
-        )
-    if "data" not in saved:
-        raise TrainingError(
-            f"{path}: written by an older specdraft (accelerate's pickled state, which is never loaded): "
-            "start a new run, or export this checkpoint with `python -m train.export`"
-        )
-    return path
-
-
-def _batch_plan(recipe: Recipe, world_size: int) -> dict[str, Any]:
-    """What decides which samples each optimizer step reads (and the held-out split): a saved data position is
-    only valid under the same. The global step (batch_size x grad_accum x processes) counts, not how it is split,
-    so a run saved by 8 processes resumes on 4 with twice the accumulation."""
-    cfg = recipe.train
-    return {"global_batch": cfg.batch_size * cfg.grad_accum * world_size, "packing": cfg.packing, "seed": cfg.seed}
-
-
-def _step_of(checkpoint: Path) -> int:
-    return read_state(checkpoint)["step"]
-
-
-def _save(accelerator, model, optimizer, scheduler, recipe, step, loader, tokens_seen) -> Path:
-    cfg = recipe.train
-    state = {
-        "recipe_hash": recipe.section_hash("target", "data", "drafter"),
-        "batch_plan": _batch_plan(recipe, accelerator.num_processes),
-        "data": loader.state_dict(),
-        "world_size": accelerator.num_processes,
-        "tokens_seen": tokens_seen,
-    }
-    training = gather_state(accelerator, model, optimizer)  # collective under ZeRO-3 / FSDP
-    path = save_checkpoint(
-        accelerator, cfg.output_dir, step, state, training, scheduler.state_dict(), rng_state(), cfg.keep_checkpoints
-    )
-    if accelerator.is_main_process:
-        tqdm.write(f"step {step}: checkpoint {path}")
-    return path
-
-
-def _restore(accelerator, model, optimizer, scheduler, loader, path: Path, seed: int) -> dict:
-    """Load checkpoint `path` into the prepared model, optimizer, scheduler and loader; return its trainer state."""
-    try:
-        saved = load_checkpoint(path, accelerator.process_index)
-        restore_state(accelerator, model, optimizer, saved["params"], saved["moments"], saved["groups"])
-        scheduler.load_state_dict(saved["scheduler"])
-        loader.load_state_dict(saved["state"]["data"])
-    except (CheckpointError, ValueError, KeyError, TypeError) as exc:
-        raise TrainingError(f"{path}: cannot resume: {exc}") from None
-    state = saved["state"]
-    if saved["rng"] is not None and state["world_size"] == accelerator.num_processes:
-        set_rng_state(saved["rng"])
-    else:  # another number of processes: per-process random streams cannot carry over; reseed them per step
-        set_seed(seed + 1_000_003 * state["step"] + accelerator.process_index)
-        if accelerator.is_main_process:
-            print(
-                f"{path}: saved by {state['world_size']} processes, resuming on {accelerator.num_processes}: "
-                "data position and optimizer state carry over exactly, random streams (dropout) are reseeded"
-            )
-    if accelerator.is_main_process:
-        print(f"resumed from {path} at step {state['step']}")
-    return state
-
-
 # --------------------------------------------------------------------------------------------
 # The loop
 
@@ -458,7 +312,7 @@ def train(recipe: Recipe, stop_after: int | None = None) -> Path:
     cfg = recipe.train
     accelerator = make_accelerator(recipe)
     out_dir = Path(cfg.output_dir)
-    resume = _resume_from(recipe, accelerator)
+    resume = checkpoint_to_resume(recipe, accelerator)
     set_seed(cfg.seed)
     target = build_target(recipe, accelerator)
     train_loader, heldout_loader = build_loaders(recipe, target, accelerator)
@@ -474,12 +328,12 @@ def train(recipe: Recipe, stop_after: int | None = None) -> Path:
 
     step, tokens_seen = 0, 0.0
     if resume is not None:
-        saved = _restore(accelerator, model, optimizer, scheduler, train_loader, resume, cfg.seed)
+        saved = restore_run(accelerator, model, optimizer, scheduler, train_loader, resume, cfg.seed)
         step, tokens_seen = saved["step"], saved["tokens_seen"]
     if accelerator.is_main_process:
         out_dir.mkdir(parents=True, exist_ok=True)
         recipe.save(out_dir / RECIPE_FILE)
-        _truncate_metrics(out_dir / METRICS_FILE, step)
+        truncate_metrics(out_dir / METRICS_FILE, step)
     accelerator.init_trackers(
         recipe.logging.project, config=_flat(recipe.to_dict()), init_kwargs=_tracker_kwargs(recipe, accelerator)
     )
@@ -526,7 +380,7 @@ def train(recipe: Recipe, stop_after: int | None = None) -> Path:
                 accelerator.log(log, step=step)
             stop = stop_after is not None and step >= stop_after
             if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.max_steps or stop:
-                last_ckpt = _save(accelerator, model, optimizer, scheduler, recipe, step, train_loader, tokens_seen)
+                last_ckpt = save_run(accelerator, model, optimizer, scheduler, recipe, step, train_loader, tokens_seen)
             if stop:
                 break
     finally:

@@ -1,0 +1,168 @@
+"""Resumption bookkeeping of a training run: which checkpoint to continue from (and whether it fits the recipe),
+saving and restoring the run's full state, and the metrics lines a crash left past the last checkpoint.
+
+    path = checkpoint_to_resume(recipe, accelerator)       # before any heavy work; None: a fresh run
+    state = restore_run(accelerator, model, optimizer, scheduler, loader, path, seed)   # after accelerator.prepare
+    truncate_metrics(out_dir / METRICS_FILE, state["step"])
+    save_run(accelerator, model, optimizer, scheduler, recipe, step, loader, tokens_seen)   # every process
+
+The checkpoint files themselves (layout, atomic writes, pruning) are `train.checkpoint`'s; the name-keyed model and
+optimizer state is `train.state`'s. A run resumes only under the same target / data / drafter settings and the same
+batch plan (`batch_plan`), on any number of processes.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from tqdm import tqdm
+
+from train import TrainingError
+from train.checkpoint import (
+    CheckpointError,
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    read_state,
+    save_checkpoint,
+)
+from train.config import Recipe
+from train.state import gather_state, restore_state, rng_state, set_rng_state
+
+
+def truncate_metrics(path: Path, step: int) -> None:
+    """Drop lines past `step` (a run that died after its last checkpoint), and a last line torn by the crash,
+    before appending again. A torn line anywhere else is refused: the file was edited."""
+    if not path.is_file():
+        return
+    lines = path.read_text(errors="replace").splitlines()
+    kept = []
+    for number, line in enumerate(lines, 1):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            if number == len(lines):
+                print(f"{path}:{number}: dropped a torn last line (the run was killed while writing it)")
+                continue
+            raise TrainingError(f"{path}:{number}: not a JSON line; move the file away to resume") from None
+        if record["step"] <= step:
+            kept.append(line)
+    path.write_text("".join(line + "\n" for line in kept))
+
+
+def checkpoint_to_resume(recipe: Recipe, accelerator: Accelerator) -> Path | None:
+    """The checkpoint to resume from, if any, checked before any heavy work."""
+    cfg = recipe.train
+    existing = list_checkpoints(cfg.output_dir)
+    if cfg.resume is None:
+        if existing:
+            raise TrainingError(
+                f"{cfg.output_dir} already holds checkpoints ({existing[-1].name}): pass --resume "
+                "(train.resume=auto) to continue, or choose another train.output_dir"
+            )
+        return None
+    if cfg.resume == "auto":
+        path = latest_checkpoint(cfg.output_dir)
+        if path is None:
+            return None
+    elif not Path(cfg.resume).is_dir():
+        raise TrainingError(f"{recipe.source}: train.resume: no checkpoint directory {cfg.resume}")
+    else:
+        path = Path(cfg.resume)
+    try:
+        saved = read_state(path)
+    except CheckpointError as exc:
+        raise TrainingError(str(exc)) from None
+    if saved["recipe_hash"] != recipe.section_hash("target", "data", "drafter"):
+        raise TrainingError(
+            f"{path}: saved with different target/data/drafter settings than {recipe.source}; "
+            "resume with the recipe it was trained with (see its recipe.yaml)"
+        )
+    plan, want = saved.get("batch_plan", {}), batch_plan(recipe, accelerator.num_processes)
+    changed = sorted(k for k in want if plan.get(k) != want[k])
+    if "global_batch" in changed:
+        raise TrainingError(
+            f"{path}: saved with a global batch of {plan.get('global_batch')} rows (train.batch_size x "
+            f"train.grad_accum x {saved['world_size']} processes), resuming with {want['global_batch']} "
+            f"({recipe.train.batch_size} x {recipe.train.grad_accum} x {accelerator.num_processes}): set "
+            "train.grad_accum (or train.batch_size) so the product is the same"
+        )
+    if changed:
+        raise TrainingError(
+            f"{path}: saved with train.{changed[0]}={plan.get(changed[0])}, {recipe.source} has {want[changed[0]]}; "
+            "the saved data position only means something in the same batch plan (and the seed also picks the "
+            "held-out split)"
+        )
+    newer = [p for p in existing if _step_of(p) > saved["step"] and p.resolve() != path.resolve()]
+    if newer:
+        raise TrainingError(
+            f"{cfg.output_dir} holds checkpoints newer than {path} ({', '.join(p.name for p in newer)}): "
+            "continuing from an older one would mix two runs and prune the wrong checkpoints; move them away "
+            "first, or resume into another train.output_dir"
+        )
+    if "data" not in saved:
+        raise TrainingError(
+            f"{path}: written by an older specdraft (accelerate's pickled state, which is never loaded): "
+            "start a new run, or export this checkpoint with `python -m train.export`"
+        )
+    return path
+
+
+def batch_plan(recipe: Recipe, world_size: int) -> dict[str, Any]:
+    """What decides which samples each optimizer step reads (and the held-out split): a saved data position is
+    only valid under the same. The global step (batch_size x grad_accum x processes) counts, not how it is split,
+    so a run saved by 8 processes resumes on 4 with twice the accumulation."""
+    cfg = recipe.train
+    return {"global_batch": cfg.batch_size * cfg.grad_accum * world_size, "packing": cfg.packing, "seed": cfg.seed}
+
+
+def _step_of(checkpoint: Path) -> int:
+    return read_state(checkpoint)["step"]
+
+
+def save_run(accelerator, model, optimizer, scheduler, recipe, step, loader, tokens_seen) -> Path:
+    """Checkpoint step `step` with what resuming needs besides the tensors (recipe hash, batch plan, data position,
+    world size, tokens seen). Every process calls it: gathering the state is a collective under ZeRO-3 / FSDP."""
+    cfg = recipe.train
+    state = {
+        "recipe_hash": recipe.section_hash("target", "data", "drafter"),
+        "batch_plan": batch_plan(recipe, accelerator.num_processes),
+        "data": loader.state_dict(),
+        "world_size": accelerator.num_processes,
+        "tokens_seen": tokens_seen,
+    }
+    training = gather_state(accelerator, model, optimizer)  # collective under ZeRO-3 / FSDP
+    path = save_checkpoint(
+        accelerator, cfg.output_dir, step, state, training, scheduler.state_dict(), rng_state(), cfg.keep_checkpoints
+    )
+    if accelerator.is_main_process:
+        tqdm.write(f"step {step}: checkpoint {path}")
+    return path
+
+
+def restore_run(accelerator, model, optimizer, scheduler, loader, path: Path, seed: int) -> dict:
+    """Load checkpoint `path` into the prepared model, optimizer, scheduler and loader; return its trainer state."""
+    try:
+        saved = load_checkpoint(path, accelerator.process_index)
+        restore_state(accelerator, model, optimizer, saved["params"], saved["moments"], saved["groups"])
+        scheduler.load_state_dict(saved["scheduler"])
+        loader.load_state_dict(saved["state"]["data"])
+    except (CheckpointError, ValueError, KeyError, TypeError) as exc:
+        raise TrainingError(f"{path}: cannot resume: {exc}") from None
+    state = saved["state"]
+    if saved["rng"] is not None and state["world_size"] == accelerator.num_processes:
+        set_rng_state(saved["rng"])
+    else:  # another number of processes: per-process random streams cannot carry over; reseed them per step
+        set_seed(seed + 1_000_003 * state["step"] + accelerator.process_index)
+        if accelerator.is_main_process:
+            print(
+                f"{path}: saved by {state['world_size']} processes, resuming on {accelerator.num_processes}: "
+                "data position and optimizer state carry over exactly, random streams (dropout) are reseeded"
+            )
+    if accelerator.is_main_process:
+        print(f"resumed from {path} at step {state['step']}")
+    return state
