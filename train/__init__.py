@@ -3,10 +3,11 @@
     from train.loop import train           # the whole run of a recipe -> newest checkpoint
     from train.export import export        # a checkpoint -> native / engine formats
 
-Files: `config.py` (the recipe schema), `loop.py` (accelerator, target, loaders, the step and the loop), `resume.py`
-(which checkpoint to continue from, saving and restoring a run), `checkpoint.py` (checkpoint files), `state.py`
-(name-keyed model and optimizer state under any backend), `optim.py` (AdamW groups and schedule), `heldout.py` (the
-recorded held-out split), `export.py`, `__main__.py` (the command line).
+Files: `config.py` (the recipe schema) and `schema.py` (YAML -> typed dataclasses, overrides), `loop.py` (accelerator,
+target, loaders, the step and the loop), `resume.py` (which checkpoint to continue from, saving and restoring a run),
+`checkpoint.py` (checkpoint files), `state.py` (name-keyed model and optimizer state under any backend), `optim.py`
+(AdamW groups and schedule), `heldout.py` (the recorded held-out split), `export.py`, `__main__.py` (the command
+line).
 """
 
 
