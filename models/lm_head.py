@@ -1,0 +1,141 @@
+"""Two-stage efficient LM head: a frequency-aware low-rank screen of the vocabulary, then exact logits.
+
+    counts = loss_token_counts(FeatureDataset("runs/features"), vocab_size=W.shape[0])  # (V,)
+    factors = factorize(W, rank=64, weights=token_weights(counts))  # W (V, d) ≈ factors.a @ factors.b
+    factors.save("runs/lm_head")  # factors.safetensors; LowRankHead.load("runs/lm_head") reads it back
+    head = TwoStageHead(W, factors, candidates=256)
+    ids, logits = head(h)  # h (N, d) -> candidate ids (N, C), their exact logits h·W[c]ᵀ (N, C)
+    values, tokens = head.topk(h, k=4)  # (N, 4) each: the top-4 of the exact logits among the candidates
+
+Each draft step ends in a projection onto the vocabulary (V·d multiply-adds per token: 49,152 x 576 on
+SmolLM2-135M), which dominates drafting. Stage 1 scores the whole vocabulary through a rank-r factorization
+W ≈ A·B, s = (h·Bᵀ)·Aᵀ, at (V + d)·r per token, and keeps the `candidates` best ids; stage 2 gathers those rows
+of the full W and computes their exact logits (C·d). A drafter only needs the top few tokens, so the screen
+only has to rank them among its candidates, not get their logits right.
+
+The factors are a truncated SVD of D·W, D = diag(frequency weight of each token), with the scaling undone
+afterwards (A = D⁻¹·U_r·S_r, B = V_rᵀ): the SVD minimises the weighted error Σ_v w_v²·|W_v - (AB)_v|², so the
+tokens a drafter actually emits (frequent loss tokens) are approximated best. The weights only shape the
+factors; the logits are never multiplied by them. `benchmarks/lm_head.py` measures recall and time on SmolLM2.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from data.shards import FeatureDataset
+
+FACTORS_FILE = "factors.safetensors"
+
+
+def loss_token_counts(dataset: FeatureDataset, vocab_size: int) -> torch.Tensor:
+    """How often each token id is a loss token in a feature dataset's shards: (vocab_size,) int64. Counted the
+    same way as `data.shards.frequent_loss_tokens` (which only keeps the order); ids >= vocab_size are refused."""
+    counts = torch.zeros(vocab_size, dtype=torch.int64)
+    for entry in dataset.shards:
+        with safe_open(str(dataset.directory / entry["file"]), framework="pt") as shard:
+            ids = shard.get_tensor("input_ids").to(torch.int64)[shard.get_tensor("loss_mask") > 0]
+        if len(ids) and int(ids.max()) >= vocab_size:
+            raise ValueError(f"vocab_size={vocab_size}: {dataset.directory} has loss token id {int(ids.max())}")
+        counts += torch.bincount(ids, minlength=vocab_size)
+    return counts
+
+
+def token_weights(counts: torch.Tensor) -> torch.Tensor:
+    """Row weights for `factorize` from token counts: sqrt(count + 1), (V,) float32. The square root because the
+    SVD weighs squared errors, so w² = count + 1 weighs each token's error by how often it occurs; the +1 keeps
+    unseen tokens in the fit (a zero weight would leave their rows arbitrary)."""
+    return (counts.to(torch.float64) + 1).sqrt().to(torch.float32)
+
+
+@dataclass
+class LowRankHead:
+    """Rank-r factors of an LM head: W (V, d) ≈ a (V, r) @ b (r, d)."""
+
+    a: torch.Tensor  # (V, r)
+    b: torch.Tensor  # (r, d)
+
+    @property
+    def rank(self) -> int:
+        return self.b.shape[0]
+
+    def save(self, directory: str | Path) -> Path:
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / FACTORS_FILE
+        save_file({"a": self.a.contiguous(), "b": self.b.contiguous()}, str(path))
+        return path
+
+    @classmethod
+    def load(cls, directory: str | Path) -> LowRankHead:
+        with safe_open(str(Path(directory) / FACTORS_FILE), framework="pt") as f:
+            return cls(a=f.get_tensor("a"), b=f.get_tensor("b"))
+
+
+def factorize(weight: torch.Tensor, rank: int, weights: torch.Tensor | None = None) -> LowRankHead:
+    """Frequency-aware truncated SVD of an LM head `weight` (V, d): factors of rank `rank` (1..min(V, d)) that
+    minimise Σ_v weights_v²·|W_v - (AB)_v|². `weights` (V,) positive, None = uniform (the plain truncated SVD).
+    Computed in float32 (bf16 heads are upcast); the factors are float32."""
+    if weight.dim() != 2:
+        raise ValueError(f"weight: want a (V, d) matrix, got shape {tuple(weight.shape)}")
+    vocab, hidden = weight.shape
+    if not 1 <= rank <= min(vocab, hidden):
+        raise ValueError(f"rank={rank}: want 1 <= rank <= min(V, d) = {min(vocab, hidden)}")
+    w = weight.detach().to(torch.float32)
+    if weights is None:
+        scale = torch.ones(vocab, dtype=torch.float32)
+    else:
+        if weights.shape != (vocab,):
+            raise ValueError(f"weights: want shape ({vocab},), got {tuple(weights.shape)}")
+        if not bool((weights > 0).all()):
+            raise ValueError("weights: every token weight must be positive (a zero row cannot be unscaled)")
+        scale = weights.detach().to(torch.float32)
+    u, s, vh = torch.linalg.svd(scale[:, None] * w, full_matrices=False)  # (V, k), (k,), (k, d); k = min(V, d)
+    a = u[:, :rank] * s[:rank] / scale[:, None]  # (V, r): singular values folded into A, row scaling undone
+    return LowRankHead(a=a.contiguous(), b=vh[:rank].contiguous())
+
+
+class TwoStageHead:
+    """Stage 1 ranks the vocabulary by (h·Bᵀ)·Aᵀ and keeps the top `candidates` ids; stage 2 computes their exact
+    logits h·W[c]ᵀ. Computes in the dtype of `weight` (float32 recommended on CPU: bf16 matmuls are slow there)."""
+
+    def __init__(self, weight: torch.Tensor, factors: LowRankHead, candidates: int) -> None:
+        vocab, hidden = weight.shape
+        if factors.a.shape[0] != vocab or factors.b.shape[1] != hidden:
+            raise ValueError(
+                f"factors: a {tuple(factors.a.shape)}, b {tuple(factors.b.shape)} do not fit weight {(vocab, hidden)}"
+            )
+        if not 1 <= candidates <= vocab:
+            raise ValueError(f"candidates={candidates}: want 1 <= candidates <= V = {vocab}")
+        self.weight = weight.detach()  # (V, d)
+        self.a = factors.a.detach().to(weight.dtype).contiguous()  # (V, r)
+        self.b = factors.b.detach().to(weight.dtype).contiguous()  # (r, d)
+        self.candidates = candidates
+
+    def flops_ratio(self) -> float:
+        """Multiply-adds per token of stage 1 + stage 2 over the full head's V·d (top-k selection not counted)."""
+        (vocab, hidden), rank = self.weight.shape, self.a.shape[1]
+        return ((vocab + hidden) * rank + self.candidates * hidden) / (vocab * hidden)
+
+    def __call__(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """h (..., d) -> (candidate ids (..., C) int64, in stage-1 order; their exact logits (..., C))."""
+        lead = h.shape[:-1]
+        x = h.reshape(-1, h.shape[-1]).to(self.weight.dtype)  # (N, d)
+        scores = (x @ self.b.T) @ self.a.T  # (N, V) approximate logits
+        ids = scores.topk(self.candidates, dim=-1).indices  # (N, C)
+        rows = self.weight[ids]  # (N, C, d)
+        logits = torch.bmm(rows, x[:, :, None]).squeeze(-1)  # (N, C) exact logits
+        return ids.reshape(*lead, -1), logits.reshape(*lead, -1)
+
+    def topk(self, h: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(values, token ids), each (..., k): the top-k exact logits among the candidates, best first."""
+        if not 1 <= k <= self.candidates:
+            raise ValueError(f"top_k={k}: want 1 <= top_k <= candidates = {self.candidates}")
+        ids, logits = self(h)
+        values, where = logits.topk(k, dim=-1)
+        return values, ids.gather(-1, where)

@@ -1,0 +1,70 @@
+"""models/lm_head.py: frequency-aware SVD factors and the two-stage head."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models.lm_head import LowRankHead, TwoStageHead, factorize, token_weights
+
+V, D = 512, 64
+
+
+def random_head(seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(V, D, generator=g)  # (V, d)
+
+
+def test_full_rank_factors_reproduce_the_head():
+    w = random_head()
+    weights = token_weights(torch.randint(0, 1000, (V,), generator=torch.Generator().manual_seed(1)))
+    for f in (factorize(w, rank=D), factorize(w, rank=D, weights=weights)):
+        assert f.a.shape == (V, D) and f.b.shape == (D, D)
+        torch.testing.assert_close(f.a @ f.b, w, atol=1e-4, rtol=1e-4)
+
+
+def test_all_candidates_give_the_full_heads_topk():
+    w = random_head()
+    head = TwoStageHead(w, factorize(w, rank=4), candidates=V)  # a poor screen, but it keeps everything
+    h = torch.randn(3, 5, D, generator=torch.Generator().manual_seed(2))
+    values, ids = head.topk(h, k=8)
+    full_values, full_ids = (h @ w.T).topk(8, dim=-1)
+    assert ids.shape == (3, 5, 8)
+    assert torch.equal(ids, full_ids)
+    torch.testing.assert_close(values, full_values)
+    cand, logits = head(h)
+    torch.testing.assert_close(logits, torch.gather(h @ w.T, -1, cand))  # exact logits of the candidates
+
+
+def test_frequency_weighting_favours_frequent_tokens():
+    w = random_head()
+    counts = torch.zeros(V, dtype=torch.int64)
+    frequent = torch.randperm(V, generator=torch.Generator().manual_seed(3))[:32]
+    counts[frequent] = 10_000  # a skewed vocabulary: 32 tokens carry nearly all the loss tokens
+    rank = 24
+    plain = factorize(w, rank)
+    weighted = factorize(w, rank, weights=token_weights(counts))
+    err = lambda f: (f.a @ f.b - w)[frequent].norm(dim=-1).mean()
+    assert err(weighted) < 0.5 * err(plain)
+
+
+def test_save_load_round_trip(tmp_path):
+    f = factorize(random_head(), rank=16)
+    f.save(tmp_path / "head")
+    g = LowRankHead.load(tmp_path / "head")
+    assert g.rank == 16 and torch.equal(g.a, f.a) and torch.equal(g.b, f.b)
+
+
+def test_bad_arguments_name_themselves():
+    w = random_head()
+    with pytest.raises(ValueError, match="rank"):
+        factorize(w, rank=D + 1)
+    with pytest.raises(ValueError, match="rank"):
+        factorize(w, rank=0)
+    with pytest.raises(ValueError, match="weights"):
+        factorize(w, rank=8, weights=torch.zeros(V))
+    head = TwoStageHead(w, factorize(w, rank=8), candidates=4)
+    with pytest.raises(ValueError, match="top_k"):
+        head.topk(torch.randn(2, D), k=5)
+    with pytest.raises(ValueError, match="candidates"):
+        TwoStageHead(w, factorize(w, rank=8), candidates=V + 1)
