@@ -147,15 +147,28 @@ def calibration_sequences(target: Target, samples: list[tuple[torch.Tensor, torc
         yield hidden, ids, scored.to(ids.device)
 
 
+def _export_asked(drafter_dir: str) -> int:
+    """How many draft tokens the export was written asking for (`max(eval.draft_vocab, train.loss_vocab)` of the
+    recipe it recorded; 0 when it recorded none)."""
+    recorded = read_config(drafter_dir).get("recipe") or {}
+    asked = [
+        (recorded.get(section) or {}).get(key) or 0
+        for section, key in (("eval", "draft_vocab"), ("train", "loss_vocab"))
+    ]
+    return max(asked)
+
+
 def draft_vocabulary(recipe: Recipe, drafter_dir: str, size: int) -> torch.Tensor:
     """The `size` most frequent loss tokens of the training data: from the export's own draft vocabulary when it
-    has one with that many tokens (shipped drafters), else counted in the feature shards of data.features_dir."""
+    has that many tokens, or when it was written asking for at least that many (then the data has no more, and a
+    line says so); else counted in the feature shards of data.features_dir, refusing more than they hold."""
     shipped = load_draft_vocab(drafter_dir)
     if shipped is not None and len(shipped) >= size:
         return shipped[:size]
     features = recipe.data.features_dir
-    if shipped is not None and (features is None or not (Path(features) / "manifest.json").is_file()):
-        # the export was written asking for at least this many: its training data had no more distinct tokens
+    no_shards = features is None or not (Path(features) / "manifest.json").is_file()
+    if shipped is not None and (no_shards or _export_asked(drafter_dir) >= size):
+        # the export asked for at least this many: its training data has no more distinct loss tokens
         print(
             f"eval.draft_vocab: {size} asked, {len(shipped)} available: {drafter_dir} ships every distinct loss token "
             "of its training data; drafting among all of them"

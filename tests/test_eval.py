@@ -25,9 +25,9 @@ from eval.__main__ import main
 from eval.checks import near_tie
 from eval.prompts import load_prompts, prompt_token_ids
 from eval.report import summarize, to_markdown, write_report
-from eval.run import calibration_samples, calibration_sequences, medusa_rank_accuracy, process_gpus
+from eval.run import calibration_samples, calibration_sequences, draft_vocabulary, medusa_rank_accuracy, process_gpus
 from models.eagle import EagleConfig, EagleDrafter
-from models.io import save_native
+from models.io import FORMAT, FORMAT_VERSION, save_draft_vocab, save_native
 from models.medusa import MedusaConfig, MedusaHeads
 from models.medusa2 import Medusa2Config, Medusa2Model
 from models.target import load_target
@@ -231,6 +231,35 @@ def test_draft_vocabulary_counts_loss_tokens_of_the_shards(tmp_path, monkeypatch
                         counts[k - 1] += 1
     assert counts.min() > 0
     torch.testing.assert_close(accuracy, hits / counts[:, None])
+
+
+def test_draft_vocabulary_prefers_the_exports_own_and_never_shrinks_quietly(tmp_path, monkeypatch, capsys):
+    """An export ships the vocabulary it trained with; asking for more than it holds uses all of it with a line
+    when the export itself asked for that many (its data has no more tokens), else counts the shards, and refuses
+    more than they hold."""
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])
+    features = tmp_path / "features"
+    extract_main(["recipes/tiny/eagle2.yaml", f"data.features_dir={features}"])
+    available = len(frequent_loss_tokens(FeatureDataset(features), 10**6))
+    recipe = load_recipe("recipes/tiny/eagle2.yaml", [f"data.features_dir={features}"])
+
+    def export(asked: int, vocab: torch.Tensor) -> str:
+        out = tmp_path / f"export-{asked}-{len(vocab)}"
+        out.mkdir(exist_ok=True)
+        config = {"format": FORMAT, "format_version": FORMAT_VERSION, "method": "eagle2"}
+        config["recipe"] = {"eval": {"draft_vocab": asked}, "train": {"loss_vocab": 0}}
+        (out / "config.json").write_text(json.dumps(config))
+        save_draft_vocab(out, vocab)
+        return str(out)
+
+    shipped = frequent_loss_tokens(FeatureDataset(features), available)
+    assert torch.equal(draft_vocabulary(recipe, export(available + 50, shipped), 8), shipped[:8])
+    assert torch.equal(draft_vocabulary(recipe, export(available + 50, shipped), available + 50), shipped)
+    assert f"{available + 50} asked, {available} available" in capsys.readouterr().out
+    small = export(4, shipped[:4])  # an export of a smaller vocabulary: the shards decide, and hold no more
+    assert torch.equal(draft_vocabulary(recipe, small, available), shipped)
+    with pytest.raises(EvalError, match=f"eval.draft_vocab: {available + 1} asked, {available} available"):
+        draft_vocabulary(recipe, small, available + 1)
 
 
 def test_calibration_reads_the_held_out_split_the_run_recorded(tmp_path, monkeypatch, capsys):
