@@ -10,11 +10,19 @@ the head reads) at loss positions of the *held-out* samples, so the frequencies 
 Without those artifacts it falls back to the pocket target (recipes/pocket/target) with uniform frequencies and
 random unit-RMS hidden states, and says so.
 
-For each (rank, candidates) setting: recall = the fraction of positions whose full-head top-1 (top-4: each of the
-top-4 tokens) is among the candidates; time per token of stage 1 + stage 2 (`TwoStageHead.__call__`) against the
-full projection `h @ Wᵀ`, in calls of `--batch` tokens (default 8: about one layer of an EAGLE-2 draft tree),
-best of `--repeats` (1 thread); FLOP ratio = ((V + d)·r + C·d) / (V·d), top-k selection not counted.
-Goal: among the settings measured at <= 0.25 of the full head's time, the best top-1 recall >= 0.98.
+Factors (`models.lm_head.factorize`), three variants: "freq" (frequency-weighted SVD of W), "freq+moment" (also
+fitted to the logits of the hidden-state distribution: E[h·hᵀ] of training-split hidden states) and "moment" (the
+latter without frequency weights). For each variant and (rank, candidates) setting: recall = the fraction of
+positions whose full-head top-1 (top-4: each of the top-4 tokens) is among the candidates; time per token of
+stage 1 + stage 2 (`TwoStageHead.__call__`) against the full projection `h @ Wᵀ`, in calls of `--batch` tokens
+(default 8: about one layer of an EAGLE-2 draft tree), best of `--repeats` (1 thread); FLOP ratio =
+((V + d)·r + C·d) / (V·d), top-k selection not counted (it is what keeps the measured ratio above the FLOP ratio:
+a top-256 of 49,152 scores costs about as much as stage 1's matmuls at rank 64 on one core).
+Goal: among all settings measured at <= 0.25 of the full head's time, the best top-1 recall >= 0.98.
+
+Measured (2 shared cores, 1 thread): full head 2.56 ms/token; "freq" reaches only 0.86 top-1 recall at rank 64 /
+256 candidates (0.24 of the time); the hidden moment lifts it to 0.97 ("freq+moment") and 0.98 ("moment"): on these
+held-out answers the sqrt(count + 1) weights cost recall once the fit is data-aware.
 """
 
 from __future__ import annotations
@@ -27,14 +35,15 @@ import torch
 from safetensors import safe_open
 
 from data.shards import FeatureDataset
-from models.lm_head import TwoStageHead, factorize, token_weights
+from models.lm_head import TwoStageHead, factorize, hidden_moment, token_weights
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET = ROOT / "artifacts/smollm2-135m-instruct/model.safetensors"
 FEATURES = ROOT / "artifacts/smollm2-run/features"
 FALLBACK = ROOT / "recipes/pocket/target/model.safetensors"
-SETTINGS = [(32, 256), (48, 256), (64, 256), (64, 512), (96, 256), (96, 512), (128, 512), (128, 1024)]
+SETTINGS = [(32, 256), (48, 256), (64, 256), (64, 512), (96, 256), (96, 512), (128, 512)]
 HELDOUT = 0.05
+MOMENT_SAMPLES = 100  # training-split samples whose hidden states (all positions, ~15k) give E[h·hᵀ]
 
 
 def load_head(path: Path) -> torch.Tensor:
@@ -43,11 +52,12 @@ def load_head(path: Path) -> torch.Tensor:
         return f.get_tensor(key).to(torch.float32)  # (V, d)
 
 
-def real_data(vocab: int, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(counts (V,) over the training split's loss tokens, held-out hidden states (positions, d))."""
+def real_data(vocab: int, positions: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(counts (V,) over the training split's loss tokens, held-out hidden states (positions, d), E[h·hᵀ] (d, d)
+    over the hidden states of the first MOMENT_SAMPLES training samples)."""
     # the checksums are the extraction's business; the benchmark only reads
     ds = FeatureDataset(FEATURES, verify_checksums=False)
-    _, heldout = ds.split(HELDOUT)
+    train, heldout = ds.split(HELDOUT)
     held_ids = {ds.sample_ids[i] for i in heldout}
     counts = torch.zeros(vocab, dtype=torch.int64)
     for entry in ds.shards:
@@ -65,7 +75,8 @@ def real_data(vocab: int, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
         hidden.append(sample["hidden"][:, -1][sample["loss_mask"] > 0].to(torch.float32))  # (loss tokens, d)
         if sum(len(x) for x in hidden) >= positions:
             break
-    return counts, torch.cat(hidden)[:positions]
+    moment = hidden_moment(torch.cat([ds[i]["hidden"][:, -1] for i in train[:MOMENT_SAMPLES]]))
+    return counts, torch.cat(hidden)[:positions], moment
 
 
 def best_time(fn, h: torch.Tensor, batch: int, repeats: int) -> float:
@@ -92,7 +103,7 @@ def main() -> None:
 
     if TARGET.is_file() and (FEATURES / "manifest.json").is_file():
         weight = load_head(TARGET)
-        counts, hidden = real_data(weight.shape[0], args.positions)
+        counts, hidden, moment = real_data(weight.shape[0], args.positions)
         source = (
             f"SmolLM2-135M tied embedding; frequencies from {int(counts.sum()):,} training-split loss tokens; "
             f"{len(hidden)} held-out hidden states"
@@ -101,6 +112,7 @@ def main() -> None:
         weight = load_head(FALLBACK)
         counts = torch.zeros(weight.shape[0], dtype=torch.int64)
         hidden = torch.randn(args.positions, weight.shape[1])
+        moment = hidden_moment(torch.randn(args.positions, weight.shape[1]))
         source = "FALLBACK (SmolLM2 artifacts absent): pocket target, uniform frequencies, random hidden states"
     vocab, d = weight.shape
     print(f"{source}; head {vocab} x {d}, {torch.get_num_threads()} thread(s), calls of {args.batch} tokens")
@@ -113,28 +125,34 @@ def main() -> None:
     print(f"full head: {full_time * 1e6:.1f} us/token")
 
     weights = token_weights(counts)
+    variants = {
+        "freq": {"weights": weights},
+        "freq+moment": {"weights": weights, "hidden_moment": moment},
+        "moment": {"hidden_moment": moment},
+    }
     factors = {}
     best = None
-    for rank, candidates in SETTINGS:
-        if rank not in factors:
-            factors[rank] = factorize(weight, rank, weights=weights)
-        head = TwoStageHead(weight, factors[rank], candidates)
+    for (rank, candidates), variant in [(s, v) for v in variants for s in SETTINGS]:
+        if (rank, variant) not in factors:
+            factors[rank, variant] = factorize(weight, rank, **variants[variant])
+        head = TwoStageHead(weight, factors[rank, variant], candidates)
         ids = torch.cat([head(hidden[i : i + 1024])[0] for i in range(0, len(hidden), 1024)])  # (N, C)
         hit = (ids[:, :, None] == top4[:, None, :]).any(dim=1)  # (N, 4): is each full top-4 token a candidate
         recall1, recall4 = hit[:, 0].float().mean().item(), hit.float().mean().item()
         t = best_time(head, timed, args.batch, args.repeats)
         ratio = t / full_time
         print(
-            f"rank {rank:4d} candidates {candidates:5d}: top1 recall {recall1:.4f}, top4 recall {recall4:.4f}, "
+            f"{variant:11s} rank {rank:4d} candidates {candidates:5d}: "
+            f"top1 recall {recall1:.4f}, top4 recall {recall4:.4f}, "
             f"{t * 1e6:7.1f} us/token = {ratio:.3f} of full, FLOP ratio {head.flops_ratio():.3f}"
         )
         if ratio <= 0.25 and (best is None or recall1 > best[0]):
-            best = (recall1, rank, candidates)
+            best = (recall1, rank, candidates, variant)
     if best is None:
         print("no setting ran within 0.25 of the full head's time")
-        best = (0.0, None, None)
+        best = (0.0,)
     else:
-        print(f"best setting within 0.25 of the full head's time: rank {best[1]}, candidates {best[2]}")
+        print(f"best setting within 0.25 of the full head's time: {best[3]}, rank {best[1]}, candidates {best[2]}")
     print(f"lm_head/top1_recall_at_quarter_cost: {best[0]:.4f} (goal >= 0.98)")
 
 
