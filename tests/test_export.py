@@ -24,7 +24,7 @@ from models.io import CONFIG_FILE, WEIGHTS_FILE, ExportError, load_draft_vocab, 
 from models.methods import METHODS
 from models.target import load_target
 from train.config import load_recipe
-from train.export import ENGINE_WEIGHTS, MEDUSA_WEIGHTS, export, load_run, medusa_names
+from train.export import ENGINE_WEIGHTS, MEDUSA_WEIGHTS, export, legacy_rope, load_run, medusa_names
 from train.export import main as export_main
 from train.loop import train
 
@@ -249,7 +249,9 @@ def test_vllm_format_writes_eagle_drafters_in_the_safeailab_layout(runs, tmp_pat
 def test_eagle_formats_round_trip(fmt, arch, runs, tmp_path):
     out = export(runs["eagle2-plain"], tmp_path / fmt, fmt=fmt)
     config = json.loads((out / "config.json").read_text())
-    assert config["architectures"] == [arch] and config["num_hidden_layers"] == 1 and config["bias"] is True
+    assert config["architectures"] == [arch] and config["num_hidden_layers"] == 1
+    assert config.get("bias") is (True if fmt == "eagle" else None)  # SGLang would read `bias` as attention biases
+    assert config["rope_theta"] == config["rope_parameters"]["rope_theta"]  # transformers-4 consumers read this
     assert config["hidden_size"] == 64 and config["vocab_size"] == 8192
     theirs = load_file(str(out / ENGINE_WEIGHTS))
     assert {
@@ -267,6 +269,19 @@ def test_eagle_formats_round_trip(fmt, arch, runs, tmp_path):
     batch = a_batch(runs["eagle2-plain"])
     with torch.no_grad():
         assert torch.equal(fresh.logits(fresh.predict_features(batch)), trained.logits(trained.predict_features(batch)))
+
+
+def test_sglang_gets_a_zero_fc_bias_and_every_eagle_layout_the_legacy_rope_fields(runs, tmp_path):
+    out = export(runs["eagle2-vllm"], tmp_path / "sglang", fmt="sglang")  # a drafter trained without fc bias
+    theirs = load_file(str(out / ENGINE_WEIGHTS))
+    assert torch.equal(theirs["fc.bias"], torch.zeros(theirs["fc.weight"].shape[0], dtype=theirs["fc.weight"].dtype))
+    assert "bias" not in json.loads((out / "config.json").read_text())
+    scaled = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 8192, "rope_theta": 500000.0}  # fmt: skip
+    legacy = legacy_rope({"rope_parameters": scaled})
+    assert legacy["rope_theta"] == 500000.0 and legacy["rope_scaling"]["type"] == "llama3"
+    assert legacy["rope_scaling"]["factor"] == 8.0 and "rope_theta" not in legacy["rope_scaling"]
+    assert legacy_rope({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}) == {"rope_theta": 1e4}
 
 
 def test_engine_formats_refuse_what_they_cannot_hold(runs, tmp_path):

@@ -17,7 +17,10 @@ Engine formats, each a `config.json` + safetensors file:
 - `medusa`: FasterDecoding Medusa, `medusa_lm_head.safetensors` with `{h}.{l}.linear.weight|bias` and
   `{h}.{L}.weight`; config `medusa_num_heads`, `medusa_num_layers`, `base_model_name_or_path`.
 - `eagle` (SafeAILab EAGLE-1/2) and `sglang` (`LlamaForCausalLMEagle`): a one-layer Llama config plus
-  `fc.weight`, `fc.bias`, `layers.0.*` (no input_layernorm). These layouts have no FC-Norm, post-norm
+  `fc.weight`, `fc.bias`, `layers.0.*` (no input_layernorm). Both configs carry `rope_theta` (and a legacy
+  `rope_scaling` for scaled RoPE) beside `rope_parameters`, since transformers-4-based consumers read only those
+  and fall back to base 10000. SGLang's fc always has a bias and its Llama layers read a `bias` key as attention
+  biases, so the `sglang` layout writes no `bias` key and an `fc.bias` of zeros for a drafter trained without one. These layouts have no FC-Norm, post-norm
   or multi-layer fusion, so only drafters trained with `fc_norm: false`, `post_norm: false` and
   `feature_layers: [-1]` export to them; the others are refused rather than exported silently wrong.
 - `vllm`: Medusa heads as vLLM's `MedusaModel` (`model_type: medusa`, `blocks.{h}.layers.{l}.*`,
@@ -38,6 +41,7 @@ import shutil
 import sys
 from pathlib import Path
 
+import torch
 from torch import nn
 
 from data.shards import FeatureDataset, FeatureMismatchError, frequent_loss_tokens
@@ -160,10 +164,30 @@ def _write_eagle(out: Path, target: Target, drafter: nn.Module, include_target_w
     tensors = dict(drafter.trainable_state_dict())
     if include_target_weights:  # engines then use this copy instead of the target's embedding
         tensors["embed_tokens.weight"] = drafter.embed_tokens.weight
+    sglang = arch == SGLANG_EAGLE
+    if sglang and "fc.bias" not in tensors:  # SGLang's fc always has a bias: load zeros, not its initial values
+        tensors["fc.bias"] = torch.zeros(tensors["fc.weight"].shape[0], dtype=tensors["fc.weight"].dtype)
     write_safetensors(tensors, out / ENGINE_WEIGHTS)
     config = {k: v for k, v in target.config.to_dict().items() if k not in _VOLATILE}
-    config.update(architectures=[arch], num_hidden_layers=cfg.num_layers, bias=cfg.fc_bias, tie_word_embeddings=False)
+    config.update(architectures=[arch], num_hidden_layers=cfg.num_layers, tie_word_embeddings=False)
+    config.update(legacy_rope(config))
+    if not sglang:  # SafeAILab reads `bias` as the fc's; SGLang's Llama layers would read it as attention biases
+        config["bias"] = cfg.fc_bias
     (out / "config.json").write_text(json.dumps(config, indent=2, default=str) + "\n")
+
+
+def legacy_rope(config: dict) -> dict:
+    """`rope_theta` (and a legacy `rope_scaling` for scaled RoPE) beside transformers-5's `rope_parameters`:
+    consumers built on transformers 4 read those and silently fall back to base 10000 without them."""
+    rope = config.get("rope_parameters") or {}
+    out = {"rope_theta": rope["rope_theta"]} if "rope_theta" in rope else {}
+    kind = rope.get("rope_type", "default")
+    if kind != "default":
+        out["rope_scaling"] = {"rope_type": kind, "type": kind, **{k: v for k, v in rope.items() if k != "rope_theta"}}
+    return out
+
+
+SGLANG_EAGLE = "LlamaForCausalLMEagle"
 
 
 def write_eagle(out: Path, recipe: Recipe, target: Target, drafter: nn.Module, include_target_weights: bool) -> None:
@@ -171,7 +195,7 @@ def write_eagle(out: Path, recipe: Recipe, target: Target, drafter: nn.Module, i
 
 
 def write_sglang(out: Path, recipe: Recipe, target: Target, drafter: nn.Module, include_target_weights: bool) -> None:
-    _write_eagle(out, target, drafter, include_target_weights, "LlamaForCausalLMEagle")
+    _write_eagle(out, target, drafter, include_target_weights, SGLANG_EAGLE)
 
 
 ENGINE_FORMATS = {"medusa": write_medusa, "eagle": write_eagle, "sglang": write_sglang, "vllm": write_vllm}
