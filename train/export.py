@@ -20,9 +20,10 @@ Engine formats, each a `config.json` + safetensors file:
   `fc.weight`, `fc.bias`, `layers.0.*` (no input_layernorm). Both configs carry `rope_theta` (and a legacy
   `rope_scaling` for scaled RoPE) beside `rope_parameters`, since transformers-4-based consumers read only those
   and fall back to base 10000. SGLang's fc always has a bias and its Llama layers read a `bias` key as attention
-  biases, so the `sglang` layout writes no `bias` key and an `fc.bias` of zeros for a drafter trained without one. These layouts have no FC-Norm, post-norm
-  or multi-layer fusion, so only drafters trained with `fc_norm: false`, `post_norm: false` and
-  `feature_layers: [-1]` export to them; the others are refused rather than exported silently wrong.
+  biases, so the `sglang` layout writes no `bias` key and an `fc.bias` of zeros for a drafter trained without
+  one. These layouts have no FC-Norm, post-norm or multi-layer fusion, so only drafters trained with
+  `fc_norm: false`, `post_norm: false` and `feature_layers: [-1]` export to them; the others are refused rather
+  than exported silently wrong.
 - `vllm`: Medusa heads as vLLM's `MedusaModel` (`model_type: medusa`, `blocks.{h}.layers.{l}.*`,
   `lm_heads.{h}.weight`, `medusa_fc_bias: true`); EAGLE-1/2 drafters as `eagle` (vLLM reads that layout), only
   with `fc_bias: false`, since vLLM's EAGLE fc has no bias and it drops an `fc.bias` without a word.
