@@ -355,17 +355,26 @@ class FeatureDataset:
         return split_by_id(self.sample_ids, heldout_fraction, seed)
 
 
-def frequent_loss_tokens(dataset: FeatureDataset, size: int) -> torch.Tensor:
-    """The `size` most frequent loss tokens of a feature dataset's shards, most frequent first (ties: lower id
-    first): (<= size,) int64. Training's `train.loss_vocab` and evaluation's `eval.draft_vocab` both use it, so the
-    same size gives the same tokens."""
-    counts = torch.zeros(0, dtype=torch.int64)
+def loss_token_counts(dataset: FeatureDataset, vocab_size: int | None = None) -> torch.Tensor:
+    """How often each token id is a loss token in a feature dataset's shards: (vocab_size,) int64, or as long as
+    the largest id seen + 1 when `vocab_size` is None; ids >= vocab_size are refused."""
+    counts = torch.zeros(vocab_size or 0, dtype=torch.int64)
     for entry in dataset.shards:
         with safe_open(str(dataset.directory / entry["file"]), framework="pt") as shard:
             ids = shard.get_tensor("input_ids").to(torch.int64)[shard.get_tensor("loss_mask") > 0]
+        if vocab_size is not None and len(ids) and int(ids.max()) >= vocab_size:
+            raise ValueError(f"vocab_size={vocab_size}: {dataset.directory} has loss token id {int(ids.max())}")
         new = torch.bincount(ids)
         if len(new) > len(counts):
             counts = torch.nn.functional.pad(counts, (0, len(new) - len(counts)))
         counts[: len(new)] += new
+    return counts
+
+
+def frequent_loss_tokens(dataset: FeatureDataset, size: int) -> torch.Tensor:
+    """The `size` most frequent loss tokens of a feature dataset's shards, most frequent first (ties: lower id
+    first): (<= size,) int64. Training's `train.loss_vocab` and evaluation's `eval.draft_vocab` both use it, so the
+    same size gives the same tokens."""
+    counts = loss_token_counts(dataset)
     seen = int((counts > 0).sum())
     return counts.argsort(descending=True, stable=True)[: min(size, seen)]

@@ -10,6 +10,9 @@ and prompt lookup), `run.py` (prompts, drafter, batches, report), `report.py`, `
 stub drafters), `__main__.py` (the command line).
 """
 
+REPORT_FILES = ("report.json", "report.md", "report.png", "recipe.yaml")
+"""What an evaluation writes to its output directory (recipe.yaml: the settings it ran with)."""
+
 
 class EvalError(ValueError):
     """Bad eval input (prompts file, drafter, tree); the message names the file / key."""

@@ -35,7 +35,7 @@ import yaml
 from data.chat import ChatTemplateError, DataError
 from data.prepare import prepare_dataset
 from data.shards import FeatureDataset, FeatureMismatchError, frequent_loss_tokens, split_by_id
-from eval import EvalError, kernels
+from eval import REPORT_FILES, EvalError, kernels
 from eval.baselines import PROMPT_LOOKUP_TOKENS, plain_generate, plain_generate_batch, prompt_lookup_generate
 from eval.checks import near_tie, tie_margin
 from eval.decode import DecodeSettings, GenerationResult, speculative_generate_batch
@@ -294,10 +294,6 @@ def process_gpus(local_index: int, num_local_processes: int, num_gpus: int) -> l
 def drafter_directory(recipe: dict[str, Any]) -> str:
     """The export a recipe (as a dict) evaluates: `eval.drafter`, else `export.out`, else <train.output_dir>/export."""
     return recipe["eval"]["drafter"] or recipe["export"]["out"] or str(Path(recipe["train"]["output_dir"]) / "export")
-
-
-REPORT_FILES = ("report.json", "report.md", "report.png", "recipe.yaml")
-"""What an evaluation writes to its output directory (recipe.yaml: the settings it ran with)."""
 
 
 def _settings(recipe: dict[str, Any]) -> dict[str, Any]:

@@ -29,22 +29,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from data.shards import FeatureDataset
+from data.shards import loss_token_counts  # noqa: F401  (re-exported: the counts `token_weights` takes)
 
 FACTORS_FILE = "factors.safetensors"
-
-
-def loss_token_counts(dataset: FeatureDataset, vocab_size: int) -> torch.Tensor:
-    """How often each token id is a loss token in a feature dataset's shards: (vocab_size,) int64. Counted the
-    same way as `data.shards.frequent_loss_tokens` (which only keeps the order); ids >= vocab_size are refused."""
-    counts = torch.zeros(vocab_size, dtype=torch.int64)
-    for entry in dataset.shards:
-        with safe_open(str(dataset.directory / entry["file"]), framework="pt") as shard:
-            ids = shard.get_tensor("input_ids").to(torch.int64)[shard.get_tensor("loss_mask") > 0]
-        if len(ids) and int(ids.max()) >= vocab_size:
-            raise ValueError(f"vocab_size={vocab_size}: {dataset.directory} has loss token id {int(ids.max())}")
-        counts += torch.bincount(ids, minlength=vocab_size)
-    return counts
 
 
 def token_weights(counts: torch.Tensor) -> torch.Tensor:

@@ -46,6 +46,8 @@ from typing import Any
 
 import yaml
 
+from eval import REPORT_FILES
+
 ROOT = Path(__file__).resolve().parents[1]
 PIPELINE = "pipeline.yaml"
 SELFDISTILL_KEYS = {"prompts", "out", "limit", "max_new_tokens", "batch_size", "dtype", "processes", "temperature"}
@@ -58,7 +60,7 @@ def banner(text: str) -> None:
 def clear_report(eval_dir: Path) -> None:
     """Delete an out-of-date report before evaluating again: eval refuses to replace a report made with other
     settings, and here the driver decided the old one is stale (another drafter, other overrides)."""
-    for stale in ("report.json", "report.md", "report.png", "recipe.yaml"):
+    for stale in REPORT_FILES:
         (eval_dir / stale).unlink(missing_ok=True)
 
 

@@ -12,10 +12,10 @@ takes them: feature-shard `sample_ids`, or the prepared samples' `id`).
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
+
+from data.shards import write_json_atomic
 
 HELDOUT_FILE = "heldout.json"
 
@@ -26,21 +26,11 @@ class HeldoutError(ValueError):
 
 def write_heldout(output_dir: str | Path, sample_ids: Sequence[int | str]) -> Path:
     """Record the held-out samples' ids in `<output_dir>/heldout.json` (the directory is created); returns the file.
-
-    Written to a temporary file and renamed into place, so every process of a run may call it with the same ids
-    (no reader ever sees half a file), and a resumed run rewrites the same content."""
+    Written whole or not at all (`data.shards.write_json_atomic`); a resumed run rewrites the same content."""
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     ids = [i if isinstance(i, str) else int(i) for i in sample_ids]  # numpy / torch ints -> JSON numbers
-    fd, tmp = tempfile.mkstemp(dir=out, prefix=f".{HELDOUT_FILE}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump({"sample_ids": ids}, f)
-            f.write("\n")
-        os.replace(tmp, out / HELDOUT_FILE)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_json_atomic(out / HELDOUT_FILE, {"sample_ids": ids})
     return out / HELDOUT_FILE
 
 

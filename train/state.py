@@ -36,14 +36,14 @@ def _trainable(accelerator: Accelerator, model: torch.nn.Module) -> dict[str, to
     return {n: p for n, p in accelerator.unwrap_model(model).named_parameters() if p.requires_grad}
 
 
+def _hyper(group: dict) -> dict:
+    """A parameter group's hyper-parameters as JSON values (betas: a list), without its parameters."""
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in group.items() if k != "params"}
+
+
 def _group_meta(groups: list[dict], names: dict[int, str]) -> list[dict]:
     """Hyper-parameters of each group (JSON types) and the names of its parameters."""
-    out = []
-    for group in groups:
-        meta = {k: list(v) if isinstance(v, tuple) else v for k, v in group.items() if k != "params"}
-        meta["params"] = [names[id(p)] for p in group["params"]]
-        out.append(meta)
-    return out
+    return [{**_hyper(group), "params": [names[id(p)] for p in group["params"]]} for group in groups]
 
 
 # --------------------------------------------------------------------------------------------
@@ -79,7 +79,7 @@ def _gather_fsdp(accelerator, model, optimizer):
     trainable = _trainable(accelerator, model)
     params = {n: model_sd[n].float() for n in trainable if n in model_sd}
     moments = {f"{n}/{k}": v.float() for n, state in optim_sd["state"].items() for k, v in state.items()}
-    groups = [{k: list(v) if isinstance(v, tuple) else v for k, v in g.items()} for g in optim_sd["param_groups"]]
+    groups = [{**_hyper(g), "params": g["params"]} for g in optim_sd["param_groups"]]  # params: names already
     return params, moments, groups
 
 
@@ -151,7 +151,7 @@ def _deepspeed_groups(optimizer, trainable, names) -> list[dict]:
     )
     out = []
     for i, group in enumerate(base.param_groups):
-        meta = {k: list(v) if isinstance(v, tuple) else v for k, v in group.items() if k != "params"}
+        meta = _hyper(group)
         if original is not None and i < len(original):
             meta["params"] = [names[id(p)] for p in original[i] if id(p) in names]
         out.append(meta)
