@@ -24,7 +24,7 @@ from models.io import CONFIG_FILE, WEIGHTS_FILE, ExportError, load_draft_vocab, 
 from models.methods import METHODS
 from models.target import load_target
 from train.config import load_recipe
-from train.export import ENGINE_WEIGHTS, MEDUSA_WEIGHTS, export, legacy_rope, load_run, medusa_names
+from train.export import ENGINE_WEIGHTS, MEDUSA_PT, MEDUSA_WEIGHTS, export, legacy_rope, load_run, medusa_names
 from train.export import main as export_main
 from train.loop import train
 
@@ -50,6 +50,9 @@ def runs(tmp_path_factory) -> dict[str, Path]:
         ("eagle2", "eagle2", []),
         ("medusa1", "medusa1", []),
         ("medusa1-shared", "medusa1", ["drafter.share_lm_head=true"]),
+        ("medusa5", "medusa1", ["drafter.num_heads=5"]),  # FasterDecoding's loader builds 5 heads
+        ("medusa5-shared", "medusa1", ["drafter.num_heads=5", "drafter.share_lm_head=true"]),
+        ("medusa5-2layers", "medusa1", ["drafter.num_heads=5", "drafter.num_layers=2"]),
         ("eagle2-plain", "eagle2", plain),
         ("eagle2-vllm", "eagle2", [*plain, "drafter.fc_bias=false"]),  # vLLM's EAGLE fc has no bias
         ("eagle2-vocab", "eagle2", ["eval.draft_vocab=16"]),
@@ -173,29 +176,43 @@ def test_cli(runs, tmp_path, capsys):
 
 
 def test_medusa_format_round_trip(runs, tmp_path):
-    out = export(runs["medusa1"], tmp_path / "medusa", fmt="medusa")
+    out = export(runs["medusa5"], tmp_path / "medusa", fmt="medusa")
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", MEDUSA_PT, MEDUSA_WEIGHTS]
     config = json.loads((out / "config.json").read_text())
-    assert config["medusa_num_heads"] == 3 and config["medusa_num_layers"] == 1
+    assert config["medusa_num_heads"] == 5 and config["medusa_num_layers"] == 1
     assert config["base_model_name_or_path"] == "random_init:llama"
-    recipe, target, trained = load_run(runs["medusa1"])
+    recipe, target, trained = load_run(runs["medusa5"])
     theirs = load_file(str(out / MEDUSA_WEIGHTS))
-    assert sorted(theirs) == sorted(["0.0.linear.weight", "0.0.linear.bias", "0.1.weight"] + [
-        f"{h}.{k}" for h in (1, 2) for k in ("0.linear.weight", "0.linear.bias", "1.weight")
-    ])  # fmt: skip
+    assert sorted(theirs) == sorted(
+        f"{h}.{k}" for h in range(5) for k in ("0.linear.weight", "0.linear.bias", "1.weight")
+    )
+    pt = torch.load(out / MEDUSA_PT, weights_only=True)  # what FasterDecoding's loader reads: tensors only
+    assert type(pt) is dict and pt.keys() == theirs.keys() and all(torch.equal(pt[k], theirs[k]) for k in pt)
     fresh = METHODS["medusa1"].module()(recipe.drafter, target.parts(recipe.data.layers)).eval()
     fresh.load_state_dict({ours: theirs[name] for ours, name in medusa_names(fresh).items()}, strict=False)
-    hidden = a_batch(runs["medusa1"])["hidden"][:, :, 0]
+    hidden = a_batch(runs["medusa5"])["hidden"][:, :, 0]
     with torch.no_grad():
         assert torch.equal(fresh.head_logits(hidden), trained.head_logits(hidden))
 
 
 def test_medusa_format_with_a_shared_lm_head(runs, tmp_path):
     """share_lm_head heads: FasterDecoding Medusa has no shared projection, so every head gets the target's."""
-    out = export(runs["medusa1-shared"], tmp_path / "medusa", fmt="medusa")
-    _, target, _ = load_run(runs["medusa1-shared"])
+    out = export(runs["medusa5-shared"], tmp_path / "medusa", fmt="medusa")
+    _, target, _ = load_run(runs["medusa5-shared"])
     theirs = load_file(str(out / MEDUSA_WEIGHTS))
-    for h in range(3):
+    for h in range(5):
         assert torch.equal(theirs[f"{h}.1.weight"], target.lm_head.weight.detach())
+
+
+def test_medusa_format_refuses_what_fasterdecoding_cannot_hold(runs, tmp_path):
+    with pytest.raises(ExportError, match=r"^drafter.num_heads: FasterDecoding .* builds 5 heads") as err:
+        export(runs["medusa1"], tmp_path / "a", fmt="medusa")
+    assert "\n" not in str(err.value)
+    with pytest.raises(ExportError, match=r"^drafter.num_layers: .* shares one ResBlock"):
+        export(runs["medusa5-2layers"], tmp_path / "b", fmt="medusa")
+    assert not list(tmp_path.iterdir())
+    out = export(runs["medusa5-2layers"], tmp_path / "vllm", fmt="vllm")  # vLLM's blocks are separate: it holds them
+    assert json.loads((out / "config.json").read_text())["num_hidden_layers"] == 2
 
 
 def vllm_medusa_logits(out: Path, hidden: torch.Tensor) -> torch.Tensor:

@@ -14,8 +14,12 @@ vocabulary subset (`eval.draft_vocab`, `train.loss_vocab`), and is reloaded stri
 their method-specific files next to it (Medusa-2: `heads/`, the LoRA `adapter/`, `merged/` with --merge-lora).
 
 Engine formats, each a `config.json` + safetensors file:
-- `medusa`: FasterDecoding Medusa, `medusa_lm_head.safetensors` with `{h}.{l}.linear.weight|bias` and
-  `{h}.{L}.weight`; config `medusa_num_heads`, `medusa_num_layers`, `base_model_name_or_path`.
+- `medusa`: FasterDecoding Medusa, `medusa_lm_head.pt` (what its loader reads: a plain dict of tensors through
+  `torch.save`, loadable with `torch.load(weights_only=True)`) and the same tensors in `medusa_lm_head.safetensors`,
+  named `{h}.{l}.linear.weight|bias` and `{h}.{L}.weight`; config `medusa_num_heads`, `medusa_num_layers`,
+  `base_model_name_or_path`. Its loader builds 5 heads whatever the config says (`strict=False`: other heads would
+  be random) and shares one ResBlock across a head's layers, so only `drafter.num_heads=5`, `drafter.num_layers=1`
+  export to it; others are refused (`vllm` holds any).
 - `eagle` (SafeAILab EAGLE-1/2) and `sglang` (`LlamaForCausalLMEagle`): a one-layer Llama config plus
   `fc.weight`, `fc.bias`, `layers.0.*` (no input_layernorm). Both configs carry `rope_theta` (and a legacy
   `rope_scaling` for scaled RoPE) beside `rope_parameters`, since transformers-4-based consumers read only those
@@ -27,6 +31,9 @@ Engine formats, each a `config.json` + safetensors file:
 - `vllm`: Medusa heads as vLLM's `MedusaModel` (`model_type: medusa`, `blocks.{h}.layers.{l}.*`,
   `lm_heads.{h}.weight`, `medusa_fc_bias: true`); EAGLE-1/2 drafters as `eagle` (vLLM reads that layout), only
   with `fc_bias: false`, since vLLM's EAGLE fc has no bias and it drops an `fc.bias` without a word.
+Every engine export passes its load gate (`train.gates`) before it is renamed into place: a re-implementation of
+the consumer's loading code (config fields and their defaults, tensor names, strictness) reloads it from the
+directory and must give the trained drafter's draft logits, else the export fails naming the field.
 The export is written under `<out>.tmp` and renamed once complete (a failed export leaves nothing behind; an
 earlier export at `<out>` is replaced, any other existing directory refused). Weights are written through a
 temporary file and a rename; tensors that share memory (tied embeddings, heads
@@ -52,8 +59,10 @@ from models.methods import METHODS
 from models.target import Target, TargetError, load_target
 from train.checkpoint import DRAFTER_FILE, RECIPE_FILE, CheckpointError, latest_checkpoint, read_state
 from train.config import Recipe, RecipeError, load_recipe
+from train.gates import FASTERDECODING_HEADS, MEDUSA_PT, MEDUSA_SAFETENSORS
+from train.gates import check as gate_check
 
-MEDUSA_WEIGHTS = "medusa_lm_head.safetensors"
+MEDUSA_WEIGHTS = MEDUSA_SAFETENSORS
 ENGINE_WEIGHTS = "model.safetensors"
 # Target config keys that describe the loading call, not the architecture (left out of engine configs).
 _VOLATILE = {"_name_or_path", "transformers_version", "dtype", "torch_dtype", "_attn_implementation_autoset"}
@@ -102,17 +111,49 @@ def medusa_names(drafter: MedusaHeads) -> dict[str, str]:
     return names
 
 
+def check_fasterdecoding(drafter: MedusaHeads) -> None:
+    """Refuse heads FasterDecoding's legacy loader cannot hold (it builds 5 heads of one shared ResBlock each)."""
+    if drafter.cfg.num_heads != FASTERDECODING_HEADS:
+        raise ExportError(
+            f"drafter.num_heads: FasterDecoding Medusa's loader builds {FASTERDECODING_HEADS} heads whatever "
+            f"medusa_num_heads says and loads with strict=False, so {drafter.cfg.num_heads} trained heads would run "
+            f"beside random ones; train with drafter.num_heads={FASTERDECODING_HEADS}, or export --format vllm"
+        )
+    if drafter.cfg.num_layers != 1:
+        raise ExportError(
+            f"drafter.num_layers: FasterDecoding Medusa shares one ResBlock across a head's layers "
+            f"([ResBlock] * medusa_num_layers), so {drafter.cfg.num_layers} trained layers would load as the last one "
+            "repeated; train with drafter.num_layers=1, or export --format vllm"
+        )
+
+
 def write_medusa(out: Path, recipe: Recipe, target: Target, drafter: nn.Module, include_target_weights: bool) -> None:
+    check_fasterdecoding(drafter)
+    write_medusa_files(out, recipe, target, drafter)
+
+
+def write_medusa_files(out: Path, recipe: Recipe, target: Target, drafter: MedusaHeads) -> None:
+    """The FasterDecoding files, unchecked (`write_medusa` refuses what its loader cannot hold first)."""
     state = drafter.state_dict()
     shared = drafter.lm_head.weight if drafter.lm_heads is None else None  # share_lm_head: every head gets a copy
     tensors = {theirs: state.get(ours, shared) for ours, theirs in medusa_names(drafter).items()}
     write_safetensors(tensors, out / MEDUSA_WEIGHTS)
+    write_pt(tensors, out / MEDUSA_PT)
     config = {
         "medusa_num_heads": drafter.cfg.num_heads,
         "medusa_num_layers": drafter.cfg.num_layers,
         "base_model_name_or_path": recipe.target.path or target.name,
     }
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def write_pt(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """A plain dict of tensors through `torch.save` (each its own contiguous CPU copy, no module or other object),
+    so `torch.load(path, weights_only=True)` reads it; written through a temporary file and a rename."""
+    plain = {name: t.detach().cpu().contiguous().clone() for name, t in tensors.items()}
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(plain, tmp)
+    tmp.replace(path)
 
 
 def write_vllm_medusa(out: Path, recipe: Recipe, target: Target, drafter: nn.Module) -> None:
@@ -232,6 +273,7 @@ def export(
     try:
         if fmt in ENGINE_FORMATS:
             ENGINE_FORMATS[fmt](tmp, recipe, target, drafter, include_target_weights)
+            gate_check(fmt, tmp, recipe, target, drafter)  # reloaded as its consumer does, before the rename
         else:
             save_native(tmp, drafter, target, recipe.to_dict(), include_target_weights)
             vocab = max(recipe.eval.draft_vocab, recipe.train.loss_vocab)

@@ -1,0 +1,463 @@
+"""Load gates: reload an engine export the way its consumer does and compare draft logits with the trained drafter.
+
+    diff = check("sglang", out_dir, recipe, target, drafter)   # raises ExportError when the consumer would differ
+
+Each gate is a small, independent re-implementation of one consumer's loading path, built only from the exported
+directory (the `config.json` fields the consumer reads, with the consumer's defaults when absent; the tensor names
+it reads, with its strictness: a parameter it builds but the file lacks keeps a random initialisation, a tensor it
+does not know is ignored, a shape it does not build is an error) plus the frozen target (embedding when the file
+has none, lm_head). It computes draft logits on a fixed random input (features, token ids, positions, causal) and
+`check` compares them with the trained drafter's (`drafter.logits(drafter.predict_features(batch))` for EAGLE,
+`drafter.head_logits(hidden)` for Medusa). What the consumer fell back on (a default, a random tensor, a head count)
+is named in the error, so the message points at the field.
+
+Consumers reproduced (transformers-4 conventions: `rope_theta` / `rope_scaling`, never `rope_parameters`):
+- `medusa`: FasterDecoding Medusa's legacy `MedusaModel.from_pretrained`: `medusa_lm_head.pt` through `torch.load`
+  (read here with `weights_only=True`), 5 heads whatever `medusa_num_heads` says, `medusa_num_layers` (default 1)
+  copies of ONE shared ResBlock per head (the last `{h}.{l}.linear.*` loaded wins), `load_state_dict(strict=False)`.
+- `eagle`: SafeAILab EAGLE-1/2 (`cnets1.py`, `use_eagle3=False`): fc bias from `bias` (default True), no attention
+  bias, head_dim = hidden_size // num_attention_heads.
+- `sglang`: `LlamaForCausalLMEagle`: fc always with a bias (not checked for presence), `bias` (default False) as the
+  q/k/v/o attention biases, `head_dim` when given.
+- `vllm`: EAGLE drafters as `EagleLlamaForCausalLM` (fc without bias, an `fc.bias` dropped; `attention_bias` or
+  `bias` as attention biases); Medusa heads as `MedusaModel` (`num_heads` default 5, `num_hidden_layers` default 1,
+  block bias only with `medusa_fc_bias`, `lm_heads.0` for every head with `original_lm_head`).
+All EAGLE layouts: `layers.{i}.*` for `num_hidden_layers` layers, layer 0 without input_layernorm, no final norm,
+logits through the target's lm_head; RoPE from `rope_theta` (default 10000) and `rope_scaling` (default, linear and
+llama3 are reproduced; another type is refused by the gate rather than guessed).
+
+Adding a gate for a new format: write `def gate(out_dir, recipe, target, drafter) -> GateResult` and decorate it with
+`@register("format-name")`; `train.export` runs `check` on every engine format, so an unregistered one is refused.
+The functional consumers (`eagle_consumer_logits`, `medusa_fd_logits`, `vllm_medusa_logits`) take a config dict and
+a tensor dict, so `train.imports` verifies imported checkpoints with the same code.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.io import ExportError, read_safetensors
+
+MEDUSA_PT = "medusa_lm_head.pt"
+MEDUSA_SAFETENSORS = "medusa_lm_head.safetensors"
+ENGINE_WEIGHTS = "model.safetensors"
+FASTERDECODING_HEADS = 5
+"""FasterDecoding Medusa's legacy loader builds this many heads whatever `medusa_num_heads` says."""
+GATE_BATCH, GATE_LEN, GATE_SEED = 2, 12, 1234
+ROW_OFFSET = 1000
+"""Positions of the gate's second row start here: a wrong RoPE base or scaling shows at large positions."""
+
+
+@dataclass
+class GateResult:
+    consumer: torch.Tensor
+    """Draft logits as the consumer computes them from the export, float32."""
+    reference: torch.Tensor
+    """The trained drafter's draft logits on the same input, float32."""
+    notes: list[str] = field(default_factory=list)
+    """What the consumer fell back on (defaults, random tensors, head counts): named in the error."""
+
+
+Gate = Callable[[Path, Any, Any, nn.Module], GateResult]
+GATES: dict[str, Gate] = {}
+
+
+def register(fmt: str) -> Callable[[Gate], Gate]:
+    """Decorator: `fmt`'s load gate (one per format; `check` looks it up)."""
+
+    def deco(gate: Gate) -> Gate:
+        GATES[fmt] = gate
+        return gate
+
+    return deco
+
+
+def tolerance(reference: torch.Tensor, dtype: torch.dtype) -> float:
+    """Max abs difference allowed: 1e-4 of the logits' scale in float32, 2e-2 when the drafter computes in 16 bits
+    (the gate computes in float32; layout errors move logits by far more than either)."""
+    scale = max(1.0, reference.abs().max().item())
+    return (1e-4 if dtype == torch.float32 else 2e-2) * scale
+
+
+def check(fmt: str, out_dir: str | Path, recipe, target, drafter: nn.Module) -> float:
+    """Run `fmt`'s gate on the export at `out_dir`; return the max abs logit difference, or raise ExportError."""
+    if fmt not in GATES:
+        raise ExportError(f"export.format: {fmt} has no load gate (train.gates.GATES has {', '.join(sorted(GATES))})")
+    was_training = drafter.training
+    drafter.eval()
+    try:
+        with torch.no_grad():
+            result = GATES[fmt](Path(out_dir), recipe, target, drafter)
+    finally:
+        drafter.train(was_training)
+    why = "; ".join(result.notes) if result.notes else "no field fell back on a default: check the tensors' values"
+    if result.consumer.shape != result.reference.shape:
+        raise ExportError(
+            f"{fmt} load gate: the consumer computes logits of shape {tuple(result.consumer.shape)}, the trained "
+            f"drafter {tuple(result.reference.shape)} ({why})"
+        )
+    diff = (result.consumer - result.reference).abs().max().item()
+    dtype = next(drafter.parameters()).dtype
+    if not diff <= tolerance(result.reference, dtype):  # also catches NaN
+        raise ExportError(
+            f"{fmt} load gate: draft logits of the export as its consumer loads it and of the trained drafter differ "
+            f"by {diff:.3g} ({why})"
+        )
+    return diff
+
+
+# --------------------------------------------------------------------------------------------
+# Reading an export as a consumer does
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ExportError(f"{path}: no such file")
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ExportError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise ExportError(f"{path}: expected a JSON object, got {type(config).__name__}")
+    return config
+
+
+def read_pt(path: Path) -> dict[str, torch.Tensor]:
+    """A `.pt` state dict as `torch.load(path, weights_only=True)` reads it: tensors only, never arbitrary pickle."""
+    if not path.is_file():
+        raise ExportError(f"{path}: no such file")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # pickle's, torch's or an OSError
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ExportError(f"{path}: not loadable with torch.load(weights_only=True) ({first})") from None
+    if not isinstance(state, dict) or not all(isinstance(k, str) and torch.is_tensor(v) for k, v in state.items()):
+        raise ExportError(f"{path}: expected a dict of named tensors, got {type(state).__name__}")
+    return state
+
+
+class Params:
+    """A consumer's parameters filled from a file: present tensors must have the shape it builds (else the load
+    fails), absent ones keep the consumer's initialisation (noted), unknown ones are ignored."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], where: str, device: torch.device, notes: list[str]):
+        self.tensors, self.where, self.device, self.notes = tensors, where, device, notes
+        self.gen = torch.Generator().manual_seed(GATE_SEED + 1)
+
+    def get(self, name: str, shape: tuple[int, ...], init: str = "random") -> torch.Tensor:
+        t = self.tensors.get(name)
+        if t is None:
+            self.notes.append(f"{name} missing from {self.where} (the consumer keeps its {init} initialisation)")
+            if init == "ones":
+                return torch.ones(shape, device=self.device)
+            if init == "zeros":
+                return torch.zeros(shape, device=self.device)
+            return (torch.rand(shape, generator=self.gen) * 0.2 - 0.1).to(self.device)
+        if tuple(t.shape) != tuple(shape):
+            raise ExportError(
+                f"{self.where}: {name} has shape {tuple(t.shape)}, the consumer builds {tuple(shape)} (load fails)"
+            )
+        return t.to(self.device, torch.float32)
+
+
+def config_value(config: dict, key: str, default: Any, notes: list[str]) -> Any:
+    if config.get(key) is None:
+        if default is not None:
+            notes.append(f"config.json has no {key} (the consumer uses {default})")
+        return default
+    return config[key]
+
+
+# --------------------------------------------------------------------------------------------
+# EAGLE-1/2 layouts: one functional Llama drafter, with each consumer's rules
+
+
+@dataclass(frozen=True)
+class EagleRules:
+    name: str
+    fc_bias: Callable[[dict, list], bool]
+    attn_bias: Callable[[dict, list], bool]
+    head_dim: Callable[[dict, list], int]
+
+
+def _head_dim_given(config: dict, notes: list) -> int:
+    return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+
+
+SAFEAILAB = EagleRules(
+    "SafeAILab EAGLE-1/2",
+    fc_bias=lambda c, n: bool(config_value(c, "bias", True, n)),
+    attn_bias=lambda c, n: False,
+    head_dim=lambda c, n: c["hidden_size"] // c["num_attention_heads"],
+)
+SGLANG = EagleRules(
+    "SGLang LlamaForCausalLMEagle",
+    fc_bias=lambda c, n: True,
+    attn_bias=lambda c, n: bool(c.get("bias", False)),
+    head_dim=_head_dim_given,
+)
+VLLM_EAGLE = EagleRules(
+    "vLLM EagleLlamaForCausalLM",
+    fc_bias=lambda c, n: False,
+    attn_bias=lambda c, n: bool(c.get("attention_bias", False) or c.get("bias", False)),
+    head_dim=_head_dim_given,
+)
+
+
+def rope_cos_sin(config: dict, head_dim: int, positions: torch.Tensor, notes: list) -> tuple[torch.Tensor, ...]:
+    """cos, sin (B, T, hd) as a transformers-4 Llama computes them from `rope_theta` and `rope_scaling`."""
+    theta = float(config_value(config, "rope_theta", 10000.0, notes))
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))  # (hd/2,)
+    scaling = config.get("rope_scaling")
+    if scaling:
+        kind = scaling.get("rope_type", scaling.get("type"))
+        if kind == "linear":
+            inv = inv / scaling["factor"]
+        elif kind == "llama3":
+            factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+            old = scaling["original_max_position_embeddings"]
+            wavelen = 2 * math.pi / inv
+            scaled = torch.where(wavelen > old / low, inv / factor, inv)
+            smooth = (old / wavelen - low) / (high - low)
+            smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+            medium = ~(wavelen < old / high) * ~(wavelen > old / low)
+            inv = torch.where(medium, smoothed, scaled)
+        elif kind != "default":
+            raise ExportError(
+                f"config.json: rope_scaling type {kind!r}: the load gate reproduces default, linear and llama3 RoPE "
+                "only (add it to train.gates.rope_cos_sin)"
+            )
+    inv = inv.to(positions.device)
+    freqs = (inv[None, :, None].float() @ positions[:, None, :].float()).transpose(1, 2)  # (B, T, hd/2)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+def eagle_consumer_logits(
+    config: dict,
+    tensors: dict[str, torch.Tensor],
+    where: str,
+    rules: EagleRules,
+    target,
+    features: torch.Tensor,
+    next_ids: torch.Tensor,
+    positions: torch.Tensor,
+    notes: list[str],
+) -> torch.Tensor:
+    """Draft logits (B, T, V) of an EAGLE-1/2 drafter as `rules`' consumer builds it from (config, tensors):
+    fc(cat(embed(next_ids), features)) -> Llama layers (layer 0 without input norm) -> target lm_head. Causal."""
+    dev = features.device
+    for key in ("hidden_size", "num_attention_heads", "intermediate_size"):
+        if not isinstance(config.get(key), int):
+            raise ExportError(f"{where}: config.json: {key} is {config.get(key)!r}, the consumer needs an integer")
+    act = config.get("hidden_act", "silu")
+    if act != "silu":
+        raise ExportError(f"{where}: config.json: hidden_act {act!r}: the load gate reproduces silu only")
+    d, H, m = config["hidden_size"], config["num_attention_heads"], config["intermediate_size"]
+    Hkv = config.get("num_key_value_heads") or H
+    hd = rules.head_dim(config, notes)
+    eps = float(config_value(config, "rms_norm_eps", 1e-6, notes))
+    layers = int(config_value(config, "num_hidden_layers", 1, notes))
+    p = Params(tensors, where, dev, notes)
+    embed = tensors.get("embed_tokens.weight")
+    embed = (target.embed_tokens.weight if embed is None else embed).to(dev, torch.float32)
+    fc_w = p.get("fc.weight", (d, 2 * d))
+    fc_b = p.get("fc.bias", (d,)) if rules.fc_bias(config, notes) else None
+    if fc_b is None and "fc.bias" in tensors:
+        notes.append(f"fc.bias in {where} is dropped: {rules.name} builds fc without a bias")
+    h = F.linear(torch.cat([embed[next_ids], features.float()], dim=-1), fc_w, fc_b)  # (B, T, d)
+    B, T, _ = h.shape
+    cos, sin = rope_cos_sin(config, hd, positions, notes)
+    cos, sin = cos[:, None], sin[:, None]  # (B, 1, T, hd)
+    causal = torch.ones(T, T, dtype=torch.bool, device=dev).tril()
+    attn_bias = rules.attn_bias(config, notes)
+    for i in range(layers):
+        pre = f"layers.{i}."
+        x = h if i == 0 else _rms(h, p.get(pre + "input_layernorm.weight", (d,), "ones"), eps)
+
+        def proj(name: str, out: int, x: torch.Tensor, inp: int = d, pre: str = pre) -> torch.Tensor:
+            w = p.get(f"{pre}self_attn.{name}.weight", (out, inp))
+            b = p.get(f"{pre}self_attn.{name}.bias", (out,)) if attn_bias else None
+            return F.linear(x, w, b)
+
+        q = proj("q_proj", H * hd, x).view(B, T, H, hd).transpose(1, 2)
+        k = proj("k_proj", Hkv * hd, x).view(B, T, Hkv, hd).transpose(1, 2)
+        v = proj("v_proj", Hkv * hd, x).view(B, T, Hkv, hd).transpose(1, 2)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        k, v = k.repeat_interleave(H // Hkv, dim=1), v.repeat_interleave(H // Hkv, dim=1)
+        scores = (q @ k.transpose(-1, -2)) / math.sqrt(hd)
+        att = scores.masked_fill(~causal, float("-inf")).softmax(-1) @ v  # (B, H, T, hd)
+        h = h + proj("o_proj", d, att.transpose(1, 2).reshape(B, T, H * hd), H * hd)
+        x = _rms(h, p.get(pre + "post_attention_layernorm.weight", (d,), "ones"), eps)
+        gate = F.linear(x, p.get(pre + "mlp.gate_proj.weight", (m, d)))
+        up = F.linear(x, p.get(pre + "mlp.up_proj.weight", (m, d)))
+        h = h + F.linear(F.silu(gate) * up, p.get(pre + "mlp.down_proj.weight", (d, m)))
+    head = target.lm_head
+    bias = None if head.bias is None else head.bias.to(dev, torch.float32)
+    return F.linear(h, head.weight.to(dev, torch.float32), bias)  # (B, T, V)
+
+
+def eagle_inputs(drafter: nn.Module, vocab: int) -> tuple[dict, torch.Tensor, torch.Tensor]:
+    """The gate's fixed input: a batch for the drafter, and (features, next_ids) as a consumer reads them."""
+    dev = next(drafter.parameters()).device
+    gen = torch.Generator().manual_seed(GATE_SEED)
+    d = drafter.fc.in_features // 2
+    n_stored = len(drafter.stored_layers)
+    hidden = torch.randn(GATE_BATCH, GATE_LEN, n_stored, d, generator=gen)
+    ids = torch.randint(0, vocab, (GATE_BATCH, GATE_LEN), generator=gen)
+    positions = torch.arange(GATE_LEN).expand(GATE_BATCH, GATE_LEN) + ROW_OFFSET * torch.arange(GATE_BATCH)[:, None]
+    batch = {
+        "hidden": hidden.to(dev, drafter.compute_dtype),
+        "input_ids": ids.to(dev),
+        "position_ids": positions.to(dev),
+        "attention_mask": torch.ones(GATE_BATCH, GATE_LEN, dtype=torch.long, device=dev),
+        "loss_mask": torch.ones(GATE_BATCH, GATE_LEN, device=dev),
+    }
+    features = batch["hidden"][:, :, drafter.stored_layers.index(-1)]  # EAGLE-1/2: the last hidden state
+    next_ids = torch.cat([ids[:, 1:], ids[:, -1:]], dim=1).to(dev)  # x_{t+1}, as the drafter's training path
+    return batch, features, next_ids
+
+
+def eagle_gate(out_dir: Path, target, drafter: nn.Module, rules: EagleRules) -> GateResult:
+    if drafter.cfg.feature_layers != [-1]:
+        raise ExportError(
+            f"{rules.name} reads the last hidden state only; drafter.feature_layers is {drafter.cfg.feature_layers}"
+        )
+    config = read_json(out_dir / "config.json")
+    tensors = read_safetensors(out_dir / ENGINE_WEIGHTS)
+    batch, features, next_ids = eagle_inputs(drafter, target.config.vocab_size)
+    notes: list[str] = []
+    consumer = eagle_consumer_logits(
+        config, tensors, ENGINE_WEIGHTS, rules, target, features, next_ids, batch["position_ids"], notes
+    )
+    reference = drafter.logits(drafter.predict_features(batch))
+    return GateResult(consumer.float(), reference.float(), notes)
+
+
+# --------------------------------------------------------------------------------------------
+# Medusa layouts
+
+
+def medusa_hidden(drafter: nn.Module, d: int) -> torch.Tensor:
+    dev = next(drafter.parameters()).device
+    gen = torch.Generator().manual_seed(GATE_SEED)
+    return torch.randn(GATE_BATCH, GATE_LEN, d, generator=gen).to(dev, drafter.compute_dtype)
+
+
+def medusa_fd_logits(
+    config: dict,
+    tensors: dict[str, torch.Tensor],
+    where: str,
+    hidden: torch.Tensor,
+    vocab: int,
+    notes: list[str],
+    num_heads: int = FASTERDECODING_HEADS,
+) -> torch.Tensor:
+    """(num_heads, B, T, V) as FasterDecoding's legacy loader builds the heads: per head `[ResBlock] * L` (one
+    shared block: of `{h}.{l}.linear.*` the last one loaded wins) and `{h}.{L}.weight`; strict=False."""
+    d = hidden.shape[-1]
+    L = int(config_value(config, "medusa_num_layers", 1, notes))
+    p = Params(tensors, where, hidden.device, notes)
+    x0 = hidden.float()
+    out = []
+    for h in range(num_heads):
+        w = b = None
+        for layer in range(L):  # the same module under L names: each load overwrites the previous
+            if f"{h}.{layer}.linear.weight" in tensors:
+                w = p.get(f"{h}.{layer}.linear.weight", (d, d))
+            if f"{h}.{layer}.linear.bias" in tensors:
+                b = p.get(f"{h}.{layer}.linear.bias", (d,))
+        if w is None:
+            w = p.get(f"{h}.0.linear.weight", (d, d), "zeros")  # ResBlock zero-initialises its weight
+        if b is None:
+            b = p.get(f"{h}.0.linear.bias", (d,))
+        x = x0
+        for _ in range(L):
+            x = x + F.silu(F.linear(x, w, b))
+        out.append(F.linear(x, p.get(f"{h}.{L}.weight", (vocab, d))))
+    return torch.stack(out)
+
+
+@register("medusa")
+def medusa_gate(out_dir: Path, recipe, target, drafter: nn.Module) -> GateResult:
+    config = read_json(out_dir / "config.json")
+    tensors = read_pt(out_dir / MEDUSA_PT)  # what the loader reads; the safetensors copy must hold the same
+    copy = read_safetensors(out_dir / MEDUSA_SAFETENSORS)
+    if copy.keys() != tensors.keys() or any(not torch.equal(copy[k], tensors[k]) for k in copy):
+        raise ExportError(f"medusa load gate: {MEDUSA_SAFETENSORS} and {MEDUSA_PT} hold different tensors")
+    notes: list[str] = []
+    if drafter.cfg.num_heads != FASTERDECODING_HEADS:
+        notes.append(
+            f"medusa_num_heads: the consumer builds {FASTERDECODING_HEADS} heads, "
+            f"the drafter has {drafter.cfg.num_heads}"
+        )
+    if config.get("medusa_num_layers", 1) > 1:
+        notes.append("medusa_num_layers: the consumer shares one ResBlock across a head's layers")
+    hidden = medusa_hidden(drafter, target.config.hidden_size)
+    consumer = medusa_fd_logits(config, tensors, MEDUSA_PT, hidden, target.config.vocab_size, notes)
+    return GateResult(consumer, drafter.head_logits(hidden).float(), notes)
+
+
+def vllm_medusa_logits(
+    config: dict, tensors: dict[str, torch.Tensor], where: str, hidden: torch.Tensor, notes: list[str]
+) -> torch.Tensor:
+    """(K, B, T, V) as vLLM's `MedusaModel` builds the heads from its config fields (defaults when absent)."""
+    d = int(config_value(config, "hidden_size", 4096, notes))
+    vocab = int(config_value(config, "vocab_size", 32001, notes))
+    truncated = config.get("truncated_vocab_size") or vocab
+    if truncated != vocab:
+        raise ExportError(f"{where}: truncated_vocab_size {truncated} != vocab_size {vocab}: no token_map is written")
+    K = int(config_value(config, "num_heads", 5, notes))
+    L = int(config_value(config, "num_hidden_layers", 1, notes))
+    bias = bool(config.get("medusa_fc_bias", False))
+    shared = bool(config.get("original_lm_head", False))
+    p = Params(tensors, where, hidden.device, notes)
+    out = []
+    for h in range(K):
+        x = hidden.float()
+        for layer in range(L):
+            w = p.get(f"blocks.{h}.layers.{layer}.weight", (d, d))
+            b = p.get(f"blocks.{h}.layers.{layer}.bias", (d,)) if bias else None
+            x = x + F.silu(F.linear(x, w, b))
+        out.append(F.linear(x, p.get(f"lm_heads.{0 if shared else h}.weight", (vocab, d))))
+    return torch.stack(out)
+
+
+@register("vllm")
+def vllm_gate(out_dir: Path, recipe, target, drafter: nn.Module) -> GateResult:
+    if not hasattr(drafter, "head_logits"):  # EAGLE-1/2 drafters go out in the SafeAILab layout
+        return eagle_gate(out_dir, target, drafter, VLLM_EAGLE)
+    config = read_json(out_dir / "config.json")
+    tensors = read_safetensors(out_dir / ENGINE_WEIGHTS)
+    hidden = medusa_hidden(drafter, target.config.hidden_size)
+    notes: list[str] = []
+    consumer = vllm_medusa_logits(config, tensors, ENGINE_WEIGHTS, hidden, notes)
+    return GateResult(consumer, drafter.head_logits(hidden).float(), notes)
+
+
+@register("eagle")
+def safeailab_gate(out_dir: Path, recipe, target, drafter: nn.Module) -> GateResult:
+    return eagle_gate(out_dir, target, drafter, SAFEAILAB)
+
+
+@register("sglang")
+def sglang_gate(out_dir: Path, recipe, target, drafter: nn.Module) -> GateResult:
+    return eagle_gate(out_dir, target, drafter, SGLANG)
