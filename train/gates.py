@@ -336,6 +336,20 @@ def eagle_inputs(drafter: nn.Module, vocab: int) -> tuple[dict, torch.Tensor, to
     return batch, features, next_ids
 
 
+def rope_hints(config: dict, target_config) -> list[str]:
+    """Where the export's transformers-4 RoPE fields disagree with the target's (the drafter was trained with those)."""
+    rope = dict(getattr(target_config, "rope_parameters", None) or {})
+    theta = rope.get("rope_theta", getattr(target_config, "rope_theta", None))
+    kind = rope.get("rope_type", "default")
+    scaling = config.get("rope_scaling") or {}
+    hints = []
+    if theta is not None and config.get("rope_theta", 10000.0) != theta:
+        hints.append(f"config.json rope_theta is {config.get('rope_theta')!r}, the target's {theta}")
+    if scaling.get("rope_type", scaling.get("type", "default")) != kind:
+        hints.append(f"config.json rope_scaling is {config.get('rope_scaling')!r}, the target's RoPE type {kind!r}")
+    return hints
+
+
 def eagle_gate(out_dir: Path, target, drafter: nn.Module, rules: EagleRules) -> GateResult:
     if drafter.cfg.feature_layers != [-1]:
         raise ExportError(
@@ -344,7 +358,7 @@ def eagle_gate(out_dir: Path, target, drafter: nn.Module, rules: EagleRules) -> 
     config = read_json(out_dir / "config.json")
     tensors = read_safetensors(out_dir / ENGINE_WEIGHTS)
     batch, features, next_ids = eagle_inputs(drafter, target.config.vocab_size)
-    notes: list[str] = []
+    notes = rope_hints(config, target.config)
     consumer = eagle_consumer_logits(
         config, tensors, ENGINE_WEIGHTS, rules, target, features, next_ids, batch["position_ids"], notes
     )

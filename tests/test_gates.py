@@ -1,0 +1,255 @@
+"""Load gates (`train.gates`): good exports pass; exports a consumer loads wrong fail with one line naming the field.
+
+Drafters here are built untrained on tiny random targets and perturbed (no training needed to check a layout), then
+written with `train.export`'s writers and handed to `train.gates.check`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from models.configs import EagleConfig, MedusaConfig
+from models.eagle import EagleDrafter
+from models.io import ExportError
+from models.medusa import MedusaHeads
+from models.target import load_target
+from train import export as export_mod
+from train.config import load_recipe
+from train.gates import GATES, MEDUSA_PT, check
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = {
+    "model_type": "llama",
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
+LLAMA3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+          "high_freq_factor": 4.0, "original_max_position_embeddings": 64}  # fmt: skip
+
+
+def tiny_target(rope: dict | None = None):
+    config = dict(TINY, rope_parameters=rope) if rope else TINY
+    return load_target(random_init=config, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def targets():
+    return {
+        "plain": tiny_target(),
+        "theta": tiny_target({"rope_type": "default", "rope_theta": 500000.0}),
+        "llama3": tiny_target(LLAMA3),
+    }
+
+
+@pytest.fixture(scope="module")
+def recipes():
+    return {
+        "medusa": load_recipe(ROOT / "recipes/tiny/medusa1.yaml"),
+        "eagle": load_recipe(ROOT / "recipes/tiny/eagle2.yaml", ["drafter.fc_norm=false", "drafter.post_norm=false"]),
+    }
+
+
+@pytest.fixture
+def recipe(recipes, request):
+    """The tiny recipe of the test's method (writers and gates read its method, not its fields)."""
+    return recipes["medusa" if "medusa" in request.node.name else "eagle"]
+
+
+def perturbed(module: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+    return module.eval()
+
+
+def eagle(target, **cfg) -> EagleDrafter:
+    config = EagleConfig(fc_norm=False, post_norm=False, **cfg)
+    return perturbed(EagleDrafter(config, target.parts([-1])))
+
+
+def medusa(target, **cfg) -> MedusaHeads:
+    return perturbed(MedusaHeads(MedusaConfig(**cfg), target.parts([-1])))
+
+
+def write(fmt: str, out: Path, recipe, target, drafter, include_target_weights: bool = False) -> Path:
+    out.mkdir()
+    writer = {"eagle": export_mod.write_eagle, "sglang": export_mod.write_sglang, "vllm": export_mod.write_vllm}
+    if fmt == "medusa":
+        export_mod.write_medusa_files(out, recipe, target, drafter)
+    else:
+        writer[fmt](out, recipe, target, drafter, include_target_weights)
+    return out
+
+
+def one_line_error(match: str, *args) -> str:
+    with pytest.raises(ExportError, match=match) as err:
+        check(*args)
+    assert "\n" not in str(err.value)
+    return str(err.value)
+
+
+def test_every_engine_format_has_a_gate():
+    assert set(export_mod.ENGINE_FORMATS) <= set(GATES)
+
+
+@pytest.mark.parametrize(
+    "fmt,rope,cfg,weights",
+    [
+        ("eagle", "plain", {}, False),
+        ("eagle", "llama3", {"num_layers": 2}, True),
+        ("eagle", "theta", {"fc_bias": False}, False),
+        ("sglang", "llama3", {}, False),
+        ("sglang", "theta", {"fc_bias": False, "num_layers": 2}, False),
+        ("vllm", "llama3", {"fc_bias": False}, False),
+        ("vllm", "plain", {"fc_bias": False, "num_layers": 2}, True),
+    ],
+)
+def test_good_eagle_exports_pass(fmt, rope, cfg, weights, targets, recipe, tmp_path):
+    target = targets[rope]
+    drafter = eagle(target, **cfg)
+    out = write(fmt, tmp_path / fmt, recipe, target, drafter, weights)
+    assert check(fmt, out, recipe, target, drafter) < 1e-4
+
+
+@pytest.mark.parametrize("fmt,cfg", [("medusa", {}), ("medusa", {"share_lm_head": True}), ("vllm", {}),
+                                     ("vllm", {"num_heads": 3, "num_layers": 2, "share_lm_head": True})])  # fmt: skip
+def test_good_medusa_exports_pass(fmt, cfg, targets, recipe, tmp_path):
+    target = targets["plain"]
+    drafter = medusa(target, **{"num_heads": 5, **cfg})
+    out = write(fmt, tmp_path / fmt, recipe, target, drafter)
+    assert check(fmt, out, recipe, target, drafter) < 1e-4
+
+
+def test_sglang_without_fc_bias_keeps_a_random_bias(targets, recipe, tmp_path):
+    target = targets["plain"]
+    drafter = eagle(target, fc_bias=False)
+    out = write("sglang", tmp_path / "s", recipe, target, drafter)
+    tensors = load_file(str(out / "model.safetensors"))
+    del tensors["fc.bias"]  # what the writer used to do: SGLang then keeps its uninitialised bias
+    save_file(tensors, str(out / "model.safetensors"))
+    msg = one_line_error(r"^sglang load gate: .* differ by", "sglang", out, recipe, target, drafter)
+    assert "fc.bias missing from model.safetensors" in msg
+
+
+@pytest.mark.parametrize("fmt", ["eagle", "sglang", "vllm"])
+def test_a_missing_rope_theta_is_caught(fmt, targets, recipe, tmp_path):
+    target = targets["theta"]
+    drafter = eagle(target, fc_bias=False)
+    out = write(fmt, tmp_path / fmt, recipe, target, drafter)
+    config = json.loads((out / "config.json").read_text())
+    del config["rope_theta"]  # a transformers-4 consumer falls back to 10000, whatever rope_parameters says
+    (out / "config.json").write_text(json.dumps(config))
+    msg = one_line_error(f"^{fmt} load gate: .* differ by", fmt, out, recipe, target, drafter)
+    assert "config.json has no rope_theta (the consumer uses 10000.0)" in msg and "the target's 500000.0" in msg
+
+
+def test_a_missing_rope_scaling_is_caught(targets, recipe, tmp_path):
+    target = targets["llama3"]
+    drafter = eagle(target)
+    out = write("eagle", tmp_path / "e", recipe, target, drafter)
+    config = json.loads((out / "config.json").read_text())
+    del config["rope_scaling"]
+    (out / "config.json").write_text(json.dumps(config))
+    msg = one_line_error("^eagle load gate: .* differ by", "eagle", out, recipe, target, drafter)
+    assert "rope_scaling is None, the target's RoPE type 'llama3'" in msg
+
+
+def test_an_unknown_rope_type_is_refused_not_guessed(targets, recipe, tmp_path):
+    target = targets["plain"]
+    drafter = eagle(target)
+    out = write("eagle", tmp_path / "e", recipe, target, drafter)
+    config = json.loads((out / "config.json").read_text())
+    config["rope_scaling"] = {"type": "yarn", "factor": 4.0}
+    (out / "config.json").write_text(json.dumps(config))
+    one_line_error("rope_scaling type 'yarn'", "eagle", out, recipe, target, drafter)
+
+
+def test_safeailab_without_a_bias_key_builds_a_biased_fc(targets, recipe, tmp_path):
+    """SafeAILab reads `bias` (default True) for fc: dropping the key from a bias-free export gives a random bias."""
+    target = targets["plain"]
+    drafter = eagle(target, fc_bias=False)
+    out = write("eagle", tmp_path / "e", recipe, target, drafter)
+    config = json.loads((out / "config.json").read_text())
+    del config["bias"]
+    (out / "config.json").write_text(json.dumps(config))
+    msg = one_line_error("^eagle load gate", "eagle", out, recipe, target, drafter)
+    assert "config.json has no bias (the consumer uses True)" in msg and "fc.bias missing" in msg
+
+
+def test_vllm_drops_an_fc_bias(targets, recipe, tmp_path):
+    target = targets["plain"]
+    drafter = eagle(target, fc_bias=True)
+    out = tmp_path / "v"
+    out.mkdir()
+    export_mod.write_eagle(out, recipe, target, drafter, False)  # what `write_vllm` refuses to do
+    msg = one_line_error("^vllm load gate", "vllm", out, recipe, target, drafter)
+    assert "fc.bias in model.safetensors is dropped" in msg
+
+
+def test_a_three_head_medusa_loaded_the_fasterdecoding_way(targets, recipe, tmp_path):
+    target = targets["plain"]
+    drafter = medusa(target, num_heads=3)
+    out = write("medusa", tmp_path / "m", recipe, target, drafter)  # past the writer's refusal
+    msg = one_line_error(r"^medusa load gate: .* shape \(5, ", "medusa", out, recipe, target, drafter)
+    assert "medusa_num_heads: the consumer builds 5 heads, the drafter has 3" in msg
+
+
+def test_a_two_layer_medusa_loaded_the_fasterdecoding_way(targets, recipe, tmp_path):
+    target = targets["plain"]
+    drafter = medusa(target, num_heads=5, num_layers=2)
+    out = write("medusa", tmp_path / "m", recipe, target, drafter)
+    msg = one_line_error("^medusa load gate: .* differ by", "medusa", out, recipe, target, drafter)
+    assert "medusa_num_layers: the consumer shares one ResBlock" in msg
+
+
+def test_medusa_pt_must_load_with_weights_only(targets, recipe, tmp_path):
+    target = targets["plain"]
+    drafter = medusa(target, num_heads=5)
+    out = write("medusa", tmp_path / "m", recipe, target, drafter)
+    torch.save({"0.0.linear.weight": torch.zeros(1), "args": argparse.Namespace(x=1)}, out / MEDUSA_PT)
+    one_line_error(r"medusa_lm_head.pt: not loadable with torch.load\(weights_only=True\)", "medusa", out, recipe,
+                   target, drafter)  # fmt: skip
+
+
+def test_a_failing_gate_leaves_nothing(targets, recipe, tmp_path, monkeypatch):
+    """Through `train.export.export`: the gate runs inside `<out>.tmp`, which a failure removes."""
+    target = targets["plain"]
+    drafter = eagle(target, fc_bias=False)
+    run_recipe = load_recipe(ROOT / "recipes/tiny/eagle2.yaml", ["drafter.fc_norm=false", "drafter.post_norm=false"])
+    monkeypatch.setattr(export_mod, "load_run", lambda run_dir, checkpoint=None: (run_recipe, target, drafter))
+
+    def broken(out, *args):
+        export_mod.write_sglang(out, *args)
+        tensors = load_file(str(out / "model.safetensors"))
+        del tensors["fc.bias"]
+        save_file(tensors, str(out / "model.safetensors"))
+
+    monkeypatch.setitem(export_mod.ENGINE_FORMATS, "sglang", broken)
+    with pytest.raises(ExportError, match="^sglang load gate: .*fc.bias missing"):
+        export_mod.export(tmp_path / "run", tmp_path / "out", fmt="sglang")
+    assert not list(tmp_path.iterdir())
+    monkeypatch.setitem(export_mod.ENGINE_FORMATS, "sglang", export_mod.write_sglang)
+    out = export_mod.export(tmp_path / "run", tmp_path / "out", fmt="sglang")
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+
+
+def test_other_values_are_caught_too(targets, recipe, tmp_path):
+    target = targets["plain"]
+    drafter = eagle(target)
+    out = write("eagle", tmp_path / "e", recipe, target, drafter)
+    tensors = load_file(str(out / "model.safetensors"))
+    tensors["layers.0.mlp.down_proj.weight"] = tensors["layers.0.mlp.down_proj.weight"] * 1.01
+    save_file(tensors, str(out / "model.safetensors"))
+    one_line_error("^eagle load gate: .* differ by .*no field fell back", "eagle", out, recipe, target, drafter)
