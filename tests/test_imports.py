@@ -1,0 +1,257 @@
+"""Imports of SafeAILab EAGLE-1/2 and FasterDecoding Medusa checkpoints (`python -m train.imports`).
+
+Round trips: a drafter exported to `eagle` / `medusa` (through `train.export.export`, gate included) and imported
+back computes the original drafter's logits. Bad checkpoints: one `error:` line naming the file and field, nothing
+written at --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from models.configs import EagleConfig, MedusaConfig
+from models.eagle import EagleDrafter
+from models.io import load_drafter
+from models.medusa import MedusaHeads
+from train import export as export_mod
+from train.config import load_recipe
+from train.gates import MEDUSA_PT, MEDUSA_SAFETENSORS, eagle_inputs, medusa_hidden
+from train.imports import import_checkpoint, main, resolve_target
+
+ROOT = Path(__file__).resolve().parents[1]
+EAGLE_RECIPE = "recipes/tiny/eagle2.yaml"
+MEDUSA_RECIPE = "recipes/tiny/medusa1.yaml"
+
+
+@pytest.fixture(autouse=True)
+def at_root(monkeypatch):
+    monkeypatch.chdir(ROOT)
+
+
+@pytest.fixture(scope="module")
+def target():
+    mp = pytest.MonkeyPatch()
+    mp.chdir(ROOT)
+    yield resolve_target(EAGLE_RECIPE)  # the tiny recipes share their target
+    mp.undo()
+
+
+def perturbed(module: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+    return module.eval()
+
+
+def exported(fmt: str, drafter, recipe_file: str, overrides: list[str], target, out: Path, monkeypatch) -> Path:
+    """`train.export.export` of `drafter` (as if trained with `recipe_file` + overrides) to `fmt` at `out`."""
+    recipe = load_recipe(recipe_file, overrides)
+    monkeypatch.setattr(export_mod, "load_run", lambda run_dir, checkpoint=None: (recipe, target, drafter))
+    return export_mod.export(out.parent / "run", out, fmt=fmt)
+
+
+PLAIN = ["drafter.fc_norm=false", "drafter.post_norm=false"]
+
+
+@pytest.fixture(scope="module")
+def eagle_drafter(target):
+    return perturbed(EagleDrafter(EagleConfig(fc_norm=False, post_norm=False), target.parts([-1])))
+
+
+@pytest.fixture(scope="module")
+def medusa_drafter(target):
+    return perturbed(MedusaHeads(MedusaConfig(num_heads=5), target.parts([-1])))
+
+
+def eagle_logits(drafter, target) -> torch.Tensor:
+    batch, _, _ = eagle_inputs(drafter, target.config.vocab_size)
+    with torch.no_grad():
+        return drafter.logits(drafter.predict_features(batch))
+
+
+def medusa_logits(drafter, target) -> torch.Tensor:
+    with torch.no_grad():
+        return drafter.head_logits(medusa_hidden(drafter, target.config.hidden_size))
+
+
+@pytest.mark.parametrize("weights", ["safetensors", "bin"])
+def test_eagle_round_trip(weights, target, eagle_drafter, tmp_path, monkeypatch):
+    src = exported("eagle", eagle_drafter, EAGLE_RECIPE, PLAIN, target, tmp_path / "eagle", monkeypatch)
+    if weights == "bin":  # SafeAILab's older checkpoints: a torch.save'd state dict
+        torch.save(load_file(str(src / "model.safetensors")), src / "pytorch_model.bin")
+        (src / "model.safetensors").unlink()
+    main([str(src), "--format", "eagle", "--target", EAGLE_RECIPE, "--out", str(tmp_path / "native")])
+    native = load_drafter(tmp_path / "native", target)
+    assert native.cfg.fc_bias and not native.cfg.fc_norm and not native.cfg.post_norm
+    assert native.cfg.feature_layers == [-1]
+    assert torch.equal(eagle_logits(native, target), eagle_logits(eagle_drafter, target))
+    config = json.loads((tmp_path / "native" / "config.json").read_text())
+    assert config["method"] == "eagle2" and config["recipe"]["format"] == "eagle"
+
+
+def test_eagle_without_fc_bias_and_two_layers(target, tmp_path, monkeypatch):
+    drafter = perturbed(EagleDrafter(EagleConfig(fc_norm=False, post_norm=False, fc_bias=False, num_layers=2),
+                                     target.parts([-1])), seed=3)  # fmt: skip
+    overrides = [*PLAIN, "drafter.fc_bias=false", "drafter.num_layers=2"]
+    src = exported("eagle", drafter, EAGLE_RECIPE, overrides, target, tmp_path / "eagle", monkeypatch)
+    native = load_drafter(import_checkpoint(src, "eagle", target, tmp_path / "native"), target)
+    assert not native.cfg.fc_bias and native.cfg.num_layers == 2
+    assert torch.equal(eagle_logits(native, target), eagle_logits(drafter, target))
+
+
+@pytest.mark.parametrize("weights", ["safetensors", "pt"])
+def test_medusa_round_trip(weights, target, medusa_drafter, tmp_path, monkeypatch):
+    overrides = ["drafter.num_heads=5"]
+    src = exported("medusa", medusa_drafter, MEDUSA_RECIPE, overrides, target, tmp_path / "medusa", monkeypatch)
+    if weights == "pt":
+        (src / MEDUSA_SAFETENSORS).unlink()
+    main([str(src), "--format", "medusa", "--target", MEDUSA_RECIPE, "--out", str(tmp_path / "native")])
+    native = load_drafter(tmp_path / "native", target)
+    assert native.cfg.num_heads == 5 and native.cfg.num_layers == 1 and not native.cfg.share_lm_head
+    assert torch.equal(medusa_logits(native, target), medusa_logits(medusa_drafter, target))
+
+
+def test_medusa_with_three_heads_and_a_shared_two_layer_block(target, tmp_path):
+    """A FasterDecoding checkpoint of `[ResBlock] * 2`: one block under two names, applied twice."""
+    d, V = target.config.hidden_size, target.config.vocab_size
+    gen = torch.Generator().manual_seed(5)
+    tensors = {}
+    for h in range(3):
+        w, b = torch.randn(d, d, generator=gen) * 0.05, torch.randn(d, generator=gen) * 0.05
+        for layer in range(2):
+            tensors[f"{h}.{layer}.linear.weight"], tensors[f"{h}.{layer}.linear.bias"] = w.clone(), b.clone()
+        tensors[f"{h}.2.weight"] = torch.randn(V, d, generator=gen) * 0.05
+    src = tmp_path / "src"
+    src.mkdir()
+    torch.save(tensors, src / MEDUSA_PT)
+    (src / "config.json").write_text(json.dumps({"medusa_num_layers": 2, "base_model_name_or_path": "x"}))
+    native = load_drafter(import_checkpoint(src, "medusa", target, tmp_path / "native"), target)
+    assert native.cfg.num_heads == 3 and native.cfg.num_layers == 2
+    hidden = medusa_hidden(native, d)
+    for h in range(3):
+        x = hidden
+        for _ in range(2):
+            x = x + torch.nn.functional.silu(x @ tensors[f"{h}.0.linear.weight"].T + tensors[f"{h}.0.linear.bias"])
+        torch.testing.assert_close(native.head(h + 1, hidden), x @ tensors[f"{h}.2.weight"].T)
+
+
+# --------------------------------------------------------------------------------------------
+# Bad checkpoints: one line naming the file and field, nothing at --out
+
+
+@pytest.fixture
+def eagle_src(target, eagle_drafter, tmp_path, monkeypatch) -> Path:
+    return exported("eagle", eagle_drafter, EAGLE_RECIPE, PLAIN, target, tmp_path / "eagle", monkeypatch)
+
+
+@pytest.fixture
+def medusa_src(target, medusa_drafter, tmp_path, monkeypatch) -> Path:
+    overrides = ["drafter.num_heads=5"]
+    return exported("medusa", medusa_drafter, MEDUSA_RECIPE, overrides, target, tmp_path / "medusa", monkeypatch)
+
+
+def refused(src: Path, fmt: str, out: Path, *parts: str) -> str:
+    with pytest.raises(SystemExit) as err:
+        main([str(src), "--format", fmt, "--target", EAGLE_RECIPE, "--out", str(out)])
+    msg = str(err.value)
+    assert msg.startswith("error: ") and "\n" not in msg, msg
+    for part in parts:
+        assert part in msg, (part, msg)
+    assert not out.exists() and not out.with_name(out.name + ".tmp").exists()
+    return msg
+
+
+def edit_safetensors(path: Path, edit) -> None:
+    tensors = load_file(str(path))
+    edit(tensors)
+    save_file(tensors, str(path))
+
+
+def test_eagle_missing_tensor(eagle_src, tmp_path):
+    edit_safetensors(eagle_src / "model.safetensors", lambda t: t.pop("layers.0.mlp.up_proj.weight"))
+    refused(eagle_src, "eagle", tmp_path / "out", "model.safetensors", "missing tensors", "layers.0.mlp.up_proj")
+
+
+def test_eagle_extra_tensor(eagle_src, tmp_path):
+    edit_safetensors(eagle_src / "model.safetensors", lambda t: t.update({"norm.weight": torch.ones(64)}))
+    refused(eagle_src, "eagle", tmp_path / "out", "model.safetensors", "extra tensors", "norm.weight")
+
+
+def test_eagle_fc_bias_without_the_bias_key(eagle_src, tmp_path):
+    config = json.loads((eagle_src / "config.json").read_text())
+    config["bias"] = False  # then SafeAILab builds fc without a bias, and strict loading fails on fc.bias
+    (eagle_src / "config.json").write_text(json.dumps(config))
+    refused(eagle_src, "eagle", tmp_path / "out", "extra tensors", "fc.bias", "bias=false")
+
+
+def test_eagle_bad_config(eagle_src, tmp_path):
+    (eagle_src / "config.json").write_text('{"hidden_size": 64,')
+    refused(eagle_src, "eagle", tmp_path / "out", "config.json", "not valid JSON")
+
+
+def test_eagle_config_for_another_target(eagle_src, tmp_path):
+    config = json.loads((eagle_src / "config.json").read_text())
+    config["hidden_size"] = 4096
+    (eagle_src / "config.json").write_text(json.dumps(config))
+    refused(eagle_src, "eagle", tmp_path / "out", "config.json", "hidden_size is 4096", "target's is 64")
+
+
+def test_eagle_rope_of_another_target(eagle_src, tmp_path):
+    config = json.loads((eagle_src / "config.json").read_text())
+    config["rope_theta"] = 500000.0
+    (eagle_src / "config.json").write_text(json.dumps(config))
+    refused(eagle_src, "eagle", tmp_path / "out", "config.json", "rope_theta is 500000.0")
+
+
+def test_eagle_embedding_of_another_target(eagle_src, tmp_path):
+    edit_safetensors(
+        eagle_src / "model.safetensors", lambda t: t.update({"embed_tokens.weight": torch.zeros(8192, 64)})
+    )
+    refused(eagle_src, "eagle", tmp_path / "out", "embed_tokens.weight differs from the target's")
+
+
+def test_eagle_pickled_bin(eagle_src, tmp_path):
+    (eagle_src / "model.safetensors").unlink()
+    torch.save({"fc.weight": torch.zeros(1), "args": argparse.Namespace(lr=1)}, eagle_src / "pytorch_model.bin")
+    refused(eagle_src, "eagle", tmp_path / "out", "pytorch_model.bin", "weights_only=True")
+
+
+def test_medusa_missing_tensor(medusa_src, tmp_path):
+    edit_safetensors(medusa_src / MEDUSA_SAFETENSORS, lambda t: t.pop("4.1.weight"))
+    refused(medusa_src, "medusa", tmp_path / "out", MEDUSA_SAFETENSORS, "missing tensors", "4.1.weight")
+
+
+def test_medusa_extra_tensor(medusa_src, tmp_path):
+    edit_safetensors(medusa_src / MEDUSA_SAFETENSORS, lambda t: t.update({"5.0.linear.weight": torch.zeros(64, 64)}))
+    refused(medusa_src, "medusa", tmp_path / "out", MEDUSA_SAFETENSORS, "extra tensors", "5.0.linear.weight")
+
+
+def test_medusa_bad_config(medusa_src, tmp_path):
+    (medusa_src / "config.json").write_text(json.dumps({"medusa_num_layers": "one"}))
+    refused(medusa_src, "medusa", tmp_path / "out", "config.json", "medusa_num_layers", "'one'")
+
+
+def test_no_checkpoint_and_no_weights(tmp_path):
+    refused(tmp_path / "nowhere", "medusa", tmp_path / "out", "nowhere", "no such checkpoint directory")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "config.json").write_text("{}")
+    refused(tmp_path / "empty", "eagle", tmp_path / "out", "no model.safetensors or pytorch_model.bin")
+
+
+def test_an_existing_directory_is_not_overwritten(medusa_src, tmp_path):
+    other = tmp_path / "notes"
+    other.mkdir()
+    (other / "todo.txt").write_text("mine")
+    with pytest.raises(SystemExit, match="exists and is not an export"):
+        main([str(medusa_src), "--format", "medusa", "--target", MEDUSA_RECIPE, "--out", str(other)])
+    assert (other / "todo.txt").read_text() == "mine"
+    shutil.rmtree(other)

@@ -1,0 +1,234 @@
+"""Import an existing SafeAILab EAGLE-1/2 or FasterDecoding Medusa checkpoint as a native export.
+
+    python -m train.imports SRC --format eagle|medusa --target RECIPE.yaml|TARGET_DIR --out DIR [--dtype DTYPE]
+
+`SRC` is the checkpoint directory: `config.json` plus
+- `eagle` (SafeAILab EAGLE-1/2, `cnets1.py`): `model.safetensors`, else `pytorch_model.bin`; `fc.weight`,
+  `fc.bias` (when `bias`, default true), `layers.{i}.*` for `num_hidden_layers` Llama layers (layer 0 without
+  input_layernorm), optionally `embed_tokens.weight` (must equal the target's);
+- `medusa` (FasterDecoding Medusa): `medusa_lm_head.safetensors`, else `medusa_lm_head.pt`; `{h}.{l}.linear.weight|
+  bias` and `{h}.{L}.weight` for `medusa_num_heads` heads (default: the heads in the file) of `medusa_num_layers`
+  (default 1) layers. The consumer shares one ResBlock across a head's layers, so the last layer's tensors are
+  imported into every layer: the native heads compute what the consumer computes.
+`.pt` / `.bin` files are read with `torch.load(weights_only=True)` only: tensors, never arbitrary pickle.
+`--target` is a recipe (its `target` section) or a target model directory: the model the checkpoint drafts for.
+
+The checkpoint's tensor names and shapes are checked against what the consumer's layout requires (missing or extra
+tensors, a config it cannot read, a config that disagrees with the target: one line naming the file and field),
+mapped into our drafter (EAGLE: `fc_norm: false`, `post_norm: false`, `feature_layers: [-1]`, `fc_bias` from the
+config; Medusa: `num_heads`, `num_layers` from the checkpoint, one lm_head per head), written through `<out>.tmp`
+and a rename, reloaded strictly with `models.io.load_drafter` and compared with the consumer-semantics loader of the
+source (`train.gates`): the same draft logits, else nothing is written. Evaluate the result like any native export:
+`python -m eval RECIPE eval.drafter=DIR`, with a recipe of the same method (eagle2 / medusa1) and target.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from models.configs import EagleConfig, MedusaConfig
+from models.io import ExportError, load_drafter, read_safetensors, save_native
+from models.methods import METHODS
+from models.target import Target, TargetError, load_target
+from train.config import RecipeError, load_recipe
+from train.gates import (
+    MEDUSA_PT,
+    MEDUSA_SAFETENSORS,
+    SAFEAILAB,
+    eagle_consumer_logits,
+    eagle_inputs,
+    medusa_fd_logits,
+    medusa_hidden,
+    read_json,
+    read_pt,
+    rope_hints,
+    tolerance,
+)
+
+FORMATS = ("eagle", "medusa")
+WEIGHTS = {"eagle": ("model.safetensors", "pytorch_model.bin"), "medusa": (MEDUSA_SAFETENSORS, MEDUSA_PT)}
+_MEDUSA_NAME = re.compile(r"^(\d+)\.(\d+)\.(linear\.weight|linear\.bias|weight)$")
+
+
+def resolve_target(spec: str, dtype: str | None = None) -> Target:
+    """`--target`: a recipe file (its `target` section) or a target model directory."""
+    path = Path(spec)
+    if path.is_file() and path.suffix in (".yaml", ".yml"):
+        fields = dataclasses.asdict(load_recipe(path).target)
+        if dtype:
+            fields["dtype"] = dtype
+        return load_target(**fields)
+    if path.is_dir():
+        return load_target(path=str(path), dtype=dtype or "bfloat16")
+    raise ExportError(f"--target: {spec}: neither a recipe (.yaml) nor a target model directory")
+
+
+def read_source(src: Path, fmt: str) -> tuple[dict, dict[str, torch.Tensor], Path]:
+    """(config, tensors, weights file) of a checkpoint directory in `fmt`'s layout."""
+    if not src.is_dir():
+        raise ExportError(f"{src}: no such checkpoint directory")
+    config = read_json(src / "config.json")
+    for name in WEIGHTS[fmt]:
+        path = src / name
+        if path.is_file():
+            tensors = read_safetensors(path) if name.endswith(".safetensors") else read_pt(path)
+            return config, tensors, path
+    raise ExportError(f"{src}: no {' or '.join(WEIGHTS[fmt])} (a {fmt} checkpoint's weights)")
+
+
+def _int_field(config: dict, key: str, default: int | None, where: Path) -> int:
+    value = config.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ExportError(f"{where}: {key}: expected an integer >= 1, got {value!r}")
+    return value
+
+
+def check_tensors(
+    tensors: dict[str, torch.Tensor], expected: dict[str, tuple], where: Path, layout: str, optional=()
+) -> None:
+    """Names and shapes exactly as the consumer's layout has them (`optional`: names it may carry as well)."""
+    missing = sorted(expected.keys() - tensors.keys())
+    extra = sorted(tensors.keys() - expected.keys() - set(optional))
+    if missing:
+        raise ExportError(f"{where}: missing tensors {missing[:5]} ({len(missing)} in all) for {layout}")
+    if extra:
+        raise ExportError(f"{where}: extra tensors {extra[:5]} ({len(extra)} in all) that {layout} does not have")
+    for name, shape in expected.items():
+        if tuple(tensors[name].shape) != tuple(shape):
+            raise ExportError(f"{where}: {name} has shape {tuple(tensors[name].shape)}, {layout} needs {tuple(shape)}")
+
+
+def import_eagle(src: Path, config: dict, tensors: dict, weights: Path, target: Target) -> nn.Module:
+    where = src / "config.json"
+    tc = target.config
+    for key in ("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size"):
+        if config.get(key) != getattr(tc, key):
+            raise ExportError(f"{where}: {key} is {config.get(key)!r}, the target's is {getattr(tc, key)!r}")
+    kv, target_kv = config.get("num_key_value_heads"), getattr(tc, "num_key_value_heads", None)
+    if (kv or config["num_attention_heads"]) != (target_kv or tc.num_attention_heads):
+        raise ExportError(f"{where}: num_key_value_heads is {kv!r}, the target's is {target_kv!r}")
+    if (getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads) != (
+        tc.hidden_size // tc.num_attention_heads
+    ):
+        raise ExportError(f"{where}: hidden_size // num_attention_heads: the target's head_dim {tc.head_dim} differs")
+    hints = rope_hints(config, tc)
+    if hints:  # our drafter runs with the target's RoPE
+        raise ExportError(f"{where}: {'; '.join(hints)} (SafeAILab's default rope_theta is 10000)")
+    layers = _int_field(config, "num_hidden_layers", 1, where)
+    fc_bias = config.get("bias", True)
+    if not isinstance(fc_bias, bool):
+        raise ExportError(f"{where}: bias: expected true or false, got {fc_bias!r}")
+    cfg = EagleConfig(feature_layers=[-1], num_layers=layers, fc_norm=False, post_norm=False, fc_bias=fc_bias)
+    drafter = METHODS["eagle2"].module()(cfg, target.parts([-1]))
+    expected = {name: tuple(t.shape) for name, t in drafter.trainable_state_dict().items()}
+    layout = f"a SafeAILab EAGLE-1/2 drafter with num_hidden_layers={layers}, bias={str(fc_bias).lower()}"
+    check_tensors(tensors, expected, weights, layout, optional=("embed_tokens.weight",))
+    if "embed_tokens.weight" in tensors:
+        embed = target.embed_tokens.weight
+        theirs = tensors["embed_tokens.weight"]
+        if theirs.shape != embed.shape or not torch.equal(theirs.to(embed.device, embed.dtype), embed):
+            raise ExportError(f"{weights}: embed_tokens.weight differs from the target's embedding (another target?)")
+    drafter.load_state_dict({k: tensors[k] for k in expected}, strict=False)
+    return drafter
+
+
+def import_medusa(src: Path, config: dict, tensors: dict, weights: Path, target: Target) -> nn.Module:
+    where = src / "config.json"
+    L = _int_field(config, "medusa_num_layers", 1, where)
+    heads_in_file = {int(m.group(1)) for m in map(_MEDUSA_NAME.match, tensors) if m}
+    K = _int_field(config, "medusa_num_heads", max(heads_in_file, default=-1) + 1 or None, where)
+    cfg = MedusaConfig(num_heads=K, num_layers=L, share_lm_head=False)
+    drafter = METHODS["medusa1"].module()(cfg, target.parts([-1]))
+    ours = {name: tuple(t.shape) for name, t in drafter.trainable_state_dict().items()}
+    names = {f"blocks.{h}.layers.{l}.{k}": f"{h}.{l}.linear.{k}" for h in range(K) for l in range(L) for k in
+             ("weight", "bias")} | {f"lm_heads.{h}.weight": f"{h}.{L}.weight" for h in range(K)}  # fmt: skip
+    layout = f"FasterDecoding Medusa heads with medusa_num_heads={K}, medusa_num_layers={L}"
+    check_tensors(tensors, {theirs: ours[mine] for mine, theirs in names.items()}, weights, layout)
+    # One ResBlock shared across a head's layers: the last one loaded is what every layer computes.
+    state = {
+        f"blocks.{h}.layers.{l}.{k}": tensors[f"{h}.{L - 1}.linear.{k}"]
+        for h in range(K)
+        for l in range(L)
+        for k in ("weight", "bias")
+    }
+    state |= {f"lm_heads.{h}.weight": tensors[f"{h}.{L}.weight"] for h in range(K)}
+    drafter.load_state_dict(state, strict=True)
+    return drafter
+
+
+def verify(fmt: str, native: nn.Module, config: dict, tensors: dict, weights: Path, target: Target) -> float:
+    """The native drafter's draft logits against the consumer-semantics loader of the source checkpoint."""
+    notes: list[str] = []
+    with torch.no_grad():
+        if fmt == "eagle":
+            batch, features, next_ids = eagle_inputs(native, target.config.vocab_size)
+            consumer = eagle_consumer_logits(
+                config, tensors, weights.name, SAFEAILAB, target, features, next_ids, batch["position_ids"], notes
+            )
+            reference = native.logits(native.predict_features(batch))
+        else:
+            hidden = medusa_hidden(native, target.config.hidden_size)
+            vocab = target.config.vocab_size
+            consumer = medusa_fd_logits(config, tensors, weights.name, hidden, vocab, notes, native.cfg.num_heads)
+            reference = native.head_logits(hidden).float()
+    diff = (consumer - reference).abs().max().item()
+    if not diff <= tolerance(reference, next(native.parameters()).dtype):
+        raise ExportError(
+            f"{weights}: the imported drafter's draft logits differ from the checkpoint's, as its consumer loads it, "
+            f"by {diff:.3g} ({'; '.join(notes) or 'no field fell back on a default'})"
+        )
+    return diff
+
+
+def import_checkpoint(src: str | Path, fmt: str, target: Target, out: str | Path) -> Path:
+    """Import `src` (a `fmt` checkpoint drafting for `target`) as a native export at `out`; return `out`."""
+    if fmt not in FORMATS:
+        raise ExportError(f"--format: {fmt!r} is not importable (available: {', '.join(FORMATS)})")
+    src, out = Path(src), Path(out)
+    if out.exists() and not (out / "config.json").is_file() and (not out.is_dir() or any(out.iterdir())):
+        raise ExportError(f"{out}: exists and is not an export; choose another --out")
+    config, tensors, weights = read_source(src, fmt)
+    drafter = (import_eagle if fmt == "eagle" else import_medusa)(src, config, tensors, weights, target)
+    drafter = drafter.to(target.device).eval()
+    tmp = out.with_name(out.name + ".tmp")  # renamed into place once verified: a failed import leaves nothing
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        save_native(tmp, drafter, target, {"imported_from": str(src.resolve()), "format": fmt})
+        verify(fmt, load_drafter(tmp, target), config, tensors, weights, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m train.imports", description=__doc__.split("\n\n")[0])
+    parser.add_argument("src", help="checkpoint directory (config.json + weights)")
+    parser.add_argument("--format", required=True, choices=FORMATS, help="the checkpoint's layout")
+    parser.add_argument("--target", required=True, help="a recipe (.yaml; its target section) or a target directory")
+    parser.add_argument("--out", required=True, help="native export directory to write")
+    parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
+                        help="target dtype (default: the recipe's, bfloat16 for a directory)")  # fmt: skip
+    args = parser.parse_args(argv)
+    try:
+        target = resolve_target(args.target, args.dtype)
+        out = import_checkpoint(args.src, args.format, target, args.out)
+    except (ExportError, RecipeError, TargetError, FileNotFoundError) as exc:
+        sys.exit(f"error: {exc}")
+    print(f"imported {args.src} ({args.format}) -> {out}")
+
+
+if __name__ == "__main__":
+    main()
