@@ -141,6 +141,25 @@ CASES: dict[str, Case] = {
     "export/truncated-drafter": Case(
         "train.export", "{run_trunc} --out {out}", ("{run_trunc}/checkpoints/", "drafter.safetensors", "truncated")
     ),
+    "export/fasterdecoding-head-count": Case(
+        "train.export", "{run} --format medusa --out {out}", ("drafter.num_heads", "builds 5 heads", "--format vllm")
+    ),
+    # train.imports: FasterDecoding Medusa checkpoints for the tiny target
+    "imports/missing-tensor": Case(
+        "train.imports",
+        "{w}/fd-missing --format medusa --target {m1} --out {out}",
+        ("fd-missing/medusa_lm_head.pt", "missing tensors", "4.1.weight"),
+    ),
+    "imports/extra-tensor": Case(
+        "train.imports",
+        "{w}/fd-extra --format medusa --target {m1} --out {out}",
+        ("fd-extra/medusa_lm_head.safetensors", "extra tensors", "5.0.linear.weight"),
+    ),
+    "imports/bad-config": Case(
+        "train.imports",
+        "{w}/fd-badjson --format medusa --target {m1} --out {out}",
+        ("fd-badjson/config.json", "not valid JSON"),
+    ),
     # eval
     "eval/missing-prompts": Case(
         "eval", EVAL.replace("{prompts}", "{w}/no-prompts.jsonl"), ("eval.prompts", "no such file", "no-prompts.jsonl")
@@ -259,6 +278,21 @@ def world(tmp_path_factory) -> dict[str, str]:
     extract_main([paths["m1"]])
     paths |= {"run": str(run), "export": str(run / "export")}
 
+    # FasterDecoding Medusa checkpoints to import: one tensor short (.pt), one too many (.safetensors), bad JSON
+    from safetensors.torch import save_file
+
+    tiny = yaml.safe_load(Path(paths["m1"]).read_text())["target"]["random_init"]
+    d, vocab = tiny["hidden_size"], tiny["vocab_size"]
+    heads = {f"{h}.0.linear.{k}": torch.zeros((d, d) if k == "weight" else (d,)) for h in range(5) for k in
+             ("weight", "bias")} | {f"{h}.1.weight": torch.zeros(vocab, d) for h in range(5)}  # fmt: skip
+    config = json.dumps({"medusa_num_heads": 5, "medusa_num_layers": 1, "base_model_name_or_path": "x"})
+    for name in ("fd-missing", "fd-extra", "fd-badjson"):
+        (w / name).mkdir()
+        (w / name / "config.json").write_text(config if name != "fd-badjson" else config[:-1])
+    torch.save({k: v for k, v in heads.items() if k != "4.1.weight"}, w / "fd-missing" / "medusa_lm_head.pt")
+    save_file({**heads, "5.0.linear.weight": torch.zeros(d, d)}, str(w / "fd-extra" / "medusa_lm_head.safetensors"))
+    torch.save(heads, w / "fd-badjson" / "medusa_lm_head.pt")
+
     # broken copies
     shutil.copytree(run, w / "run-trunc", ignore=shutil.ignore_patterns("export"))
     for victim in (w / "run-trunc").glob("checkpoints/*/drafter.safetensors"):
@@ -330,6 +364,7 @@ def test_cases_cover_every_cli():
         "data.extract",
         "train",
         "train.export",
+        "train.imports",
         "eval",
     }
     assert len(CASES) >= 40
