@@ -48,6 +48,7 @@ def targets():
         "plain": tiny_target(),
         "theta": tiny_target({"rope_type": "default", "rope_theta": 500000.0}),
         "llama3": tiny_target(LLAMA3),
+        "bf16": load_target(random_init=TINY, dtype="bfloat16"),  # float32 drafters project through a bf16 lm_head
     }
 
 
@@ -253,3 +254,15 @@ def test_other_values_are_caught_too(targets, recipe, tmp_path):
     tensors["layers.0.mlp.down_proj.weight"] = tensors["layers.0.mlp.down_proj.weight"] * 1.01
     save_file(tensors, str(out / "model.safetensors"))
     one_line_error("^eagle load gate: .* differ by .*no field fell back", "eagle", out, recipe, target, drafter)
+
+
+@pytest.mark.parametrize("fmt", ["eagle", "sglang", "vllm"])
+def test_a_bf16_target_passes_and_is_still_checked(fmt, targets, recipe, tmp_path):
+    target = targets["bf16"]
+    drafter = eagle(target, fc_bias=False)
+    out = write(fmt, tmp_path / fmt, recipe, target, drafter)
+    check(fmt, out, recipe, target, drafter)
+    config = json.loads((out / "config.json").read_text())
+    config["num_hidden_layers"] = 2  # a layer the file does not have: random weights
+    (out / "config.json").write_text(json.dumps(config))
+    one_line_error(f"^{fmt} load gate: .*layers.1.self_attn.q_proj.weight missing", fmt, out, recipe, target, drafter)

@@ -88,6 +88,13 @@ def tolerance(reference: torch.Tensor, dtype: torch.dtype) -> float:
     return (1e-4 if dtype == torch.float32 else 2e-2) * scale
 
 
+def compute_dtype(drafter: nn.Module, target) -> torch.dtype:
+    """float32 when the drafter and the target's lm_head / embedding all compute in float32, else the 16-bit dtype
+    (a float32 drafter of a bf16 target projects through the bf16 lm_head)."""
+    dtypes = {p.dtype for p in drafter.parameters()} | {target.lm_head.weight.dtype, target.embed_tokens.weight.dtype}
+    return next((dt for dt in dtypes if dt != torch.float32), torch.float32)
+
+
 def check(fmt: str, out_dir: str | Path, recipe, target, drafter: nn.Module) -> float:
     """Run `fmt`'s gate on the export at `out_dir`; return the max abs logit difference, or raise ExportError."""
     if fmt not in GATES:
@@ -106,8 +113,7 @@ def check(fmt: str, out_dir: str | Path, recipe, target, drafter: nn.Module) -> 
             f"drafter {tuple(result.reference.shape)} ({why})"
         )
     diff = (result.consumer - result.reference).abs().max().item()
-    dtype = next(drafter.parameters()).dtype
-    if not diff <= tolerance(result.reference, dtype):  # also catches NaN
+    if not diff <= tolerance(result.reference, compute_dtype(drafter, target)):  # also catches NaN
         raise ExportError(
             f"{fmt} load gate: draft logits of the export as its consumer loads it and of the trained drafter differ "
             f"by {diff:.3g} ({why})"
@@ -278,12 +284,15 @@ def eagle_consumer_logits(
     layers = int(config_value(config, "num_hidden_layers", 1, notes))
     p = Params(tensors, where, dev, notes)
     embed = tensors.get("embed_tokens.weight")
-    embed = (target.embed_tokens.weight if embed is None else embed).to(dev, torch.float32)
+    embed = target.embed_tokens.weight if embed is None else embed
+    if embed.shape[-1] != d:
+        raise ExportError(f"{where}: embed_tokens.weight has shape {tuple(embed.shape)}, the consumer builds d={d}")
     fc_w = p.get("fc.weight", (d, 2 * d))
     fc_b = p.get("fc.bias", (d,)) if rules.fc_bias(config, notes) else None
     if fc_b is None and "fc.bias" in tensors:
         notes.append(f"fc.bias in {where} is dropped: {rules.name} builds fc without a bias")
-    h = F.linear(torch.cat([embed[next_ids], features.float()], dim=-1), fc_w, fc_b)  # (B, T, d)
+    rows = embed[next_ids.to(embed.device)].to(dev, torch.float32)  # (B, T, d): index first, cast only the rows
+    h = F.linear(torch.cat([rows, features.float()], dim=-1), fc_w, fc_b)  # (B, T, d)
     B, T, _ = h.shape
     cos, sin = rope_cos_sin(config, hd, positions, notes)
     cos, sin = cos[:, None], sin[:, None]  # (B, 1, T, hd)
@@ -310,9 +319,8 @@ def eagle_consumer_logits(
         gate = F.linear(x, p.get(pre + "mlp.gate_proj.weight", (m, d)))
         up = F.linear(x, p.get(pre + "mlp.up_proj.weight", (m, d)))
         h = h + F.linear(F.silu(gate) * up, p.get(pre + "mlp.down_proj.weight", (d, m)))
-    head = target.lm_head
-    bias = None if head.bias is None else head.bias.to(dev, torch.float32)
-    return F.linear(h, head.weight.to(dev, torch.float32), bias)  # (B, T, V)
+    head = target.lm_head  # in its own dtype, as the consumer (and the drafter's `logits`) projects
+    return head(h.to(head.weight.device, head.weight.dtype)).float().to(dev)  # (B, T, V)
 
 
 def eagle_inputs(drafter: nn.Module, vocab: int) -> tuple[dict, torch.Tensor, torch.Tensor]:

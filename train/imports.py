@@ -43,6 +43,7 @@ from train.gates import (
     MEDUSA_PT,
     MEDUSA_SAFETENSORS,
     SAFEAILAB,
+    compute_dtype,
     eagle_consumer_logits,
     eagle_inputs,
     medusa_fd_logits,
@@ -115,10 +116,11 @@ def import_eagle(src: Path, config: dict, tensors: dict, weights: Path, target: 
     kv, target_kv = config.get("num_key_value_heads"), getattr(tc, "num_key_value_heads", None)
     if (kv or config["num_attention_heads"]) != (target_kv or tc.num_attention_heads):
         raise ExportError(f"{where}: num_key_value_heads is {kv!r}, the target's is {target_kv!r}")
-    if (getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads) != (
-        tc.hidden_size // tc.num_attention_heads
-    ):
-        raise ExportError(f"{where}: hidden_size // num_attention_heads: the target's head_dim {tc.head_dim} differs")
+    head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
+    if head_dim != tc.hidden_size // tc.num_attention_heads:
+        raise ExportError(
+            f"{where}: SafeAILab's layers use hidden_size // num_attention_heads as head_dim, the target's {head_dim}"
+        )
     hints = rope_hints(config, tc)
     if hints:  # our drafter runs with the target's RoPE
         raise ExportError(f"{where}: {'; '.join(hints)} (SafeAILab's default rope_theta is 10000)")
@@ -180,7 +182,7 @@ def verify(fmt: str, native: nn.Module, config: dict, tensors: dict, weights: Pa
             consumer = medusa_fd_logits(config, tensors, weights.name, hidden, vocab, notes, native.cfg.num_heads)
             reference = native.head_logits(hidden).float()
     diff = (consumer - reference).abs().max().item()
-    if not diff <= tolerance(reference, next(native.parameters()).dtype):
+    if not diff <= tolerance(reference, compute_dtype(native, target)):
         raise ExportError(
             f"{weights}: the imported drafter's draft logits differ from the checkpoint's, as its consumer loads it, "
             f"by {diff:.3g} ({'; '.join(notes) or 'no field fell back on a default'})"
