@@ -10,8 +10,9 @@ by default `export.out` for the recipe's own format, else `RUN_DIR/export` for n
 `RUN_DIR/export-<format>` for an engine format, so each format has its own directory. A native export
 carries `draft_vocab.safetensors` (the data's most frequent loss tokens) when the recipe drafts from a
 vocabulary subset (`eval.draft_vocab`, `train.loss_vocab`), and is reloaded strictly
-(`models.io.load_drafter`) before the command reports success. Drafters with an `export_extra` hook add
-their method-specific files next to it (Medusa-2: `heads/`, the LoRA `adapter/`, `merged/` with --merge-lora).
+(`models.io.load_drafter`), with the same draft logits (the `native` gate), before the command reports success.
+Drafters with an `export_extra` hook add their method-specific files next to it (Medusa-2: `heads/`, the LoRA
+`adapter/`, `merged/` with --merge-lora).
 
 Engine formats, each a `config.json` + safetensors file:
 - `medusa`: FasterDecoding Medusa, `medusa_lm_head.pt` (what its loader reads: a plain dict of tensors through
@@ -53,7 +54,7 @@ import torch
 from torch import nn
 
 from data.shards import FeatureDataset, FeatureMismatchError, frequent_loss_tokens
-from models.io import ExportError, load_drafter, read_safetensors, save_draft_vocab, save_native, write_safetensors
+from models.io import ExportError, read_safetensors, save_draft_vocab, save_native, write_safetensors
 from models.medusa import MedusaHeads
 from models.methods import METHODS
 from models.target import Target, TargetError, load_target
@@ -283,7 +284,7 @@ def export(
             if METHODS[recipe.drafter.method].export_extra:
                 merge = recipe.export.merge_lora if merge_lora is None else merge_lora
                 drafter.export_extra(tmp, target, merge_lora=merge)
-            load_drafter(tmp, target)  # strict round trip before reporting success
+            gate_check("native", tmp, recipe, target, drafter)  # strict reload (load_drafter), same logits
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

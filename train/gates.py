@@ -26,6 +26,8 @@ All EAGLE layouts: `layers.{i}.*` for `num_hidden_layers` layers, layer 0 withou
 logits through the target's lm_head; RoPE from `rope_theta` (default 10000) and `rope_scaling` (default, linear and
 llama3 are reproduced; another type is refused by the gate rather than guessed).
 
+`native`: `models.io.load_drafter` (eval's strict loader), then the same logits for EAGLE-2 and Medusa drafters.
+
 Adding a gate for a new format: write `def gate(out_dir, recipe, target, drafter) -> GateResult` and decorate it with
 `@register("format-name")`; `train.export` runs `check` on every engine format, so an unregistered one is refused.
 The functional consumers (`eagle_consumer_logits`, `medusa_fd_logits`, `vllm_medusa_logits`) take a config dict and
@@ -323,11 +325,11 @@ def eagle_consumer_logits(
     return head(h.to(head.weight.device, head.weight.dtype)).float().to(dev)  # (B, T, V)
 
 
-def eagle_inputs(drafter: nn.Module, vocab: int) -> tuple[dict, torch.Tensor, torch.Tensor]:
+def eagle_inputs(drafter: nn.Module, vocab: int, d: int | None = None) -> tuple[dict, torch.Tensor, torch.Tensor]:
     """The gate's fixed input: a batch for the drafter, and (features, next_ids) as a consumer reads them."""
     dev = next(drafter.parameters()).device
     gen = torch.Generator().manual_seed(GATE_SEED)
-    d = drafter.fc.in_features // 2
+    d = d or drafter.fc.in_features // 2
     n_stored = len(drafter.stored_layers)
     hidden = torch.randn(GATE_BATCH, GATE_LEN, n_stored, d, generator=gen)
     ids = torch.randint(0, vocab, (GATE_BATCH, GATE_LEN), generator=gen)
@@ -339,7 +341,8 @@ def eagle_inputs(drafter: nn.Module, vocab: int) -> tuple[dict, torch.Tensor, to
         "attention_mask": torch.ones(GATE_BATCH, GATE_LEN, dtype=torch.long, device=dev),
         "loss_mask": torch.ones(GATE_BATCH, GATE_LEN, device=dev),
     }
-    features = batch["hidden"][:, :, drafter.stored_layers.index(-1)]  # EAGLE-1/2: the last hidden state
+    last = drafter.stored_layers.index(-1) if -1 in drafter.stored_layers else 0
+    features = batch["hidden"][:, :, last]  # EAGLE-1/2: the last hidden state
     next_ids = torch.cat([ids[:, 1:], ids[:, -1:]], dim=1).to(dev)  # x_{t+1}, as the drafter's training path
     return batch, features, next_ids
 
@@ -379,9 +382,10 @@ def eagle_gate(out_dir: Path, target, drafter: nn.Module, rules: EagleRules) -> 
 
 
 def medusa_hidden(drafter: nn.Module, d: int) -> torch.Tensor:
+    """(B, T, d) float32 last hidden states (the heads cast them to their compute dtype)."""
     dev = next(drafter.parameters()).device
     gen = torch.Generator().manual_seed(GATE_SEED)
-    return torch.randn(GATE_BATCH, GATE_LEN, d, generator=gen).to(dev, drafter.compute_dtype)
+    return torch.randn(GATE_BATCH, GATE_LEN, d, generator=gen).to(dev)
 
 
 def medusa_fd_logits(
@@ -483,3 +487,22 @@ def safeailab_gate(out_dir: Path, recipe, target, drafter: nn.Module) -> GateRes
 @register("sglang")
 def sglang_gate(out_dir: Path, recipe, target, drafter: nn.Module) -> GateResult:
     return eagle_gate(out_dir, target, drafter, SGLANG)
+
+
+@register("native")
+def native_gate(out_dir: Path, recipe, target, drafter: nn.Module) -> GateResult:
+    """`models.io.load_drafter` (what eval runs: strict names, shapes and frozen tensors), then the same draft
+    logits for EAGLE-2 drafters and Medusa heads; other methods get the strict reload only."""
+    from models.eagle import EagleDrafter
+    from models.io import load_drafter
+
+    reloaded = load_drafter(out_dir, target)
+    if isinstance(drafter, EagleDrafter):
+        batch, _, _ = eagle_inputs(drafter, target.config.vocab_size, target.config.hidden_size)
+        return GateResult(
+            reloaded.logits(reloaded.predict_features(batch)).float(), drafter.logits(drafter.predict_features(batch))
+        )
+    if hasattr(drafter, "head_logits"):
+        hidden = medusa_hidden(drafter, target.config.hidden_size)
+        return GateResult(reloaded.head_logits(hidden).float(), drafter.head_logits(hidden).float())
+    return GateResult(torch.zeros(0), torch.zeros(0), ["no logit comparison for this method: strict reload only"])
