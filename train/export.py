@@ -21,8 +21,10 @@ Engine formats, each a `config.json` + safetensors file:
   `base_model_name_or_path`. Its loader builds 5 heads whatever the config says (`strict=False`: other heads would
   be random) and shares one ResBlock across a head's layers, so only `drafter.num_heads=5`, `drafter.num_layers=1`
   export to it; others are refused (`vllm` holds any).
-- `eagle` (SafeAILab EAGLE-1/2) and `sglang` (`LlamaForCausalLMEagle`): a one-layer Llama config plus
-  `fc.weight`, `fc.bias`, `layers.0.*` (no input_layernorm). Both configs carry `rope_theta` (and a legacy
+- `eagle` (SafeAILab EAGLE-1/2; its `EaModel.from_pretrained` needs `use_eagle3=False` to build one) and `sglang`
+  (`LlamaForCausalLMEagle`): a Llama config with `num_hidden_layers` = `drafter.num_layers` plus `fc.weight`,
+  `fc.bias` (`eagle`: with a `bias` key saying whether), `layers.{i}.*` (layer 0 without input_layernorm).
+  Both configs carry `rope_theta` (and a legacy
   `rope_scaling` for scaled RoPE) beside `rope_parameters`, since transformers-4-based consumers read only those
   and fall back to base 10000. SGLang's fc always has a bias and its Llama layers read a `bias` key as attention
   biases, so the `sglang` layout writes no `bias` key and an `fc.bias` of zeros for a drafter trained without
