@@ -371,10 +371,15 @@ def loss_token_counts(dataset: FeatureDataset, vocab_size: int | None = None) ->
     return counts
 
 
-def frequent_loss_tokens(dataset: FeatureDataset, size: int) -> torch.Tensor:
-    """The `size` most frequent loss tokens of a feature dataset's shards, most frequent first (ties: lower id
-    first): (<= size,) int64. Training's `train.loss_vocab` and evaluation's `eval.draft_vocab` both use it, so the
+def frequent_loss_tokens(dataset: FeatureDataset | Sequence[dict], size: int) -> torch.Tensor:
+    """The `size` most frequent loss tokens of a feature dataset's shards (or of token samples with `input_ids` and
+    `loss_mask`, as online training reads them), most frequent first (ties: lower id first): (<= size,) int64.
+    Training's `train.loss_vocab` and `drafter.draft_vocab` and evaluation's `eval.draft_vocab` all use it, so the
     same size gives the same tokens."""
-    counts = loss_token_counts(dataset)
+    if isinstance(dataset, FeatureDataset):
+        counts = loss_token_counts(dataset)
+    else:
+        ids = [torch.tensor(s["input_ids"])[torch.tensor(s["loss_mask"]) > 0] for s in dataset]
+        counts = torch.bincount(torch.cat(ids).to(torch.int64)) if ids else torch.zeros(0, dtype=torch.int64)
     seen = int((counts > 0).sum())
     return counts.argsort(descending=True, stable=True)[: min(size, seen)]

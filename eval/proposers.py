@@ -82,6 +82,15 @@ class VocabProjection:
         self.weight = projection.weight[rows].detach()  # (K, d)
         self.bias = None if projection.bias is None else projection.bias[rows].detach()
 
+    @classmethod
+    def trained(cls, head: torch.nn.Linear, ids: torch.Tensor, vocab_size: int) -> VocabProjection:
+        """A drafter's own head over its draft vocabulary: row i scores target token `ids[i]` of `vocab_size`."""
+        out = cls.__new__(cls)
+        out.ids, out.vocab_size = ids, vocab_size
+        out.weight = head.weight.detach()
+        out.bias = None if head.bias is None else head.bias.detach()
+        return out
+
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         """(..., d) -> (..., K) float32 logits over the draft vocabulary, on h's device."""
         logits = torch.nn.functional.linear(h.to(self.weight.device, self.weight.dtype), self.weight, self.bias)
@@ -166,13 +175,17 @@ class EagleProposer:
         depth: int,
         top_k: int,
         total_tokens: int,
-        draft_vocab: torch.Tensor | None = None,
+        draft_vocab: torch.Tensor | VocabProjection | None = None,
     ):
+        """`draft_vocab`: token ids whose rows of the drafter's lm_head it drafts from, or a ready projection (a
+        drafter's own trained head); None: the whole vocabulary."""
         self.drafter = drafter
         self.feature_layers = list(drafter.cfg.feature_layers)
         self.depth, self.top_k, self.total_tokens = depth, top_k, total_tokens
-        _check_draft_vocab(draft_vocab, top_k)
-        self.vocab = None if draft_vocab is None else VocabProjection(drafter.lm_head, draft_vocab)
+        if isinstance(draft_vocab, torch.Tensor):
+            draft_vocab = VocabProjection(drafter.lm_head, draft_vocab)
+        _check_draft_vocab(None if draft_vocab is None else draft_vocab.ids, top_k)
+        self.vocab = draft_vocab
         self.reset(1)
 
     def reset(self, batch_size: int) -> None:
@@ -295,6 +308,9 @@ def build_proposer(
     tree, vocab = ev.tree, draft_vocab
     suffix = "" if vocab is None else f", draft vocab {len(vocab)}"
     if method.proposer == "eagle":  # trees: auto, dynamic, chain
+        if method.own_vocab:
+            vocab = VocabProjection.trained(drafter.lm_head, drafter.draft_ids, drafter.target_vocab_size)
+            suffix = f", own draft vocab {len(vocab.ids)}"
         if tree == "chain":
             return EagleProposer(drafter, ev.tree_depth, 1, ev.tree_depth + 1, vocab), f"chain d{ev.tree_depth}{suffix}"
         desc = f"dynamic d{ev.tree_depth} k{ev.tree_top_k} n{ev.tree_total_tokens}{suffix}"

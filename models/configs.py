@@ -65,6 +65,84 @@ class EagleConfig:
 
 
 @dataclass
+class Eagle3Config:
+    """EAGLE-3 / EAGLE-3.1 drafter (recipe section `drafter`, `method: eagle3`)."""
+
+    method: Literal["eagle3"] = "eagle3"
+    feature_layers: list[int] = field(default_factory=list)
+    """Target hidden-state indices fused by `fc` (HF `output_hidden_states` indexing: i = the input of decoder layer
+    i). Empty = low / mid / high, `[2, L // 2, L - 3]` for an L-layer target (needs L >= 8). `data.layers` must
+    store them and -1 (the last hidden state, whose distribution the drafter learns)."""
+    draft_vocab: int = 32000
+    """K: the drafter's own LM head covers the K most frequent loss tokens of the training data (`d2t` / `t2d`)."""
+    ttt_steps: int = 7
+    """Training-time test: the drafter is unrolled this many steps, each fed its own output of the step before."""
+    step_decay: float = 0.8
+    """Weight of unrolled step j (0-based) in the loss: step_decay ** j."""
+    fc_norm: bool = False
+    """EAGLE-3.1 FC-Norm: an RMSNorm on each target feature before `fc`."""
+    norm_output: bool = False
+    """EAGLE-3.1 post-norm: the next draft step reads the output after the final norm (EAGLE-3: before it)."""
+    norm_before_residual: bool = False
+    """The decoder layer's residual is the normed input feature (`hidden_norm(g)`) instead of g itself."""
+    input_noise: float = 0.0
+    """Training-only noise U(-a, a) added to the target features."""
+    topk_metric: int = 5
+    """k of the `acc@k` metric."""
+
+    def validate(self, err) -> None:
+        if len(set(self.feature_layers)) != len(self.feature_layers):
+            err("drafter.feature_layers", f"has duplicates: {self.feature_layers}")
+        if self.draft_vocab < 1:
+            err("drafter.draft_vocab", f"must be >= 1, got {self.draft_vocab}")
+        if self.ttt_steps < 1:
+            err("drafter.ttt_steps", f"must be >= 1, got {self.ttt_steps}")
+        if not 0.0 < self.step_decay <= 1.0:
+            err("drafter.step_decay", f"must be in (0, 1], got {self.step_decay}")
+        if self.input_noise < 0:
+            err("drafter.input_noise", f"must be >= 0, got {self.input_noise}")
+        if self.topk_metric < 1:
+            err("drafter.topk_metric", f"must be >= 1, got {self.topk_metric}")
+
+    def resolved_layers(self, num_layers: int) -> list[int]:
+        """`feature_layers`, or low / mid / high of a `num_layers`-layer target; ValueError when there is none."""
+        if self.feature_layers:
+            return list(self.feature_layers)
+        low_mid_high = [2, num_layers // 2, num_layers - 3]
+        if len(set(low_mid_high)) < 3 or num_layers < 8:
+            raise ValueError(
+                f"drafter.feature_layers: a {num_layers}-layer target has no distinct low/mid/high layers "
+                f"{low_mid_high}; list the hidden-state indices to fuse"
+            )
+        return low_mid_high
+
+    def check_inputs(self, err) -> None:
+        """No input files of its own."""
+
+    def check_recipe(self, recipe, err) -> None:
+        if -1 not in recipe.data.layers and not recipe.train.online:
+            err(
+                "data.layers",
+                f"EAGLE-3 learns the last hidden state's distribution: -1 must be stored, got {recipe.data.layers}",
+            )
+        if recipe.eval.draft_vocab:
+            err("eval.draft_vocab", "eagle3 drafts over its own trained vocabulary (drafter.draft_vocab); set it to 0")
+        if recipe.train.loss_vocab:
+            err("train.loss_vocab", "eagle3 learns over its own draft vocabulary (drafter.draft_vocab); set it to 0")
+        n_layers = recipe.target.num_layers
+        if n_layers is None:
+            return
+        try:
+            layers = self.resolved_layers(n_layers)
+        except ValueError as exc:
+            err("drafter.feature_layers", str(exc).split(": ", 1)[1])
+            return
+        missing = [layer for layer in [*layers, -1] if layer not in recipe.data.layers]
+        if missing:
+            err("data.layers", f"must store the drafter's layers {layers} and -1; missing {missing}")
+
+
+@dataclass
 class MedusaConfig:
     """Medusa-1 heads (recipe section `drafter`, `method: medusa1`)."""
 

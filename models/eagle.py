@@ -51,15 +51,16 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class Attention(nn.Module):
     """Multi-head attention with RoPE and grouped KV heads, shaped like the target's (HF parameter names)."""
 
-    def __init__(self, config):
+    def __init__(self, config, in_dim: int | None = None):
         super().__init__()
         d = config.hidden_size
+        d_in = in_dim or d  # EAGLE-3's layer attends over [embedding; feature]: 2d inputs
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or d // self.num_heads
-        self.q_proj = nn.Linear(d, self.num_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=False)
+        self.q_proj = nn.Linear(d_in, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(d_in, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(d_in, self.num_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, d, bias=False)
 
     def forward(

@@ -15,7 +15,10 @@ A method declares:
 - `formats`: the export formats that can hold it (`train.export`);
 - `step_dependent`: its loss depends on the optimizer step (the loop calls `set_step(step)` before each step);
   `adapts_target`: evaluation verifies with `drafter.adapt_target(target)` (a LoRA-merged target) and drafts with
-  what that returns; `export_extra`: the native export calls `drafter.export_extra(out, target, merge_lora=...)`.
+  what that returns; `export_extra`: the native export calls `drafter.export_extra(out, target, merge_lora=...)`;
+  `own_vocab`: it drafts over its own trained draft vocabulary (`drafter.draft_vocab` tokens): training picks the
+  data's most frequent loss tokens and calls `drafter.set_draft_vocab(ids, init_head=True)`, and evaluation maps its
+  logits to target ids with `drafter.draft_ids`.
 
 Adding a method: one model file (config in `models.configs`, module beside it), one entry below, recipes, one test.
 """
@@ -26,7 +29,7 @@ import importlib
 from dataclasses import dataclass
 from typing import Literal
 
-from models.configs import EagleConfig, Medusa2Config, MedusaConfig
+from models.configs import Eagle3Config, EagleConfig, Medusa2Config, MedusaConfig
 
 MEDUSA_TREES = ("auto", "chain", "calibrated", "mc_sim_7b_63", "calibrated63")
 EAGLE_TREES = ("auto", "dynamic", "chain")
@@ -45,6 +48,7 @@ class Method:
     step_dependent: bool = False
     adapts_target: bool = False
     export_extra: bool = False
+    own_vocab: bool = False
 
     def module(self) -> type:
         """The drafter's nn.Module class (imports torch and the model file on first use)."""
@@ -57,6 +61,8 @@ METHODS: dict[str, Method] = {
     for m in (
         Method("eagle2", EagleConfig, "models.eagle:EagleDrafter", "features", "eagle", EAGLE_TREES,
                formats=("native", "eagle", "sglang", "vllm")),
+        Method("eagle3", Eagle3Config, "models.eagle3:Eagle3Drafter", "features", "eagle", EAGLE_TREES,
+               formats=("native",), own_vocab=True),
         Method("medusa1", MedusaConfig, "models.medusa:MedusaHeads", "features", "medusa", MEDUSA_TREES,
                formats=("native", "medusa", "vllm")),
         Method("medusa2", Medusa2Config, "models.medusa2:Medusa2Model", "tokens", "medusa", MEDUSA_TREES,

@@ -70,8 +70,18 @@ class TargetConfig:
 
     @property
     def num_layers(self) -> int | None:
-        """Number of decoder layers when known without loading (random_init); else None."""
-        return None if self.random_init is None else self.random_init.get("num_hidden_layers")
+        """Number of decoder layers when known without loading the model (random_init, or a local directory's
+        config.json); else None."""
+        if self.random_init is not None:
+            return self.random_init.get("num_hidden_layers")
+        config = Path(self.path) / "config.json" if self.path else None
+        if config is None or not config.is_file():
+            return None
+        try:
+            value = json.loads(config.read_text(encoding="utf-8")).get("num_hidden_layers")
+        except (ValueError, UnicodeDecodeError, AttributeError):
+            return None  # loading the target reports an unreadable config with its own message
+        return value if isinstance(value, int) else None
 
 
 @dataclass

@@ -35,6 +35,7 @@ from data.loader import BatchLoader
 from data.prepare import prepare_dataset
 from data.shards import FeatureDataset, FeatureMismatchError, frequent_loss_tokens, split_by_id
 from models.common import DraftBatch, packed_additive_mask
+from models.io import save_draft_vocab
 from models.methods import METHODS
 from models.target import Target, load_target
 from train import TrainingError
@@ -307,6 +308,23 @@ def _tracker_kwargs(recipe: Recipe, accelerator: Accelerator) -> dict:
 # The loop
 
 
+def set_draft_vocab(recipe: Recipe, drafter: torch.nn.Module, samples, accelerator: Accelerator) -> None:
+    """A drafter with its own vocabulary drafts the data's `drafter.draft_vocab` most frequent loss tokens (the same
+    on every process: all of them count the whole dataset); the run directory keeps them (`draft_vocab.safetensors`)
+    for exports and for evaluation of its checkpoints."""
+    size = recipe.drafter.draft_vocab
+    vocab = frequent_loss_tokens(samples, size)
+    if len(vocab) < size:
+        raise TrainingError(
+            f"{recipe.source}: drafter.draft_vocab: {size} asked, the training data has {len(vocab)} distinct loss "
+            f"tokens (lower drafter.draft_vocab to at most {len(vocab)})"
+        )
+    drafter.set_draft_vocab(vocab.to(accelerator.device), init_head=True)  # a resume then loads the trained head
+    if accelerator.is_main_process:
+        Path(recipe.train.output_dir).mkdir(parents=True, exist_ok=True)
+        save_draft_vocab(recipe.train.output_dir, vocab)
+
+
 def train(recipe: Recipe, stop_after: int | None = None) -> Path:
     """Train `recipe`'s drafter; return the newest checkpoint. `stop_after`: checkpoint after that step and return."""
     cfg = recipe.train
@@ -321,6 +339,8 @@ def train(recipe: Recipe, stop_after: int | None = None) -> Path:
         parts = parts.restricted(frequent_loss_tokens(train_loader.samples, cfg.loss_vocab).to(accelerator.device))
     method = METHODS[recipe.drafter.method]
     drafter = method.module()(recipe.drafter, parts)
+    if method.own_vocab:
+        set_draft_vocab(recipe, drafter, train_loader.samples, accelerator)
     _check_zero3_sharing(accelerator, recipe, target, drafter)
     optimizer = build_optimizer(drafter, cfg)
     scheduler = build_scheduler(optimizer, cfg)

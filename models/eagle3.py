@@ -1,0 +1,257 @@
+"""EAGLE-3 drafter (and the EAGLE-3.1 switches): fused low/mid/high target features, its own LM head over a
+trained draft vocabulary, trained by training-time test.
+
+    python -m train recipes/tiny/eagle3.yaml      # trains Eagle3Drafter from feature shards (layers 0, 1, 2, -1)
+
+Training: `Eagle3Drafter(cfg, target)` then `drafter.set_draft_vocab(token_ids, init_head=True)` (the training
+loop passes the data's most frequent loss tokens), then `drafter(batch)` returns the unrolled loss. Drafting:
+the same `new_cache()` / `step(...)` interface as `models.eagle.EagleDrafter`; its logits cover the draft
+vocabulary (`draft_ids` maps them to target ids).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from models.common import (
+    DraftBatch,
+    DrafterOutput,
+    FrozenRef,
+    TargetParts,
+    num_loss_tokens,
+    packed_causal_mask,
+    shifted_valid,
+)
+from models.configs import Eagle3Config
+from models.eagle import MLP, Attention, DraftCache, RMSNorm
+
+
+class Eagle3Layer(nn.Module):
+    """The drafter's decoder layer: attention over [input_layernorm(embedding); hidden_norm(feature)] (2d inputs),
+    then a SwiGLU MLP; the residual stream is the feature (or its normed form with `norm_before_residual`)."""
+
+    def __init__(self, config, norm_before_residual: bool):
+        super().__init__()
+        d, eps = config.hidden_size, config.rms_norm_eps
+        self.norm_before_residual = norm_before_residual
+        self.input_layernorm = RMSNorm(d, eps)
+        self.hidden_norm = RMSNorm(d, eps)
+        self.self_attn = Attention(config, in_dim=2 * d)
+        self.post_attention_layernorm = RMSNorm(d, eps)
+        self.mlp = MLP(config)
+
+    def forward(self, emb: torch.Tensor, g: torch.Tensor, rope, mask: torch.Tensor, cache: DraftCache | None):
+        """emb, g (B, n, d) -> h (B, n, d)."""
+        normed = self.hidden_norm(g)
+        residual = normed if self.norm_before_residual else g
+        h = residual + self.self_attn(torch.cat([self.input_layernorm(emb), normed], dim=-1), rope, mask, cache, 0)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Eagle3Drafter(nn.Module):
+    """EAGLE-3 (Li et al., 2025, "EAGLE-3: Scaling up Inference Acceleration of Large Language Models via
+    Training-Time Test") with the EAGLE-3.1 switches FC-Norm and post-norm (`norm_output`).
+
+    Input at position t: g_t = fc(cat_i FCNorm_i(f_t^(i))) over the target's low / mid / high hidden states, and
+    the embedding of the next token x_{t+1} (the target's frozen embedding). One decoder layer, a final RMSNorm and
+    the drafter's own LM head over K draft tokens give the distribution of x_{t+2}. The next draft step reads the
+    layer's output (before the final norm; after it with `norm_output`) in place of g.
+
+    Training-time test: the drafter is unrolled `ttt_steps` times over every position of a batch. Step j at
+    position t reads its own step-(j-1) output and the true token x_{t+j+1}, stands at position t+j and attends to
+    the step-0 keys of t's prefix (the target's features) and to its own keys at t from steps 1..j, exactly what
+    it sees when drafting j tokens ahead. Its loss is the soft cross-entropy against the target's next-token
+    distribution at t+j+1, renormalised over the draft vocabulary, weighted step_decay**j and divided by the
+    number of loss tokens. Positions whose target top-1 token is outside the draft vocabulary are left out of
+    the loss (their distribution cannot be matched there); the `acc@1` metrics still count them as misses.
+    """
+
+    def __init__(self, cfg: Eagle3Config, target: TargetParts):
+        super().__init__()
+        config = target.config
+        self.cfg = dataclasses.replace(cfg, feature_layers=cfg.resolved_layers(config.num_hidden_layers))
+        self.stored_layers = list(target.stored_layers)
+        d, eps, n_feat = config.hidden_size, config.rms_norm_eps, len(self.cfg.feature_layers)
+        self.target_vocab_size = config.vocab_size
+        self._embed_tokens = FrozenRef(target.embed_tokens)
+        self._target_head = FrozenRef(target.lm_head)
+        self.fc_norm = nn.ModuleList(RMSNorm(d, eps) for _ in range(n_feat)) if cfg.fc_norm else None
+        self.fc = nn.Linear(n_feat * d, d, bias=False)
+        self.midlayer = Eagle3Layer(config, cfg.norm_before_residual)
+        self.norm = RMSNorm(d, eps)
+        self.lm_head = nn.Linear(d, cfg.draft_vocab, bias=False)
+        # target id of draft id i = i + d2t[i]; t2d[v]: target token v is in the draft vocabulary
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab, dtype=torch.int64))
+        self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+        self.rotary_emb = LlamaRotaryEmbedding(config)
+
+    @property
+    def embed_tokens(self) -> nn.Embedding:
+        return self._embed_tokens.module
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
+
+    @property
+    def draft_ids(self) -> torch.Tensor:
+        """(K,) target token id of each draft token."""
+        return torch.arange(len(self.d2t), device=self.d2t.device) + self.d2t
+
+    @torch.no_grad()
+    def set_draft_vocab(self, token_ids: torch.Tensor, init_head: bool) -> None:
+        """Draft on these K target tokens (any order; kept sorted by id). `init_head`: start the LM head from the
+        target's rows for them (a fresh run; a resumed or exported one loads its trained head instead)."""
+        K = self.cfg.draft_vocab
+        if len(token_ids) != K or len(torch.unique(token_ids)) != K:
+            raise ValueError(
+                f"drafter.draft_vocab: {K} distinct tokens needed, got {len(torch.unique(token_ids))} (the training "
+                f"data has only that many distinct loss tokens: lower drafter.draft_vocab)"
+            )
+        ids = token_ids.to(self.d2t.device, torch.int64).sort().values
+        self.d2t.copy_(ids - torch.arange(K, device=ids.device))
+        self.t2d.zero_()
+        self.t2d[ids] = True
+        if init_head:
+            head = self._target_head.module.weight
+            self.lm_head.weight.copy_(head[ids.to(head.device)].to(self.lm_head.weight))
+
+    # ---------------------------------------------------------------------------------------
+    # Shared path
+
+    def fuse_features(self, features: torch.Tensor) -> torch.Tensor:
+        """Target features (B, T, n_feat, d) in `cfg.feature_layers` order -> g (B, T, d)."""
+        if self.fc_norm is not None:
+            features = torch.stack([norm(features[:, :, i]) for i, norm in enumerate(self.fc_norm)], dim=2)
+        return self.fc(features.flatten(2))
+
+    def _predict(self, g, next_ids, position_ids, mask, cache) -> tuple[torch.Tensor, torch.Tensor]:
+        """g (B, n, d), next tokens (B, n), positions (B, n), mask (B, n, S+n) -> (h, norm(h)), (B, n, d) each."""
+        emb = self.embed_tokens(next_ids).to(g.dtype)
+        h = self.midlayer(emb, g, self.rotary_emb(g, position_ids), mask, cache)
+        return h, self.norm(h)
+
+    def draft_logits(self, normed: torch.Tensor) -> torch.Tensor:
+        """(..., d) after the final norm -> (..., K) float32 logits over the draft vocabulary."""
+        return self.lm_head(normed).float()
+
+    # ---------------------------------------------------------------------------------------
+    # Training
+
+    def unroll(self, batch: DraftBatch) -> list[torch.Tensor]:
+        """Training-time test over a (packed, padded) batch: the final-norm outputs of each unrolled step,
+        `ttt_steps` tensors (B, T, d); entry j at position t predicts token t+j+2."""
+        hidden = batch["hidden"].to(self.compute_dtype)  # (B, T, n_stored, d)
+        features = hidden[:, :, [self.stored_layers.index(layer) for layer in self.cfg.feature_layers]]
+        if self.training and self.cfg.input_noise > 0:
+            features = features + (torch.rand_like(features) * 2 - 1) * self.cfg.input_noise
+        ids, positions = batch["input_ids"], batch["position_ids"]
+        B, T = ids.shape
+        causal = packed_causal_mask(batch)  # (B, T, T)
+        own = torch.eye(T, dtype=torch.bool, device=ids.device).expand(B, T, T)
+        cache = self.new_cache()
+        g = self.fuse_features(features)  # (B, T, d)
+        outputs = []
+        for j in range(min(self.cfg.ttt_steps, T - 1)):
+            next_ids = torch.cat([ids[:, j + 1 :], ids[:, -1:].expand(B, j + 1)], dim=1)  # x_{t+j+1}
+            mask = torch.cat([causal] + [own] * j, dim=-1)  # (B, T, (j+1)·T): the prefix, then t's own steps
+            h, normed = self._predict(g, next_ids, positions + j, mask, cache)
+            outputs.append(normed)
+            g = normed if self.cfg.norm_output else h
+        return outputs
+
+    def forward(self, batch: DraftBatch) -> DrafterOutput:
+        last = batch["hidden"][:, :, self.stored_layers.index(-1)]  # (B, T, d)
+        B, T = batch["input_ids"].shape
+        # The target's distribution at every loss position, over the draft vocabulary (N rows), computed once.
+        at = batch["loss_mask"] > 0  # (B, T)
+        row = torch.full((B, T), -1, dtype=torch.long, device=last.device)
+        row[at] = torch.arange(int(at.sum()), device=last.device)
+        with torch.no_grad():
+            head = self._target_head.module
+            full = head(last[at].to(head.weight.dtype)).float().to(last.device)  # (N, V)
+            target_top1 = full.argmax(-1)  # (N,)
+            target_p = full[:, self.draft_ids].softmax(-1)  # (N, K)
+            in_vocab = self.t2d[target_top1]  # (N,)
+            del full
+        n_loss = num_loss_tokens(batch)
+        k = min(self.cfg.topk_metric, self.cfg.draft_vocab)
+        out: dict[str, torch.Tensor] = {}
+        loss = last.new_zeros((), dtype=torch.float32)
+        for j, normed in enumerate(self.unroll(batch)):
+            rows = torch.full_like(row, -1)
+            rows[:, : T - j - 1] = row[:, j + 1 :]  # target row of position t+j+1
+            valid = shifted_valid(batch, j + 1) & (rows >= 0)  # (B, T)
+            r = rows[valid]  # (M,)
+            logits = self.draft_logits(normed[valid])  # (M, K)
+            keep = in_vocab[r]
+            ce = -(target_p[r[keep]] * logits[keep].log_softmax(-1)).sum(-1)
+            step_loss = ce.sum() / n_loss
+            loss = loss + self.cfg.step_decay**j * step_loss
+            with torch.no_grad():
+                hit = self.draft_ids[logits.topk(k, dim=-1).indices] == target_top1[r][:, None]  # (M, k)
+                n_valid = max(len(r), 1)
+                name = "" if j == 0 else f"step{j}/"
+                out[f"{name}acc@1"] = hit[:, 0].sum() / n_valid
+                if j == 0:
+                    out[f"acc@{k}"] = hit.any(-1).sum() / n_valid
+                    out["in_vocab"] = keep.sum() / n_valid
+                out[f"{name}loss_ce"] = step_loss.detach()
+        out["loss"] = loss
+        return out
+
+    # ---------------------------------------------------------------------------------------
+    # Drafting with a KV cache (evaluation)
+
+    def new_cache(self) -> DraftCache:
+        return DraftCache([None], [None])
+
+    @torch.no_grad()
+    def step(
+        self,
+        inputs: torch.Tensor,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache: DraftCache,
+        tree_mask: torch.Tensor | None = None,
+        from_target: bool = True,
+        project: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        last_only: bool = False,
+        logits_at: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """As `EagleDrafter.step`: logits (B, n or 1, K) over the draft vocabulary (or `project`'s), hidden_out
+        (B, n, d), the input of the next step (`from_target=False`). Target `inputs` are (B, n, n_feat·d) in
+        `cfg.feature_layers` order (or (B, n, n_feat, d))."""
+        B, n = input_ids.shape
+        inputs = inputs.to(self.compute_dtype)
+        d = self.fc.out_features
+        g = self.fuse_features(inputs.reshape(B, n, len(self.cfg.feature_layers), d)) if from_target else inputs
+        S = cache.length
+        if tree_mask is None:
+            tree_mask = torch.ones(n, n, dtype=torch.bool, device=g.device).tril().expand(B, n, n)
+        if tree_mask.shape[-1] == n:
+            seen = torch.ones(B, n, S, dtype=torch.bool, device=g.device)
+            tree_mask = torch.cat([seen, tree_mask.to(g.device)], dim=-1)
+        h, normed = self._predict(g, input_ids, position_ids, tree_mask, cache)
+        out = normed[:, -1:] if last_only else normed
+        if logits_at is not None:
+            out = normed[torch.arange(B, device=g.device), logits_at.to(g.device)][:, None]
+        logits = self.draft_logits(out) if project is None else project(out)
+        return logits, (normed if self.cfg.norm_output else h)
+
+    # ---------------------------------------------------------------------------------------
+    # What the training loop and exports need
+
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        """Trained tensors and the draft vocabulary (`d2t`, `t2d`); the target's embedding is never saved here."""
+        out = {name: p.detach() for name, p in self.named_parameters() if p.requires_grad}
+        return {**out, "d2t": self.d2t, "t2d": self.t2d}
+
+    def is_head_param(self, name: str) -> bool:
+        return False

@@ -1,0 +1,293 @@
+"""EAGLE-3 drafter on a tiny random Llama target: training-time test against drafting, the draft vocabulary,
+the loss against a hand computation, packing invariance, the EAGLE-3.1 switches, and lossless drafting.
+
+    .venv/bin/pytest tests/test_eagle3.py -q
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from accelerate.state import AcceleratorState, GradientState
+from accelerate.utils import set_seed
+from safetensors.torch import load_file
+from tiny import make_batch, make_samples
+from tiny import tiny_llama as tiny_target
+
+from data.extract import main as extract_main
+from data.loader import BatchLoader
+from data.shards import FeatureDataset, frequent_loss_tokens
+from eval.baselines import plain_generate
+from eval.decode import DecodeSettings, speculative_generate
+from eval.proposers import EagleProposer, VocabProjection, build_proposer
+from models.common import TargetParts
+from models.configs import Eagle3Config
+from models.eagle3 import Eagle3Drafter
+from models.io import load_draft_vocab, load_drafter
+from models.methods import METHODS
+from models.target import load_target
+from train import TrainingError
+from train.checkpoint import DRAFTER_FILE, METRICS_FILE, latest_checkpoint
+from train.config import load_recipe, recipe_from_dict
+from train.export import export, load_run
+from train.loop import train
+
+torch.set_num_threads(1)
+LAYERS = [0, 1, -1]  # stored hidden states: embeddings, layer 1's input, the last one
+VOCAB = 256
+
+
+def drafter_for(model, seed: int = 0, vocab: int = 200, **kw) -> Eagle3Drafter:
+    """A drafter with every weight random (norms too) over a draft vocabulary of `vocab` random target tokens."""
+    torch.manual_seed(seed)
+    cfg = Eagle3Config(feature_layers=[0, 1, -1], draft_vocab=vocab, **kw)
+    drafter = Eagle3Drafter(cfg, TargetParts(model.config, model.model.embed_tokens, model.lm_head, LAYERS))
+    drafter.set_draft_vocab(torch.randperm(VOCAB)[:vocab], init_head=False)
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.2)
+    return drafter.eval()
+
+
+@pytest.fixture(scope="module")
+def setup():
+    model = tiny_target()
+    samples = make_samples([11, 8, 13])
+    padded = make_batch(model, samples, LAYERS, rows=[[0], [1], [2]], width=13)
+    packed = make_batch(model, samples, LAYERS, rows=[[0, 1], [2]], width=20)
+    return model, samples, padded, packed
+
+
+SWITCHES = [{}, {"fc_norm": True, "norm_output": True}, {"norm_before_residual": True, "ttt_steps": 5}]
+
+
+@pytest.mark.parametrize("kw", SWITCHES)
+def test_training_time_test_is_what_drafting_computes(setup, kw):
+    """Unrolled step j at position t == drafting j tokens ahead from prefix t with the true tokens: the target's
+    features up to t through the cache, then the drafter's own outputs, one position a step."""
+    model, _, padded, _ = setup
+    drafter = drafter_for(model, **kw)
+    steps = drafter.unroll(padded)
+    assert len(steps) == drafter.cfg.ttt_steps
+    row, T = 2, 13
+    ids = padded["input_ids"][row : row + 1]
+    feats = padded["hidden"][row : row + 1].flatten(2)  # (1, T, 3·d): layers 0, 1, -1 in feature_layers order
+    for t in (3, 7):
+        cache = drafter.new_cache()
+        logits, hidden = drafter.step(feats[:, : t + 1], ids[:, 1 : t + 2], torch.arange(t + 1)[None], cache)
+        for j in range(drafter.cfg.ttt_steps):
+            if t + j + 1 >= T:
+                break
+            if j > 0:
+                token, pos = ids[:, t + j + 1 : t + j + 2], torch.tensor([[t + j]])
+                logits, hidden = drafter.step(hidden[:, -1:], token, pos, cache, from_target=False)
+            want = drafter.draft_logits(steps[j][row, t])
+            torch.testing.assert_close(logits[0, -1], want, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kw", SWITCHES[:2])
+def test_packed_and_padded_give_the_same_unrolled_outputs_and_loss(setup, kw):
+    model, _, padded, packed = setup
+    drafter = drafter_for(model, **kw)
+    a, b = drafter.unroll(padded), drafter.unroll(packed)
+    for j in range(len(a)):  # sample 1 sits at positions 11..18 of packed row 0; steps past its end differ
+        torch.testing.assert_close(b[j][0, 11 : 19 - j - 1], a[j][1, : 8 - j - 1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(drafter(padded)["loss"], drafter(packed)["loss"], atol=1e-5, rtol=1e-5)
+
+
+def test_loss_matches_hand_computation(setup):
+    """Σ_j 0.8^j Σ_t CE(softmax of the target's logits restricted to the draft vocabulary, draft logits) / #loss
+    tokens, over positions whose target top-1 is a draft token; the others count only in acc@1."""
+    model, samples, padded, _ = setup
+    drafter = drafter_for(model, vocab=120, ttt_steps=3)
+    steps = drafter.unroll(padded)
+    ids_of = drafter.draft_ids
+    total, n_loss = 0.0, sum(float(m.sum()) for _, m in samples)
+    for j, normed in enumerate(steps):
+        for b, (ids, mask) in enumerate(samples):
+            T = len(ids)
+            for t in range(T - j - 1):
+                if mask[t + j + 1] == 0:
+                    continue
+                logits_t = model.lm_head(padded["hidden"][b, t + j + 1, 2])
+                if int(logits_t.argmax()) not in ids_of.tolist():
+                    continue
+                p = logits_t[ids_of].softmax(-1)
+                q = drafter.draft_logits(normed[b, t]).log_softmax(-1)
+                total += 0.8**j * float(-(p * q).sum().detach())
+    out = drafter(padded)
+    assert 0 < float(out["in_vocab"]) < 1  # some positions are left out: the test covers both branches
+    assert float(out["loss"].detach()) == pytest.approx(total / n_loss, rel=1e-4)
+
+
+def test_gradients_reach_every_trained_tensor_through_the_unrolled_steps(setup):
+    model, _, padded, _ = setup
+    drafter = drafter_for(model, vocab=VOCAB, ttt_steps=3).train()
+    drafter(padded)["loss"].backward()
+    for name, p in drafter.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, name
+    assert all(p.grad is None for p in model.parameters())  # the target stays frozen
+    assert set(drafter.trainable_state_dict()) == {n for n, _ in drafter.named_parameters()} | {"d2t", "t2d"}
+    assert not any(n.startswith(("embed", "_")) for n in drafter.state_dict())
+
+
+def test_draft_vocabulary_offsets_membership_and_head_start(setup):
+    model = setup[0]
+    drafter = drafter_for(model, vocab=4)
+    drafter.set_draft_vocab(torch.tensor([200, 7, 31, 90]), init_head=True)
+    assert drafter.draft_ids.tolist() == [7, 31, 90, 200]  # sorted: d2t offsets grow, engines index in order
+    assert drafter.d2t.tolist() == [7, 30, 88, 197]  # target id = draft id + d2t[draft id]
+    assert drafter.t2d.sum() == 4 and drafter.t2d[[7, 31, 90, 200]].all()
+    assert torch.equal(drafter.lm_head.weight, model.lm_head.weight[[7, 31, 90, 200]])
+    with pytest.raises(ValueError, match="drafter.draft_vocab: 4 distinct tokens needed, got 3"):
+        drafter.set_draft_vocab(torch.tensor([1, 2, 2, 3]), init_head=False)
+
+
+def test_default_feature_layers_are_low_mid_high():
+    assert Eagle3Config().resolved_layers(30) == [2, 15, 27]
+    assert Eagle3Config().resolved_layers(8) == [2, 4, 5]
+    with pytest.raises(ValueError, match="a 6-layer target has no distinct low/mid/high"):
+        Eagle3Config().resolved_layers(6)
+    assert Eagle3Config(feature_layers=[0, 1, -1]).resolved_layers(2) == [0, 1, -1]
+
+
+def recipe(**drafter) -> dict:
+    return {
+        "target": {"random_init": {"model_type": "llama", "num_hidden_layers": 8}, "tokenizer": "x"},
+        "data": {"train_files": ["x.jsonl"], "layers": [2, 4, 5, -1], "features_dir": "f"},
+        "drafter": {"method": "eagle3", **drafter},
+    }
+
+
+def test_recipe_checks_the_stored_layers_and_the_vocabulary_settings():
+    assert recipe_from_dict(recipe()).drafter.draft_vocab == 32000
+    with pytest.raises(Exception, match=r"data.layers: must store the drafter's layers \[2, 4, 5\] and -1; missing"):
+        recipe_from_dict({**recipe(), "data": {"train_files": ["x.jsonl"], "layers": [4, 5, -1]}})
+    with pytest.raises(Exception, match="eval.draft_vocab: eagle3 drafts over its own trained vocabulary"):
+        recipe_from_dict({**recipe(), "eval": {"draft_vocab": 100}})
+    with pytest.raises(Exception, match="drafter.ttt_steps: must be >= 1"):
+        recipe_from_dict(recipe(ttt_steps=0))
+
+
+@pytest.mark.parametrize("tree", ["dynamic", "chain"])
+def test_drafting_over_the_own_vocabulary_keeps_greedy_output(setup, tree):
+    model = setup[0]
+    drafter = drafter_for(model, vocab=64)
+    vocab = VocabProjection.trained(drafter.lm_head, drafter.draft_ids, VOCAB)
+    top_k, total = (3, 8) if tree == "dynamic" else (1, 4)
+    proposer = EagleProposer(drafter, depth=3, top_k=top_k, total_tokens=total, draft_vocab=vocab)
+    drafted = []
+    propose = proposer.propose
+    proposer.propose = lambda states: drafted.extend(trees := propose(states)) or trees
+    prompt = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(3))
+    settings = DecodeSettings(max_new_tokens=20)
+    out = speculative_generate(model, proposer, prompt, settings)
+    assert out.tokens == plain_generate(model, prompt, settings).tokens
+    allowed = set(drafter.draft_ids.tolist())
+    assert drafted and all(set(t.tokens[1:].tolist()) <= allowed for t in drafted)
+
+
+# ------------------------------------------------------------------------------------------------
+# The training pipeline: extract -> train (offline and online) -> resume -> export -> draft
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = ROOT / "recipes/tiny/eagle3.yaml"
+QUIET = ["train.eval_every=0", "train.save_every=0", "train.log_every=1", "logging.tracker=none"]
+
+
+def reset_accelerate() -> None:
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+@pytest.fixture(autouse=False)
+def at_root(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    reset_accelerate()
+    yield
+    reset_accelerate()
+
+
+@pytest.fixture(scope="module")
+def features(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("eagle3") / "features"
+    mp = pytest.MonkeyPatch()
+    mp.chdir(ROOT)
+    extract_main([str(RECIPE), f"data.features_dir={out}"])
+    mp.undo()
+    reset_accelerate()
+    return out
+
+
+def tiny_recipe(features: Path, out: Path, *overrides: str):
+    return load_recipe(RECIPE, [f"data.features_dir={features}", f"train.output_dir={out}", *QUIET, *overrides])
+
+
+def test_offline_and_online_runs_choose_the_same_draft_vocabulary_and_train(features, tmp_path, at_root):
+    """Offline (feature shards) and online (the target computes hidden states in the loop) runs keep the same draft
+    vocabulary beside their checkpoints, the data's most frequent loss tokens, and both train every tensor."""
+    common = ["train.max_steps=2", "train.lr=0.01", "train.warmup_steps=0"]
+    train(tiny_recipe(features, tmp_path / "off", *common))
+    reset_accelerate()
+    train(tiny_recipe(features, tmp_path / "on", *common, "train.online=true"))
+    vocab = load_draft_vocab(tmp_path / "off")
+    assert torch.equal(vocab, frequent_loss_tokens(FeatureDataset(features), 128))
+    assert torch.equal(load_draft_vocab(tmp_path / "on"), vocab)
+    for run in ("off", "on"):
+        r = load_recipe(tmp_path / run / "recipe.yaml")
+        target = load_target(**vars(r.target))
+        set_seed(r.train.seed)  # the drafter exactly as training initialised it
+        initial = Eagle3Drafter(r.drafter, target.parts(r.data.layers))
+        initial.set_draft_vocab(vocab, init_head=True)
+        after = trained(tmp_path / run)
+        assert after.keys() == {name for name, _ in initial.named_parameters()}
+        for name in ("fc.weight", "midlayer.self_attn.q_proj.weight", "lm_head.weight"):
+            assert not torch.equal(after[name], initial.state_dict()[name]), f"{run}: {name} did not change"
+
+
+def trained(run: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(latest_checkpoint(run) / DRAFTER_FILE))
+
+
+def losses(run: Path) -> list[float]:
+    return [json.loads(line)["train/loss"] for line in (run / METRICS_FILE).read_text().splitlines()]
+
+
+def test_stop_and_resume_reproduces_the_uninterrupted_run(features, tmp_path, at_root):
+    common = ["train.max_steps=4", "train.save_every=2", "drafter.input_noise=0.05"]
+    train(tiny_recipe(features, tmp_path / "a", *common))
+    reset_accelerate()
+    assert train(tiny_recipe(features, tmp_path / "b", *common), stop_after=2).name == "step-000002"
+    reset_accelerate()
+    train(tiny_recipe(features, tmp_path / "b", *common, "train.resume=auto"))
+    assert losses(tmp_path / "a") == losses(tmp_path / "b")
+    a, b = trained(tmp_path / "a"), trained(tmp_path / "b")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_native_export_reloads_to_identical_logits_and_drafts_losslessly(features, tmp_path, at_root):
+    train(tiny_recipe(features, tmp_path / "run", "train.max_steps=3"))
+    out = export(tmp_path / "run")
+    recipe, target, drafter = load_run(tmp_path / "run")
+    loaded = load_drafter(out, target)
+    assert torch.equal(loaded.d2t, drafter.d2t) and torch.equal(loaded.t2d, drafter.t2d)
+    batch = next(BatchLoader(FeatureDataset(features), [0, 1], batch_size=2, max_len=128).batches())
+    with torch.no_grad():
+        for x, y in zip(loaded.unroll(batch), drafter.unroll(batch)):
+            assert torch.equal(loaded.draft_logits(x), drafter.draft_logits(y))
+    proposer, desc = build_proposer(METHODS["eagle3"], loaded, recipe.eval, calibrate=None)
+    assert desc.endswith("own draft vocab 128")
+    prompt = torch.tensor([[5, 17, 300, 42, 9, 11]])
+    settings = DecodeSettings(max_new_tokens=16)
+    assert speculative_generate(target.model, proposer, prompt, settings).tokens == (
+        plain_generate(target.model, prompt, settings).tokens
+    )
+
+
+def test_a_draft_vocabulary_larger_than_the_data_is_refused_in_one_line(features, tmp_path, at_root):
+    with pytest.raises(TrainingError, match=r"drafter.draft_vocab: 100000 asked, the training data has \d+ distinct"):
+        train(tiny_recipe(features, tmp_path / "run", "train.max_steps=2", "drafter.draft_vocab=100000"))
