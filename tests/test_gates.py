@@ -266,3 +266,25 @@ def test_a_bf16_target_passes_and_is_still_checked(fmt, targets, recipe, tmp_pat
     config["num_hidden_layers"] = 2  # a layer the file does not have: random weights
     (out / "config.json").write_text(json.dumps(config))
     one_line_error(f"^{fmt} load gate: .*layers.1.self_attn.q_proj.weight missing", fmt, out, recipe, target, drafter)
+
+
+def test_native_gate_reloads_strictly_and_compares_logits(targets, recipes, tmp_path):
+    from models.io import save_native
+
+    target = targets["plain"]
+    for drafter, recipe in ((eagle(target), recipes["eagle"]), (medusa(target, num_heads=2), recipes["medusa"])):
+        out = save_native(tmp_path / drafter.cfg.method, drafter, target)
+        assert check("native", out, recipe, target, drafter) == 0.0
+        other = perturbed(type(drafter)(drafter.cfg, target.parts([-1])), seed=7)  # same layout, other weights
+        one_line_error("^native load gate: .* differ by", "native", out, recipe, target, other)
+
+
+def test_a_gate_without_logits_only_reloads(targets, recipes, tmp_path, monkeypatch):
+    """Methods the native gate has no logit path for (a new drafter type) pass on the strict reload alone."""
+    from train import gates
+
+    target = targets["plain"]
+    drafter = eagle(target)
+    monkeypatch.setitem(gates.GATES, "bare", lambda *a: gates.GateResult(torch.zeros(0), torch.zeros(0)))
+    assert check("bare", tmp_path, recipes["eagle"], target, drafter) == 0.0
+    one_line_error("^export.format: nope has no load gate", "nope", tmp_path, recipes["eagle"], target, drafter)
