@@ -62,7 +62,7 @@ METHODS: dict[str, Method] = {
         Method("eagle2", EagleConfig, "models.eagle:EagleDrafter", "features", "eagle", EAGLE_TREES,
                formats=("native", "eagle", "sglang", "vllm")),
         Method("eagle3", Eagle3Config, "models.eagle3:Eagle3Drafter", "features", "eagle", EAGLE_TREES,
-               formats=("native",), own_vocab=True),
+               formats=("native", "speculators", "sglang", "vllm"), own_vocab=True),
         Method("medusa1", MedusaConfig, "models.medusa:MedusaHeads", "features", "medusa", MEDUSA_TREES,
                formats=("native", "medusa", "vllm")),
         Method("medusa2", Medusa2Config, "models.medusa2:Medusa2Model", "tokens", "medusa", MEDUSA_TREES,

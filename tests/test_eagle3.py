@@ -13,7 +13,7 @@ import pytest
 import torch
 from accelerate.state import AcceleratorState, GradientState
 from accelerate.utils import set_seed
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from tiny import make_batch, make_samples
 from tiny import tiny_llama as tiny_target
 
@@ -26,13 +26,14 @@ from eval.proposers import EagleProposer, VocabProjection, build_proposer
 from models.common import TargetParts
 from models.configs import Eagle3Config
 from models.eagle3 import Eagle3Drafter
-from models.io import load_draft_vocab, load_drafter
+from models.io import ExportError, load_draft_vocab, load_drafter
 from models.methods import METHODS
 from models.target import load_target
 from train import TrainingError
 from train.checkpoint import DRAFTER_FILE, METRICS_FILE, latest_checkpoint
 from train.config import load_recipe, recipe_from_dict
 from train.export import export, load_run
+from train.gates import check as gate_check
 from train.loop import train
 
 torch.set_num_threads(1)
@@ -291,3 +292,75 @@ def test_native_export_reloads_to_identical_logits_and_drafts_losslessly(feature
 def test_a_draft_vocabulary_larger_than_the_data_is_refused_in_one_line(features, tmp_path, at_root):
     with pytest.raises(TrainingError, match=r"drafter.draft_vocab: 100000 asked, the training data has \d+ distinct"):
         train(tiny_recipe(features, tmp_path / "run", "train.max_steps=2", "drafter.draft_vocab=100000"))
+
+
+# ------------------------------------------------------------------------------------------------
+# Engine layouts: each passes its consumer's load gate; what a consumer would read wrong is caught
+
+
+@pytest.fixture(scope="module")
+def run(features, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("eagle3-run") / "run"
+    mp = pytest.MonkeyPatch()
+    mp.chdir(ROOT)
+    reset_accelerate()
+    train(tiny_recipe(features, out, "train.max_steps=3"))
+    reset_accelerate()
+    mp.undo()
+    return out
+
+
+@pytest.mark.parametrize("fmt", ["speculators", "vllm", "sglang"])
+def test_engine_layouts_pass_their_consumers_gate(fmt, run, tmp_path):
+    out = export(run, tmp_path / fmt, fmt=fmt)
+    config = json.loads((out / "config.json").read_text())
+    tensors = load_file(str(out / "model.safetensors"))
+    _, target, drafter = load_run(run)
+    assert torch.equal(tensors["d2t"], drafter.d2t) and torch.equal(tensors["t2d"], drafter.t2d)
+    assert tensors["lm_head.weight"].shape == (128, 64) and tensors["fc.weight"].shape == (64, 3 * 64)
+    if fmt == "sglang":
+        assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] == 128
+        assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]  # outputs of layers 0..2
+        assert any(k.startswith("midlayer.") for k in tensors) and "embed_tokens.weight" not in tensors
+    else:
+        assert config["speculators_model_type"] == "eagle3" and config["norm_before_residual"] is False
+        assert config["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]  # inputs of layers 1..3
+        assert config["transformer_layer_config"]["vocab_size"] == 8192
+        assert config["speculators_config"]["verifier"]["name_or_path"] == "random_init:llama"
+        assert torch.equal(tensors["embed_tokens.weight"], target.embed_tokens.weight)
+        assert any(k.startswith("layers.0.") for k in tensors)
+
+
+def broken(out: Path, edit) -> None:
+    config, tensors = json.loads((out / "config.json").read_text()), load_file(str(out / "model.safetensors"))
+    edit(config, tensors)
+    (out / "config.json").write_text(json.dumps(config))
+    save_file(tensors, str(out / "model.safetensors"))
+
+
+@pytest.mark.parametrize(
+    "fmt,edit,why",
+    [
+        ("speculators", lambda c, t: c.pop("norm_before_residual"), "no norm_before_residual"),
+        ("speculators", lambda c, t: c.update(eagle_aux_hidden_state_layer_ids=[0, 1, 2]), "differ by"),
+        ("speculators", lambda c, t: t.update(d2t=t["d2t"] + torch.arange(128)), "d2t"),
+        ("sglang", lambda c, t: t.update({k.replace("midlayer.", "layers.0."): t.pop(k) for k in list(t)
+                                          if k.startswith("midlayer.")}), "midlayer.self_attn.q_proj.weight missing"),
+        ("sglang", lambda c, t: c["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[1, 2, 3]), "differ by"),
+    ],
+)  # fmt: skip
+def test_gates_catch_what_a_consumer_reads_wrong(fmt, edit, why, run, tmp_path):
+    out = export(run, tmp_path / fmt, fmt=fmt)
+    broken(out, edit)
+    recipe, target, drafter = load_run(run)
+    with pytest.raises(ExportError, match=why):
+        gate_check(f"{fmt}/eagle3", out, recipe, target, drafter)
+
+
+def test_sglang_refuses_what_its_eagle3_layer_cannot_hold(features, tmp_path, at_root):
+    train(tiny_recipe(features, tmp_path / "run", "train.max_steps=2", "drafter.norm_output=true"))
+    with pytest.raises(ExportError, match="sglang's EAGLE-3 layer has no norm_output"):
+        export(tmp_path / "run", tmp_path / "out", fmt="sglang")
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.tmp").exists()
+    out = export(tmp_path / "run", tmp_path / "spec", fmt="speculators")  # speculators / vLLM hold EAGLE-3.1
+    assert json.loads((out / "config.json").read_text())["norm_output"] is True

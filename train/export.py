@@ -1,6 +1,7 @@
 """Export a trained drafter from a run directory.
 
-    python -m train.export RUN_DIR [--out DIR] [--format native|medusa|eagle|sglang|vllm] [--checkpoint DIR]
+    python -m train.export RUN_DIR [--out DIR] [--format native|medusa|eagle|sglang|vllm|speculators]
+                                   [--checkpoint DIR]
                                    [--include-target-weights] [--merge-lora]
 
 Reads the run's resolved recipe (`RUN_DIR/recipe.yaml`) and the newest checkpoint's gathered drafter
@@ -34,6 +35,8 @@ Engine formats, each a `config.json` + safetensors file:
 - `vllm`: Medusa heads as vLLM's `MedusaModel` (`model_type: medusa`, `blocks.{h}.layers.{l}.*`,
   `lm_heads.{h}.weight`, `medusa_fc_bias: true`); EAGLE-1/2 drafters as `eagle` (vLLM reads that layout), only
   with `fc_bias: false`, since vLLM's EAGLE fc has no bias and it drops an `fc.bias` without a word.
+- `speculators`, and `sglang` / `vllm` for `eagle3` drafters: the EAGLE-3 layouts of `train.eagle3_layouts` (own
+  LM head, `d2t` / `t2d`, each engine's auxiliary layer ids, the EAGLE-3.1 flags where the consumer reads them).
 Every engine export passes its load gate (`train.gates`) before it is renamed into place: a re-implementation of
 the consumer's loading code (config fields and their defaults, tensor names, strictness) reloads it from the
 directory and must give the trained drafter's draft logits, else the export fails naming the field.
@@ -56,13 +59,22 @@ import torch
 from torch import nn
 
 from data.shards import FeatureDataset, FeatureMismatchError, frequent_loss_tokens
-from models.io import ExportError, read_safetensors, save_draft_vocab, save_native, write_safetensors
+from models.io import (
+    DRAFT_VOCAB_FILE,
+    ExportError,
+    load_draft_vocab,
+    read_safetensors,
+    save_draft_vocab,
+    save_native,
+    write_safetensors,
+)
 from models.medusa import MedusaHeads
 from models.methods import METHODS
 from models.target import Target, TargetError, load_target
+from train import eagle3_layouts
 from train.checkpoint import DRAFTER_FILE, RECIPE_FILE, CheckpointError, latest_checkpoint, read_state
 from train.config import Recipe, RecipeError, load_recipe
-from train.gates import FASTERDECODING_HEADS, MEDUSA_PT, MEDUSA_SAFETENSORS
+from train.gates import FASTERDECODING_HEADS, GATES, MEDUSA_PT, MEDUSA_SAFETENSORS
 from train.gates import check as gate_check
 
 MEDUSA_WEIGHTS = MEDUSA_SAFETENSORS
@@ -87,8 +99,15 @@ def load_run(run_dir: str | Path, checkpoint: str | Path | None = None) -> tuple
     cfg = recipe.drafter
     if getattr(cfg, "stage1_heads", None) is not None:  # Medusa-2: the checkpoint holds the trained heads
         cfg = dataclasses.replace(cfg, stage1_heads=None)
-    drafter = METHODS[recipe.drafter.method].module()(cfg, target.parts(recipe.data.layers))
+    method = METHODS[recipe.drafter.method]
+    drafter = method.module()(cfg, target.parts(recipe.data.layers))
     tensors = read_safetensors(ckpt / DRAFTER_FILE)
+    if method.own_vocab:  # the draft vocabulary training chose, kept in the run directory
+        vocab = load_draft_vocab(run_dir)
+        if vocab is None:
+            raise ExportError(f"{run_dir}: no {DRAFT_VOCAB_FILE} (the run's draft vocabulary, written by training)")
+        drafter.set_draft_vocab(vocab, init_head=False)
+        tensors.update({name: getattr(drafter, name) for name in ("d2t", "t2d")})
     expected = drafter.trainable_state_dict().keys()
     if tensors.keys() != expected:
         raise ExportError(
@@ -244,7 +263,13 @@ def write_sglang(out: Path, recipe: Recipe, target: Target, drafter: nn.Module, 
 
 
 ENGINE_FORMATS = {"medusa": write_medusa, "eagle": write_eagle, "sglang": write_sglang, "vllm": write_vllm}
-FORMATS = ("native", *ENGINE_FORMATS)
+# Method-specific layouts of a format; their gates are registered as "<format>/<method>".
+METHOD_LAYOUTS = {
+    ("eagle3", "speculators"): eagle3_layouts.write_speculators,
+    ("eagle3", "vllm"): eagle3_layouts.write_speculators,  # vLLM reads the speculators layout natively
+    ("eagle3", "sglang"): eagle3_layouts.write_sglang_eagle3,
+}
+FORMATS = ("native", *ENGINE_FORMATS, "speculators")
 
 
 def export(
@@ -274,7 +299,10 @@ def export(
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        if fmt in ENGINE_FORMATS:
+        if (method.name, fmt) in METHOD_LAYOUTS:
+            METHOD_LAYOUTS[method.name, fmt](tmp, recipe, target, drafter, include_target_weights)
+            gate_check(f"{fmt}/{method.name}", tmp, recipe, target, drafter)
+        elif fmt in ENGINE_FORMATS:
             ENGINE_FORMATS[fmt](tmp, recipe, target, drafter, include_target_weights)
             gate_check(fmt, tmp, recipe, target, drafter)  # reloaded as its consumer does, before the rename
         else:
@@ -286,7 +314,8 @@ def export(
             if METHODS[recipe.drafter.method].export_extra:
                 merge = recipe.export.merge_lora if merge_lora is None else merge_lora
                 drafter.export_extra(tmp, target, merge_lora=merge)
-            gate_check("native", tmp, recipe, target, drafter)  # strict reload (load_drafter), same logits
+            native = f"native/{method.name}"  # strict reload (load_drafter), same logits
+            gate_check(native if native in GATES else "native", tmp, recipe, target, drafter)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -1,0 +1,402 @@
+"""EAGLE-3 engine layouts: how `train.export` writes an `eagle3` drafter for each consumer, and how the load gate
+reloads it the way that consumer does.
+
+Formats (`python -m train.export RUN_DIR --format speculators|sglang|vllm`):
+- `speculators` (and `vllm`, which writes the same files: vLLM reads this layout natively): `config.json` with
+  `speculators_model_type: eagle3`, `transformer_layer_config` (the drafter's Llama layer, `vocab_size` = the
+  target's), `draft_vocab_size`, `target_hidden_size`, `eagle_aux_hidden_state_layer_ids` (vLLM numbering: id i =
+  the input of decoder layer i = HF hidden-state index i), `norm_before_residual` (always written: vLLM's reader
+  defaults it to true, the speculators package to false), the EAGLE-3.1 flags `fc_norm`, `norm_output`,
+  `norm_before_fc`, and `speculators_config` (greedy proposal, `speculative_tokens`, the verifier's name).
+  Tensors `embed_tokens.weight` (an exact copy of the target's: the speculators package has no other source for
+  it), `fc.weight`, `fc_norm.{i}.weight`, `layers.0.*` (with `hidden_norm`), `norm.weight`, `lm_head.weight`,
+  `d2t` (offsets: target id = draft id + d2t[draft id]) and `t2d`.
+- `sglang`: `LlamaForCausalLMEagle3`, a one-layer Llama config with `draft_vocab_size` and `eagle_config`
+  (`eagle_aux_hidden_state_layer_ids` in SGLang's numbering: id i = the output of decoder layer i = HF index i+1).
+  Tensors under `midlayer.*` (SGLang drops `layers.0.*` names without a word), `fc.weight`, `norm.weight`,
+  `lm_head.weight`, `d2t`, `t2d`; the target's embedding is shared. SGLang's EAGLE-3 layer has no FC-Norm, no
+  post-norm output and always adds the raw feature as the residual, so drafters trained with `fc_norm`,
+  `norm_output` or `norm_before_residual` are refused for it, as are feature layers it cannot capture.
+Both carry the target's `max_position_embeddings` and RoPE settings (`rope_theta`, a legacy `rope_scaling` and
+`rope_parameters`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.io import ExportError, read_safetensors, write_safetensors
+from train.gates import (
+    GATE_BATCH,
+    GATE_LEN,
+    GATE_SEED,
+    ROW_OFFSET,
+    GateResult,
+    Params,
+    _rms,
+    _rotate,
+    config_value,
+    read_json,
+    register,
+    rope_cos_sin,
+)
+
+WEIGHTS = "model.safetensors"
+SPECULATORS_VERSION = "0.9.0"
+"""The speculators release whose loader was checked (`benchmarks/speculators_check.py`)."""
+SGLANG_EAGLE3 = "LlamaForCausalLMEagle3"
+
+
+# --------------------------------------------------------------------------------------------
+# Auxiliary layer ids: each engine numbers the captured hidden states its own way
+
+
+def hf_index(layer: int, num_layers: int) -> int:
+    """A hidden-state index (HF `output_hidden_states`, -1 = the last) as a non-negative index 0..L."""
+    return layer if layer >= 0 else num_layers + 1 + layer
+
+
+def aux_layer_ids(feature_layers: list[int], num_layers: int, engine: str) -> list[int]:
+    """The ids `engine` ("vllm" or "sglang") captures `feature_layers` under; ExportError for a layer it cannot.
+
+    vLLM (and speculators): id i = the input of decoder layer i, HF index i, for i in 0..L-1. SGLang: id i = the
+    output of decoder layer i, HF index i+1, for i in 0..L-2 (the last layer's output reaches HF's hidden states only
+    after the final norm, which no engine captures)."""
+    ids = []
+    for layer in feature_layers:
+        i = hf_index(layer, num_layers)
+        lo, hi = (0, num_layers - 1) if engine == "vllm" else (1, num_layers - 1)
+        if not lo <= i <= hi:
+            raise ExportError(
+                f"drafter.feature_layers: hidden state {layer} (index {i} of 0..{num_layers}) cannot be captured by "
+                f"{engine}, which reads indices {lo}..{hi} of a {num_layers}-layer target"
+            )
+        ids.append(i if engine == "vllm" else i - 1)
+    return ids
+
+
+def layer_config(target_config) -> dict:
+    """The drafter's decoder layer as a Llama config dict (target sizes, RoPE, context length)."""
+    c = target_config
+    rope = dict(getattr(c, "rope_parameters", None) or {})
+    out = {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
+        "head_dim": getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
+        "num_hidden_layers": 1,
+        "hidden_act": "silu",
+        "rms_norm_eps": c.rms_norm_eps,
+        "vocab_size": c.vocab_size,
+        "max_position_embeddings": c.max_position_embeddings,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+        "rope_parameters": rope,
+    }
+    from train.export import legacy_rope  # the same transformers-4 RoPE fields as the EAGLE-1/2 layouts
+
+    out.update(legacy_rope({"rope_parameters": rope}))
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Writers
+
+
+def _tensors(drafter: nn.Module, layer_prefix: str) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, tensor in drafter.trainable_state_dict().items():
+        out[name.replace("midlayer.", layer_prefix, 1) if name.startswith("midlayer.") else name] = tensor
+    return out
+
+
+def write_speculators(out: Path, recipe, target, drafter: nn.Module, include_target_weights: bool) -> None:
+    cfg, tc = drafter.cfg, target.config
+    ids = aux_layer_ids(cfg.feature_layers, tc.num_hidden_layers, "vllm")
+    tensors = _tensors(drafter, "layers.0.")
+    tensors["embed_tokens.weight"] = drafter.embed_tokens.weight  # exact copy: the package has no other source
+    write_safetensors(tensors, out / WEIGHTS)
+    config = {
+        "architectures": ["Eagle3DraftModel"],
+        "speculators_model_type": "eagle3",
+        "speculators_version": SPECULATORS_VERSION,
+        "transformer_layer_config": layer_config(tc),
+        "draft_vocab_size": cfg.draft_vocab,
+        "target_hidden_size": tc.hidden_size,
+        "eagle_aux_hidden_state_layer_ids": ids,
+        "norm_before_residual": cfg.norm_before_residual,
+        "norm_before_fc": False,
+        "fc_norm": cfg.fc_norm,
+        "norm_output": cfg.norm_output,
+        "embed_requires_grad": False,
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "proposal_methods": [
+                {
+                    "proposal_type": "greedy",
+                    "speculative_tokens": max(recipe.eval.tree_depth, 1),
+                    "verifier_accept_k": 1,
+                    "accept_tolerance": 0.0,
+                }
+            ],
+            "default_proposal_method": "greedy",
+            "verifier": {
+                "name_or_path": recipe.target.path or target.name,
+                "architectures": list(getattr(tc, "architectures", None) or ["LlamaForCausalLM"]),
+            },
+        },
+    }
+    (out / "config.json").write_text(json.dumps(config, indent=2, default=str) + "\n")
+
+
+def write_sglang_eagle3(out: Path, recipe, target, drafter: nn.Module, include_target_weights: bool) -> None:
+    cfg, tc = drafter.cfg, target.config
+    for flag in ("fc_norm", "norm_output", "norm_before_residual"):
+        if getattr(cfg, flag):
+            raise ExportError(
+                f"export.format: sglang's EAGLE-3 layer has no {flag} (drafter.{flag} is true); export --format "
+                "speculators (read by vLLM) or train with it false"
+            )
+    if len(cfg.feature_layers) != 3:
+        raise ExportError(f"drafter.feature_layers: sglang fuses exactly 3 hidden states, got {cfg.feature_layers}")
+    ids = aux_layer_ids(cfg.feature_layers, tc.num_hidden_layers, "sglang")
+    tensors = _tensors(drafter, "midlayer.")
+    if include_target_weights:
+        tensors["embed_tokens.weight"] = drafter.embed_tokens.weight
+    write_safetensors(tensors, out / WEIGHTS)
+    config = layer_config(tc)
+    config.update(
+        architectures=[SGLANG_EAGLE3],
+        draft_vocab_size=cfg.draft_vocab,
+        target_hidden_size=tc.hidden_size,
+        eagle_config={"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True},
+    )
+    (out / "config.json").write_text(json.dumps(config, indent=2, default=str) + "\n")
+
+
+# --------------------------------------------------------------------------------------------
+# Consumers: one functional EAGLE-3 drafter, with each consumer's reading rules
+
+
+@dataclass(frozen=True)
+class Eagle3Reader:
+    name: str
+    layer_prefixes: tuple[str, ...]
+    """Names the consumer loads its first layer from (the first one present wins)."""
+    aux_offset: int
+    """HF hidden-state index = aux id + aux_offset."""
+    reads_flags: bool
+    """It honours fc_norm / norm_output / norm_before_residual."""
+    residual_default: bool
+    """norm_before_residual when the config has none."""
+    speculators_config: bool
+    """The Llama layer config sits under `transformer_layer_config` (else at the top level)."""
+
+
+VLLM_SPECULATORS = Eagle3Reader("vLLM (speculators config)", ("layers.0.", "midlayer."), 0, True, True, True)
+SPECULATORS = Eagle3Reader("speculators Eagle3DraftModel", ("layers.0.",), 0, True, False, True)
+SGLANG = Eagle3Reader("SGLang LlamaForCausalLMEagle3", ("midlayer.",), 1, False, False, False)
+
+
+def eagle3_consumer_logits(
+    config: dict,
+    tensors: dict[str, torch.Tensor],
+    reader: Eagle3Reader,
+    target,
+    hidden: torch.Tensor,
+    next_ids: torch.Tensor,
+    positions: torch.Tensor,
+    extra: tuple[torch.Tensor, torch.Tensor],
+    notes: list[str],
+) -> torch.Tensor:
+    """Draft logits over the target vocabulary (-inf off the draft vocabulary) as `reader` builds the drafter:
+    (B, T + 1, V): T causal positions from the target's hidden states `hidden` (B, T, L+1, d, every HF index), then
+    one more draft step at the last position fed the drafter's own output, reading token `extra[0]` (B,) at
+    position `extra[1]` (B,)."""
+    top = config
+    layer = config.get("transformer_layer_config") if reader.speculators_config else config
+    if not isinstance(layer, dict):
+        raise ExportError(f"config.json: transformer_layer_config is {layer!r}, {reader.name} needs a dict")
+    for key in ("hidden_size", "num_attention_heads", "intermediate_size"):
+        if not isinstance(layer.get(key), int):
+            raise ExportError(f"config.json: {key} is {layer.get(key)!r}, {reader.name} needs an integer")
+    d, H, m = layer["hidden_size"], layer["num_attention_heads"], layer["intermediate_size"]
+    Hkv = layer.get("num_key_value_heads") or H
+    hd = layer.get("head_dim") or d // H
+    eps = float(config_value(layer, "rms_norm_eps", 1e-6, notes))
+    L = target.config.num_hidden_layers
+    eagle_config = top.get("eagle_config") or {}
+    ids = top.get("eagle_aux_hidden_state_layer_ids") if reader.speculators_config else None
+    ids = ids or eagle_config.get("eagle_aux_hidden_state_layer_ids")
+    if not ids:
+        ids = [2, L // 2, L - 3]
+        notes.append(f"no eagle_aux_hidden_state_layer_ids ({reader.name} captures {ids})")
+        index = ids
+    else:
+        index = [i + reader.aux_offset for i in ids]
+    if any(not 0 <= i <= L for i in index):
+        raise ExportError(f"config.json: aux layer ids {ids} are out of range for a {L}-layer target")
+    K = top.get("draft_vocab_size") or layer.get("vocab_size")
+    flags = {"fc_norm": False, "norm_output": False, "norm_before_residual": reader.residual_default}
+    if reader.reads_flags:
+        for key, default in flags.items():
+            flags[key] = bool(config_value(top, key, default, notes) if key == "norm_before_residual" else
+                              top.get(key, default))  # fmt: skip
+    dev = hidden.device
+    p = Params(tensors, WEIGHTS, dev, notes)
+    pre = next((x for x in reader.layer_prefixes if any(k.startswith(x) for k in tensors)), reader.layer_prefixes[0])
+    embed = tensors.get("embed_tokens.weight")
+    embed = target.embed_tokens.weight if embed is None else embed
+    feats = hidden[:, :, index].float()  # (B, T, 3, d)
+    if flags["fc_norm"]:
+        feats = torch.stack([_rms(feats[:, :, i], p.get(f"fc_norm.{i}.weight", (d,), "ones"), eps) for i in
+                             range(len(index))], dim=2)  # fmt: skip
+    elif any(k.startswith("fc_norm.") for k in tensors):
+        notes.append(f"fc_norm.* tensors are ignored: {reader.name} applies no FC-Norm")
+    g = F.linear(feats.flatten(2), p.get("fc.weight", (d, len(index) * d)))  # (B, T, d)
+    w = {
+        n: p.get(pre + n + ".weight", shape, init)
+        for n, shape, init in (
+            ("input_layernorm", (d,), "ones"),
+            ("hidden_norm", (d,), "ones"),
+            ("post_attention_layernorm", (d,), "ones"),
+            ("self_attn.q_proj", (H * hd, 2 * d), "random"),
+            ("self_attn.k_proj", (Hkv * hd, 2 * d), "random"),
+            ("self_attn.v_proj", (Hkv * hd, 2 * d), "random"),
+            ("self_attn.o_proj", (d, H * hd), "random"),
+            ("mlp.gate_proj", (m, d), "random"),
+            ("mlp.up_proj", (m, d), "random"),
+            ("mlp.down_proj", (d, m), "random"),
+        )
+    }
+    norm_w = p.get("norm.weight", (d,), "ones")
+    head = p.get("lm_head.weight", (K, d))
+    d2t = tensors.get("d2t")
+    if d2t is None:
+        notes.append("no d2t: draft ids are read as target ids")
+        d2t = torch.zeros(K, dtype=torch.int64)
+    draft_to_target = torch.arange(K) + d2t.to(torch.int64)
+    if int(draft_to_target.max()) >= target.config.vocab_size or int(draft_to_target.min()) < 0:
+        raise ExportError(f"{WEIGHTS}: d2t maps draft ids outside the target vocabulary (ids instead of offsets?)")
+
+    B, T = next_ids.shape
+    cache: list[torch.Tensor] = []
+
+    def run(g: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        emb = embed[ids.to(embed.device)].to(dev, torch.float32)
+        normed_g = _rms(g, w["hidden_norm"], eps)
+        residual = normed_g if flags["norm_before_residual"] else g
+        x = torch.cat([_rms(emb, w["input_layernorm"], eps), normed_g], dim=-1)
+        n = x.shape[1]
+        q = F.linear(x, w["self_attn.q_proj"]).view(B, n, H, hd).transpose(1, 2)
+        k = F.linear(x, w["self_attn.k_proj"]).view(B, n, Hkv, hd).transpose(1, 2)
+        v = F.linear(x, w["self_attn.v_proj"]).view(B, n, Hkv, hd).transpose(1, 2)
+        cos, sin = rope_cos_sin(layer, hd, pos, notes)
+        q, k = _rotate(q, cos[:, None], sin[:, None]), _rotate(k, cos[:, None], sin[:, None])
+        if cache:
+            k, v = torch.cat([cache[0], k], dim=2), torch.cat([cache[1], v], dim=2)
+        cache[:] = [k, v]
+        k, v = k.repeat_interleave(H // Hkv, dim=1), v.repeat_interleave(H // Hkv, dim=1)
+        scores = (q @ k.transpose(-1, -2)) / math.sqrt(hd)
+        att = scores.masked_fill(~mask[:, None], float("-inf")).softmax(-1) @ v
+        h = residual + F.linear(att.transpose(1, 2).reshape(B, n, H * hd), w["self_attn.o_proj"])
+        x = _rms(h, w["post_attention_layernorm"], eps)
+        h = h + F.linear(F.silu(F.linear(x, w["mlp.gate_proj"])) * F.linear(x, w["mlp.up_proj"]), w["mlp.down_proj"])
+        normed = _rms(h, norm_w, eps)
+        return normed, (normed if flags["norm_output"] else h)
+
+    causal = torch.ones(T, T, dtype=torch.bool, device=dev).tril().expand(B, T, T)
+    normed0, fed = run(g, next_ids, positions, causal)
+    token, pos = extra
+    normed1, _ = run(fed[:, -1:], token[:, None], pos[:, None], torch.ones(B, 1, T + 1, dtype=torch.bool, device=dev))
+    draft = F.linear(torch.cat([normed0, normed1], dim=1), head)  # (B, T+1, K)
+    out = torch.full((B, T + 1, target.config.vocab_size), float("-inf"), device=dev)
+    out[..., draft_to_target.to(dev)] = draft
+    return out
+
+
+def eagle3_inputs(drafter: nn.Module, num_layers: int, vocab: int):
+    """The gate's fixed input: every HF hidden-state index of a random 'target' (B, T, L+1, d), next tokens,
+    positions (rows far apart: RoPE errors show) and one extra draft step's token and position."""
+    gen = torch.Generator().manual_seed(GATE_SEED)
+    d = drafter.fc.out_features
+    hidden = torch.randn(GATE_BATCH, GATE_LEN, num_layers + 1, d, generator=gen)
+    next_ids = torch.randint(0, vocab, (GATE_BATCH, GATE_LEN), generator=gen)
+    positions = torch.arange(GATE_LEN).expand(GATE_BATCH, GATE_LEN) + ROW_OFFSET * torch.arange(GATE_BATCH)[:, None]
+    token = torch.randint(0, vocab, (GATE_BATCH,), generator=gen)
+    return hidden, next_ids, positions, token, positions[:, -1] + 1
+
+
+@torch.no_grad()
+def drafter_logits(drafter: nn.Module, hidden, next_ids, positions, token, pos) -> torch.Tensor:
+    """The trained drafter on the gate's input, the same two steps, mapped to the target vocabulary."""
+    dev = next(drafter.parameters()).device
+    L = hidden.shape[2] - 1
+    index = [hf_index(layer, L) for layer in drafter.cfg.feature_layers]
+    feats = hidden[:, :, index].flatten(2).to(dev)
+    cache = drafter.new_cache()
+    logits0, h = drafter.step(feats, next_ids.to(dev), positions.to(dev), cache)
+    logits1, _ = drafter.step(h[:, -1:], token[:, None].to(dev), pos[:, None].to(dev), cache, from_target=False)
+    draft = torch.cat([logits0, logits1], dim=1).float()
+    out = torch.full((*draft.shape[:2], drafter.target_vocab_size), float("-inf"), device=dev)
+    out[..., drafter.draft_ids] = draft
+    return out
+
+
+def finite_pairs(consumer: torch.Tensor, reference: torch.Tensor, notes: list[str]) -> GateResult:
+    """Compare on the reference's draft tokens; a consumer that maps draft ids elsewhere gets NaN (a failure)."""
+    keep = torch.isfinite(reference[0, 0])
+    if not torch.equal(torch.isfinite(consumer[0, 0]), keep):
+        notes.append("d2t maps the draft vocabulary to other target tokens than the drafter's")
+        consumer = torch.full_like(consumer, float("nan"))
+    return GateResult(consumer[..., keep].float(), reference[..., keep].float(), notes)
+
+
+def eagle3_gate(out_dir: Path, target, drafter: nn.Module, reader: Eagle3Reader) -> GateResult:
+    config = read_json(out_dir / "config.json")
+    tensors = read_safetensors(out_dir / WEIGHTS)
+    hidden, next_ids, positions, token, pos = eagle3_inputs(
+        drafter, target.config.num_hidden_layers, target.config.vocab_size
+    )
+    notes: list[str] = []
+    consumer = eagle3_consumer_logits(config, tensors, reader, target, hidden, next_ids, positions, (token, pos), notes)
+    reference = drafter_logits(drafter, hidden, next_ids, positions, token, pos)
+    return finite_pairs(consumer, reference, notes)
+
+
+@register("speculators/eagle3")
+def speculators_gate(out_dir: Path, recipe, target, drafter: nn.Module) -> GateResult:
+    """The speculators package's Eagle3DraftModel and vLLM's reading of the same files must both agree."""
+    vllm = eagle3_gate(out_dir, target, drafter, VLLM_SPECULATORS)
+    spec = eagle3_gate(out_dir, target, drafter, SPECULATORS)
+    worst = max((vllm, spec), key=lambda r: float((r.consumer - r.reference).abs().max().nan_to_num(float("inf"))))
+    return worst
+
+
+register("vllm/eagle3")(speculators_gate)
+
+
+@register("sglang/eagle3")
+def sglang_eagle3_gate(out_dir: Path, recipe, target, drafter: nn.Module) -> GateResult:
+    return eagle3_gate(out_dir, target, drafter, SGLANG)
+
+
+@register("native/eagle3")
+def native_eagle3_gate(out_dir: Path, recipe, target, drafter: nn.Module) -> GateResult:
+    """`models.io.load_drafter` (eval's strict loader), then the same two draft steps over the target vocabulary."""
+    from models.io import load_drafter
+
+    reloaded = load_drafter(out_dir, target)
+    inputs = eagle3_inputs(drafter, target.config.num_hidden_layers, target.config.vocab_size)
+    return finite_pairs(drafter_logits(reloaded, *inputs), drafter_logits(drafter, *inputs), [])
