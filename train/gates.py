@@ -84,8 +84,9 @@ def register(fmt: str) -> Callable[[Gate], Gate]:
 
 
 def tolerance(reference: torch.Tensor, dtype: torch.dtype) -> float:
-    """Max abs difference allowed: 1e-4 of the logits' scale in float32, 2e-2 when the drafter computes in 16 bits
-    (the gate computes in float32; layout errors move logits by far more than either)."""
+    """Max abs difference allowed: 1e-4 of the logits' scale in float32, 2e-2 when the drafter or the target's
+    lm_head / embedding is 16-bit (`compute_dtype`; the gate computes in float32 up to the lm_head, which rounds its
+    input as the drafter does). Layout errors move logits by far more than either."""
     scale = max(1.0, reference.abs().max().item())
     return (1e-4 if dtype == torch.float32 else 2e-2) * scale
 
