@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test lint format demo demo-pocket smollm2 clean
+.PHONY: install test lint format demo demo-pocket smollm2 check-speculators clean
 
 install: $(STAMP)
 
@@ -37,6 +37,24 @@ demo: smollm2
 
 demo-pocket: install
 	$(BIN)/python recipes/pocket/demo.py
+
+# The real consumer of `--format speculators` exports: the speculators package (0.9.0) in its own virtual environment
+# (it pins transformers <= 5.19), torch first; its declared torchvision/torchaudio would pull another torch.
+SPEC_VENV := .venv-speculators
+SPEC_DEPS := 'transformers>=5.0,<=5.19.0' aiohttp click datasets httpx huggingface-hub loguru numpy openai protobuf \
+	psutil pydantic pydantic-settings rich safetensors tqdm typer
+check-speculators: install
+	test -x $(SPEC_VENV)/bin/python || $(PY) -m venv $(SPEC_VENV)
+	$(SPEC_VENV)/bin/pip install -q torch==2.13.0
+	$(SPEC_VENV)/bin/pip install -q --no-deps speculators==0.9.0 hs-connectors==0.9.0
+	$(SPEC_VENV)/bin/pip install -q torch==2.13.0 $(SPEC_DEPS)
+	rm -rf runs/speculators-check
+	$(BIN)/python benchmarks/speculators_check.py prepare runs/speculators-check
+	$(SPEC_VENV)/bin/python benchmarks/speculators_check.py consume runs/speculators-check
+	rm -rf runs/speculators-check-3.1
+	$(BIN)/python benchmarks/speculators_check.py prepare runs/speculators-check-3.1 drafter.fc_norm=true \
+		drafter.norm_output=true drafter.norm_before_residual=true
+	$(SPEC_VENV)/bin/python benchmarks/speculators_check.py consume runs/speculators-check-3.1
 
 clean:
 	rm -rf runs artifacts/demo
