@@ -32,6 +32,7 @@ from models.target import load_target
 from train import TrainingError
 from train.checkpoint import DRAFTER_FILE, METRICS_FILE, latest_checkpoint
 from train.config import load_recipe, recipe_from_dict
+from train.eagle3_layouts import compare, import_eagle3
 from train.export import export, load_run
 from train.gates import check as gate_check
 from train.loop import train
@@ -364,3 +365,24 @@ def test_sglang_refuses_what_its_eagle3_layer_cannot_hold(features, tmp_path, at
     assert not (tmp_path / "out").exists() and not (tmp_path / "out.tmp").exists()
     out = export(tmp_path / "run", tmp_path / "spec", fmt="speculators")  # speculators / vLLM hold EAGLE-3.1
     assert json.loads((out / "config.json").read_text())["norm_output"] is True
+
+
+@pytest.mark.parametrize("fmt", ["speculators", "sglang"])
+def test_imports_of_eagle3_checkpoints_reproduce_their_logits(fmt, run, tmp_path):
+    """Our own exports stand in for external EAGLE-3 checkpoints: imported with the layout's reading rules (a shuffled
+    draft vocabulary order included), the native drafter gives the drafter's logits."""
+    out = export(run, tmp_path / fmt, fmt=fmt)
+    _, target, trained = load_run(run)
+    config, tensors = json.loads((out / "config.json").read_text()), load_file(str(out / "model.safetensors"))
+    perm = torch.randperm(128, generator=torch.Generator().manual_seed(0))  # a checkpoint whose d2t is not sorted
+    ids = trained.draft_ids[perm]
+    tensors.update({"lm_head.weight": tensors["lm_head.weight"][perm], "d2t": ids - torch.arange(128)})
+    imported, reader = import_eagle3(config, tensors, out / "model.safetensors", target, fmt == "speculators")
+    assert imported.cfg.feature_layers == trained.cfg.feature_layers and torch.equal(imported.d2t, trained.d2t)
+    result = compare(config, tensors, reader, target, imported.eval())
+    assert (result.consumer - result.reference).abs().max() < 1e-4
+    ours = compare(config, tensors, reader, target, trained)
+    torch.testing.assert_close(result.reference, ours.reference, atol=1e-5, rtol=1e-5)
+    tensors.pop("norm.weight")
+    with pytest.raises(ExportError, match=r"missing tensors \['norm.weight'\]"):
+        import_eagle3(config, tensors, out / "model.safetensors", target, fmt == "speculators")
