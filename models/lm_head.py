@@ -7,6 +7,7 @@
     head = TwoStageHead(W, factors, candidates=256)
     ids, logits = head(h)  # h (N, d) -> candidate ids (N, C), their exact logits h·W[c]ᵀ (N, C)
     values, tokens = head.topk(h, k=4)  # (N, 4) each: the top-4 of the exact logits among the candidates
+    head = TwoStageHead(W, factors, candidates=256, kernels="triton", block_v=256, k_local=16)  # fused stage 1
 
 Each draft step ends in a projection onto the vocabulary (V·d multiply-adds per token: 49,152 x 576 on
 SmolLM2-135M), which dominates drafting. Stage 1 scores the whole vocabulary through a rank-r factorization
@@ -18,6 +19,12 @@ The factors are a truncated SVD of D·W, D = diag(frequency weight of each token
 afterwards (A = D⁻¹·U_r·S_r, B = V_rᵀ): the SVD minimises the weighted error Σ_v w_v²·|W_v - (AB)_v|², so the
 tokens a drafter actually emits (frequent loss tokens) are approximated best. The weights only shape the
 factors; the logits are never multiplied by them. `benchmarks/lm_head.py` measures recall and time on SmolLM2.
+
+Stage 1 by default writes all V scores and takes their top C (`kernels="torch"`). With `kernels="triton"` (or its
+twin, "reference") it runs `eval.kernels.lowrank.lowrank_topk` instead: A's rows are shuffled once by a fixed
+permutation, each tile of `block_v` shuffled rows keeps its `k_local` best scores (the V scores are never written),
+and the candidates are the best C of those survivors. That equals the plain top C when `k_local >= block_v`; otherwise
+a tile holding more than `k_local` of a row's top C loses the rest (`benchmarks/lowrank_topk.py` measures the recall).
 """
 
 from __future__ import annotations
@@ -117,9 +124,23 @@ def hidden_moment(hidden: torch.Tensor) -> torch.Tensor:
 
 class TwoStageHead:
     """Stage 1 ranks the vocabulary by (h·Bᵀ)·Aᵀ and keeps the top `candidates` ids; stage 2 computes their exact
-    logits h·W[c]ᵀ. Computes in the dtype of `weight` (float32 recommended on CPU: bf16 matmuls are slow there)."""
+    logits h·W[c]ᵀ. Computes in the dtype of `weight` (float32 recommended on CPU: bf16 matmuls are slow there).
 
-    def __init__(self, weight: torch.Tensor, factors: LowRankHead, candidates: int) -> None:
+    `kernels`: "torch" (stage 1 = the top `candidates` of all V scores), "triton" or "reference" (the tile-local screen
+    `eval.kernels.lowrank.lowrank_topk` over A's rows shuffled by `perm` (V,) shuffled row -> token id; default a
+    fixed random permutation, seed `seed`), with tiles of `block_v` rows keeping `k_local` each."""
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        factors: LowRankHead,
+        candidates: int,
+        kernels: str = "torch",
+        block_v: int = 256,
+        k_local: int = 16,
+        perm: torch.Tensor | None = None,
+        seed: int = 0,
+    ) -> None:
         vocab, hidden = weight.shape
         if factors.a.shape[0] != vocab or factors.b.shape[1] != hidden:
             raise ValueError(
@@ -131,6 +152,25 @@ class TwoStageHead:
         self.a = factors.a.detach().to(weight.dtype).contiguous()  # (V, r)
         self.b = factors.b.detach().to(weight.dtype).contiguous()  # (r, d)
         self.candidates = candidates
+        if kernels not in ("torch", "triton", "reference"):
+            raise ValueError(f"unknown kernels {kernels!r}; expected 'torch', 'triton' or 'reference'")
+        self.kernels, self.block_v, self.k_local = kernels, block_v, k_local
+        if kernels != "torch":
+            from eval.kernels.lowrank import tile_survivors  # imports triton: only for the tiled screen
+
+            if block_v < 16 or block_v & (block_v - 1) or k_local < 1:
+                raise ValueError(f"block_v={block_v}, k_local={k_local}: want a power of two >= 16, and >= 1")
+            if candidates > tile_survivors(vocab, block_v, k_local):
+                raise ValueError(
+                    f"candidates={candidates}: more than the {tile_survivors(vocab, block_v, k_local)} rows that "
+                    f"survive tiles of block_v={block_v} keeping k_local={k_local}"
+                )
+            if perm is None:
+                perm = torch.randperm(vocab, generator=torch.Generator().manual_seed(seed))
+            if perm.shape != (vocab,) or not torch.equal(perm.sort().values.cpu(), torch.arange(vocab)):
+                raise ValueError(f"perm: want a permutation of range({vocab})")
+            self.perm = perm.to(weight.device, torch.int64)  # (V,) shuffled row -> token id
+            self.a_shuffled = self.a[self.perm].contiguous()  # (V, r)
 
     def flops_ratio(self) -> float:
         """Multiply-adds per token of stage 1 + stage 2 over the full head's V·d (top-k selection not counted)."""
@@ -141,8 +181,15 @@ class TwoStageHead:
         """h (..., d) -> (candidate ids (..., C) int64, in stage-1 order; their exact logits (..., C))."""
         lead = h.shape[:-1]
         x = h.reshape(-1, h.shape[-1]).to(self.weight.dtype)  # (N, d)
-        scores = (x @ self.b.T) @ self.a.T  # (N, V) approximate logits
-        ids = scores.topk(self.candidates, dim=-1).indices  # (N, C)
+        if self.kernels == "torch":
+            scores = (x @ self.b.T) @ self.a.T  # (N, V) approximate logits
+            ids = scores.topk(self.candidates, dim=-1).indices  # (N, C)
+        else:
+            from eval.kernels.lowrank import lowrank_topk
+
+            u = x @ self.b.T  # (N, r)
+            args = (self.a_shuffled, self.perm, self.block_v, self.k_local, self.candidates)
+            ids = lowrank_topk(u, *args, kernels=self.kernels)[1]  # (N, C), best approximate score first
         # index_select + multiply-sum: on CPU about 5x faster than `weight[ids]` followed by bmm (a batched
         # matrix-vector product takes a slow path), which made stage 2 cost more than stage 1
         rows = self.weight.index_select(0, ids.reshape(-1)).view(*ids.shape, -1)  # (N, C, d)

@@ -133,3 +133,37 @@ def test_bad_arguments_name_themselves():
         lowrank_topk(u, a, perm[:-1], 16, 2, 10)
     with pytest.raises(ValueError, match="kernels"):
         lowrank_topk(u, a, perm, 16, 2, 10, kernels="cuda")
+
+
+# ------------------------------------------------------------------------------------- the hook in models/lm_head.py
+
+
+def test_two_stage_head_tiled_screen_matches_the_torch_path():
+    """TwoStageHead(kernels="triton" | "reference"): the same candidates (in the same order) and exact logits as the
+    default torch stage 1 when every row survives its tile; with a small k_local the true top-1 stays a candidate."""
+    from models.lm_head import TwoStageHead, factorize
+
+    g = torch.Generator().manual_seed(6)
+    vocab, d = 400, 48  # V % block_v = 16
+    w = torch.randn(vocab, d, generator=g)
+    factors = factorize(w, rank=16)
+    h = torch.randn(2, 5, d, generator=g)
+    plain = TwoStageHead(w, factors, candidates=40)
+    want_ids, want_logits = plain(h)
+    for kernels in ("triton", "reference"):
+        tiled = TwoStageHead(w, factors, candidates=40, kernels=kernels, block_v=32, k_local=32)
+        ids, logits = tiled(h)
+        assert ids.shape == (2, 5, 40)
+        assert torch.equal(ids, want_ids)
+        torch.testing.assert_close(logits, want_logits)
+        torch.testing.assert_close(tiled.topk(h, k=4)[0], plain.topk(h, k=4)[0])
+        screen = TwoStageHead(w, factors, candidates=8, kernels=kernels, block_v=32, k_local=1, seed=3)
+        ids, _ = screen(h)
+        approx_top1 = ((h @ factors.b.T) @ factors.a.T).argmax(-1)
+        assert torch.equal(ids[..., 0], approx_top1)
+    with pytest.raises(ValueError, match="candidates"):
+        TwoStageHead(w, factors, candidates=40, kernels="reference", block_v=32, k_local=2)  # 12·2 + 2 = 26
+    with pytest.raises(ValueError, match="kernels"):
+        TwoStageHead(w, factors, candidates=40, kernels="cuda")
+    with pytest.raises(ValueError, match="perm"):
+        TwoStageHead(w, factors, 40, kernels="reference", block_v=32, k_local=4, perm=torch.zeros(vocab).long())

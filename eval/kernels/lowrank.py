@@ -77,8 +77,10 @@ def _lowrank_tile_topk_kernel(
         s = tl.where(local[None, :] == where[:, None], float("-inf"), s)
 
 
-def _check(u: torch.Tensor, a_shuffled: torch.Tensor, perm: torch.Tensor, block_v: int, k_local: int, candidates: int):
-    """Validate the arguments (named in the messages); returns (n_tiles, k): k = min(k_local, block_v)."""
+def _check(
+    u: torch.Tensor, a_shuffled: torch.Tensor, perm: torch.Tensor, block_v: int, k_local: int, candidates: int
+) -> None:
+    """Validate the arguments; a bad one is named in the message."""
     if u.dim() != 2 or a_shuffled.dim() != 2 or u.shape[1] != a_shuffled.shape[1]:
         raise ValueError(f"u (N, r) and a_shuffled (V, r): got {tuple(u.shape)} and {tuple(a_shuffled.shape)}")
     vocab = a_shuffled.shape[0]
@@ -88,15 +90,18 @@ def _check(u: torch.Tensor, a_shuffled: torch.Tensor, perm: torch.Tensor, block_
         raise ValueError(f"block_v={block_v}: want a power of two >= 16 (a tl.arange / tl.dot tile)")
     if k_local < 1:
         raise ValueError(f"k_local={k_local}: want k_local >= 1")
-    k = min(k_local, block_v)
-    n_tiles = triton.cdiv(vocab, block_v)
-    survivors = (vocab // block_v) * k + min(k, vocab % block_v)
+    survivors = tile_survivors(vocab, block_v, k_local)
     if not 1 <= candidates <= survivors:
         raise ValueError(
             f"candidates={candidates}: want 1 <= candidates <= the {survivors} tile survivors "
             f"(V={vocab}, block_v={block_v}, k_local={k_local})"
         )
-    return n_tiles, k
+
+
+def tile_survivors(vocab: int, block_v: int, k_local: int) -> int:
+    """How many real rows survive the tiles' local top-k: the most `candidates` can be."""
+    k = min(k_local, block_v)
+    return (vocab // block_v) * k + min(k, vocab % block_v)
 
 
 def tile_topk_reference(
