@@ -106,6 +106,26 @@ class VocabProjection:
         return out.index_copy_(-1, self.ids.to(logits.device), torch.log_softmax(logits, dim=-1))
 
 
+class TwoStageProjection:
+    """The two-stage head (`models.lm_head.TwoStageHead`) as a draft step's projection: a low-rank screen of the whole
+    vocabulary keeps `head.candidates` tokens per position and their exact logits are computed; the result is laid
+    out over the vocabulary, -inf off the candidates, so the proposer drafts only among them (verification still uses
+    the target's full distribution: greedy output is unchanged, sampled output still follows the target)."""
+
+    def __init__(self, head, vocab_size: int):
+        self.head, self.vocab_size = head, vocab_size
+        self.ids = torch.arange(head.candidates)  # how many tokens a position can draft among (`_check_draft_vocab`)
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        """(..., d) -> (..., V) float32 logits, -inf off each position's candidates, on h's device."""
+        ids, logits = self.head(h.to(self.head.weight.device))
+        out = torch.full((*ids.shape[:-1], self.vocab_size), float("-inf"), device=ids.device)
+        return out.scatter_(-1, ids, logits.float()).to(h.device)
+
+    def full_log_probs(self, logits: torch.Tensor) -> torch.Tensor:
+        return torch.log_softmax(logits, dim=-1)
+
+
 def _check_draft_vocab(draft_vocab: torch.Tensor | None, top_k: int) -> None:
     if draft_vocab is not None and len(draft_vocab) < top_k:
         raise ValueError(
@@ -175,10 +195,10 @@ class EagleProposer:
         depth: int,
         top_k: int,
         total_tokens: int,
-        draft_vocab: torch.Tensor | VocabProjection | None = None,
+        draft_vocab: torch.Tensor | VocabProjection | TwoStageProjection | None = None,
     ):
         """`draft_vocab`: token ids whose rows of the drafter's lm_head it drafts from, or a ready projection (a
-        drafter's own trained head); None: the whole vocabulary."""
+        drafter's own trained head, the two-stage head); None: the whole vocabulary."""
         self.drafter = drafter
         self.feature_layers = list(drafter.cfg.feature_layers)
         self.depth, self.top_k, self.total_tokens = depth, top_k, total_tokens
@@ -306,7 +326,10 @@ def build_proposer(
     rank accuracies (only called for calibrated trees); `draft_vocab` restricts drafting to those token ids.
     """
     tree, vocab = ev.tree, draft_vocab
-    suffix = "" if vocab is None else f", draft vocab {len(vocab)}"
+    if isinstance(vocab, TwoStageProjection):
+        suffix = f", two-stage head r{vocab.head.a.shape[1]} c{vocab.head.candidates}"
+    else:
+        suffix = "" if vocab is None else f", draft vocab {len(vocab)}"
     if method.proposer == "eagle":  # trees: auto, dynamic, chain
         if method.own_vocab:
             vocab = VocabProjection.trained(drafter.lm_head, drafter.draft_ids, drafter.target_vocab_size)

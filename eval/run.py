@@ -39,6 +39,7 @@ from eval import REPORT_FILES, EvalError, kernels
 from eval.baselines import PROMPT_LOOKUP_TOKENS, plain_generate, plain_generate_batch, prompt_lookup_generate
 from eval.checks import near_tie, tie_margin
 from eval.decode import DecodeSettings, GenerationResult, speculative_generate_batch
+from eval.heads import two_stage_projection
 from eval.prompts import load_prompts, stop_token_ids
 from eval.proposers import Proposer, build_proposer
 from eval.report import summarize, write_report
@@ -422,6 +423,14 @@ def run(recipe: Recipe) -> dict[str, Any] | None:
     draft_vocab = None
     if ev.draft_vocab:
         draft_vocab = draft_vocabulary(recipe, drafter_dir, ev.draft_vocab).to(target.device)
+    if ev.head == "two_stage":
+        if method.proposer != "eagle" or method.own_vocab:
+            raise EvalError(
+                f"{recipe.source}: eval.head: two_stage screens the target's lm_head, which only {method.name} "
+                "drafters of the eagle2 kind project through"
+            )
+        draft_vocab, source = two_stage_projection(recipe, drafter_dir, drafter.lm_head.weight)
+        print(f"eval: two-stage head, rank {ev.head_rank}, {ev.head_candidates} candidates, factors from {source}")
     try:
         proposer, tree_desc = build_proposer(method, drafter, ev, calibrate, draft_vocab)
     except EvalError:

@@ -84,3 +84,36 @@ def test_bad_arguments_name_themselves():
         head.topk(torch.randn(2, D), k=5)
     with pytest.raises(ValueError, match="candidates"):
         TwoStageHead(w, factorize(w, rank=8), candidates=V + 1)
+
+
+def test_two_stage_projection_drafts_among_the_candidates_and_keeps_greedy_output():
+    """The EAGLE proposer drafting through the two-stage head: every drafted token is one of its position's
+    candidates, and with candidates = V the drafted trees equal the full head's."""
+    from tiny import tiny_llama
+
+    from eval.baselines import plain_generate
+    from eval.decode import DecodeSettings, speculative_generate
+    from eval.proposers import EagleProposer, TwoStageProjection
+    from models.common import TargetParts
+    from models.configs import EagleConfig
+    from models.eagle import EagleDrafter
+
+    model = tiny_llama()
+    torch.manual_seed(0)
+    drafter = EagleDrafter(EagleConfig(), TargetParts(model.config, model.model.embed_tokens, model.lm_head, [-1]))
+    weight = model.lm_head.weight.detach()
+    prompt = torch.randint(0, 256, (1, 9), generator=torch.Generator().manual_seed(3))
+    settings = DecodeSettings(max_new_tokens=16)
+    plain = plain_generate(model, prompt, settings).tokens
+    trees = {}
+    for name, candidates in (("few", 12), ("all", 256), ("full", None)):
+        vocab = None
+        if candidates is not None:
+            vocab = TwoStageProjection(TwoStageHead(weight, factorize(weight, rank=8), candidates), 256)
+        proposer = EagleProposer(drafter.eval(), depth=3, top_k=3, total_tokens=8, draft_vocab=vocab)
+        drafted = trees[name] = []
+        propose = proposer.propose
+        proposer.propose = lambda states, out=drafted, propose=propose: out.extend(t := propose(states)) or t
+        assert speculative_generate(model, proposer, prompt, settings).tokens == plain
+    assert [t.tokens.tolist() for t in trees["all"]] == [t.tokens.tolist() for t in trees["full"]]
+    assert [t.tokens.tolist() for t in trees["few"]] != [t.tokens.tolist() for t in trees["full"]]

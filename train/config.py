@@ -227,6 +227,12 @@ class EvalConfig(SamplingConfig):
     """0: draft over the whole vocabulary. N > 0: draft only among the N most frequent loss tokens of
     `data.features_dir` (an EAGLE-3-style draft vocabulary: each draft step's vocabulary projection costs N/V
     as much; verification still uses the full vocabulary, so outputs are unchanged)."""
+    head: Literal["full", "two_stage"] = "full"
+    """The draft steps' vocabulary projection (EAGLE drafters): `full` (or the `draft_vocab` rows), or `two_stage`:
+    a rank-`head_rank` screen of the whole vocabulary keeps `head_candidates` tokens, whose exact logits follow
+    (`models/lm_head.py`; the factors come with the export, else from `data.features_dir`)."""
+    head_rank: int = 64
+    head_candidates: int = 256
     tie_margin: float | None = None
     """Greedy losslessness on a bf16 / fp16 target: a first differing token still counts as lossless when it and
     plain decoding's token both have float32-target logits within this many logits of the best one, or when the
@@ -255,6 +261,12 @@ class EvalConfig(SamplingConfig):
         for key, least in (("tree_depth", 1), ("tree_top_k", 1), ("tree_total_tokens", 2)):
             if getattr(self, key) < least:
                 err(f"eval.{key}", f"must be >= {least}, got {getattr(self, key)}")
+        if self.head == "two_stage":
+            if self.draft_vocab:
+                err("eval.head", "two_stage screens the whole vocabulary: set eval.draft_vocab to 0")
+            if self.head_rank < 1 or self.head_candidates < self.tree_top_k:
+                err("eval.head_candidates", f"must be >= tree_top_k with head_rank >= 1, got {self.head_candidates}, "
+                    f"{self.head_rank}")  # fmt: skip
         if self.draft_vocab < 0 or 0 < self.draft_vocab < self.tree_top_k:
             err("eval.draft_vocab", f"must be 0 (the whole vocabulary) or >= tree_top_k, got {self.draft_vocab}")
         unknown = [b for b in self.baselines if b not in EVAL_BASELINES]
@@ -281,9 +293,9 @@ EVAL_BASELINES = ("plain", "prompt_lookup")
 
 @dataclass
 class ExportConfig:
-    format: Literal["native", "eagle", "sglang", "medusa", "vllm"] = "native"
-    """Engine layouts (train/export.py). No vLLM speculators layout: speculators 0.9 describes EAGLE-3 family drafters
-    (and MTP / DFlash), whose layer attends over [embedding | fused features]; specdraft's EAGLE-2 is not one."""
+    format: Literal["native", "eagle", "sglang", "medusa", "vllm", "speculators"] = "native"
+    """Engine layouts (train/export.py; EAGLE-3: train/eagle3_layouts.py). `speculators` holds `eagle3` drafters only:
+    its layer attends over [embedding | fused features], which specdraft's EAGLE-2 drafter is not."""
     out: str | None = None
     """Defaults to <train.output_dir>/export."""
     include_target_weights: bool = False
