@@ -64,7 +64,7 @@ BAD = {
     "tree deeper than heads": (["eval.tree=chain", "eval.tree_depth=9"], "eval.tree_depth", "exceeds"),
     "missing dataset": (["data.train_files=[]"], "data.train_files", "no dataset"),
     "draft vocabulary below top-k": (["eval.draft_vocab=4", "eval.tree_top_k=8"], "eval.draft_vocab", ">= tree_top_k"),
-    "export format not written": (["export.format=speculators"], "export.format", "must be one of"),
+    "export format not written": (["export.format=tensorrt"], "export.format", "must be one of"),
     "no held-out batches": (["train.eval_batches=0"], "train.eval_batches", "must be >= 1"),
     "extraction batch": (["data.extract_batch_tokens=0"], "data.extract_batch_tokens", "must be >= 1"),
     "tree top-k": (["eval.tree_top_k=0"], "eval.tree_top_k", "must be >= 1"),
