@@ -32,9 +32,10 @@ from models.target import load_target
 from train import TrainingError
 from train.checkpoint import DRAFTER_FILE, METRICS_FILE, latest_checkpoint
 from train.config import load_recipe, recipe_from_dict
-from train.eagle3_layouts import compare, import_eagle3
+from train.eagle3_layouts import compare, drafter_logits, eagle3_inputs, import_eagle3
 from train.export import export, load_run
 from train.gates import check as gate_check
+from train.imports import main as imports_main
 from train.loop import train
 
 torch.set_num_threads(1)
@@ -386,3 +387,16 @@ def test_imports_of_eagle3_checkpoints_reproduce_their_logits(fmt, run, tmp_path
     tensors.pop("norm.weight")
     with pytest.raises(ExportError, match=r"missing tensors \['norm.weight'\]"):
         import_eagle3(config, tensors, out / "model.safetensors", target, fmt == "speculators")
+
+
+def test_import_command_round_trips_an_exported_checkpoint(run, tmp_path, at_root, capsys):
+    out = export(run, tmp_path / "spec", fmt="speculators")
+    imports_main([str(out), "--format", "speculators", "--target", str(RECIPE), "--out", str(tmp_path / "native")])
+    _, target, trained = load_run(run)
+    loaded = load_drafter(tmp_path / "native", target)
+    inputs = eagle3_inputs(trained, 4, 8192)
+    torch.testing.assert_close(drafter_logits(loaded, *inputs), drafter_logits(trained, *inputs), atol=1e-5, rtol=0)
+    (out / "model.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(SystemExit, match="model.safetensors: not a readable safetensors file"):
+        imports_main([str(out), "--format", "speculators", "--target", str(RECIPE), "--out", str(tmp_path / "bad")])
+    assert not (tmp_path / "bad").exists() and not (tmp_path / "bad.tmp").exists()

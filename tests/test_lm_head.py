@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -117,3 +119,32 @@ def test_two_stage_projection_drafts_among_the_candidates_and_keeps_greedy_outpu
         assert speculative_generate(model, proposer, prompt, settings).tokens == plain
     assert [t.tokens.tolist() for t in trees["all"]] == [t.tokens.tolist() for t in trees["full"]]
     assert [t.tokens.tolist() for t in trees["few"]] != [t.tokens.tolist() for t in trees["full"]]
+
+
+def test_native_export_stores_the_two_stage_factors_that_eval_reads(tmp_path, monkeypatch):
+    from accelerate.state import AcceleratorState, GradientState
+
+    from data.extract import main as extract_main
+    from eval.heads import FACTORS_DIR, two_stage_projection
+    from train.config import load_recipe
+    from train.export import export, load_run
+    from train.loop import train
+
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(root)
+    features, run = tmp_path / "features", tmp_path / "run"
+    overrides = [f"data.features_dir={features}", f"train.output_dir={run}", "train.max_steps=2", "eval.head=two_stage",
+                 "eval.head_rank=16", "eval.head_candidates=32"]  # fmt: skip
+    extract_main(["recipes/tiny/eagle2.yaml", *overrides])
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    train(load_recipe("recipes/tiny/eagle2.yaml", overrides))
+    out = export(run)
+    factors = LowRankHead.load(out / FACTORS_DIR)
+    assert factors.rank == 16 and factors.a.shape == (8192, 16)
+    recipe, _, drafter = load_run(run)
+    projection, source = two_stage_projection(recipe, str(out), drafter.lm_head.weight)
+    assert source == str(out / FACTORS_DIR) and projection.head.candidates == 32
+    torch.testing.assert_close(projection.head.a, factors.a)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()

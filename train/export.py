@@ -311,6 +311,12 @@ def export(
             if vocab and recipe.data.features_dir and (Path(recipe.data.features_dir) / "manifest.json").is_file():
                 features = FeatureDataset(recipe.data.features_dir, verify_checksums=recipe.data.verify_checksums)
                 save_draft_vocab(tmp, frequent_loss_tokens(features, vocab))
+            if recipe.eval.head == "two_stage" and recipe.data.features_dir and method.proposer == "eagle":
+                from eval.heads import FACTORS_DIR, compute_factors  # the two-stage draft head's factors
+
+                features = FeatureDataset(recipe.data.features_dir, verify_checksums=recipe.data.verify_checksums)
+                factors = compute_factors(drafter.lm_head.weight, features, recipe.eval.head_rank)
+                factors.save(tmp / FACTORS_DIR)
             if METHODS[recipe.drafter.method].export_extra:
                 merge = recipe.export.merge_lora if merge_lora is None else merge_lora
                 drafter.export_extra(tmp, target, merge_lora=merge)

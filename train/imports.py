@@ -1,6 +1,7 @@
-"""Import an existing SafeAILab EAGLE-1/2 or FasterDecoding Medusa checkpoint as a native export.
+"""Import an existing SafeAILab EAGLE-1/2/3, speculators or FasterDecoding Medusa checkpoint as a native export.
 
-    python -m train.imports SRC --format eagle|medusa --target RECIPE.yaml|TARGET_DIR --out DIR [--dtype DTYPE]
+    python -m train.imports SRC --format eagle|medusa|eagle3|speculators --target RECIPE.yaml|TARGET_DIR --out DIR
+                            [--dtype DTYPE]
 
 `SRC` is the checkpoint directory: `config.json` plus
 - `eagle` (SafeAILab EAGLE-1/2, `cnets1.py`): `model.safetensors`, else `pytorch_model.bin`; `fc.weight`,
@@ -10,6 +11,10 @@
   bias` and `{h}.{L}.weight` for `medusa_num_heads` heads (default: the heads in the file) of `medusa_num_layers`
   (default 1) layers. The consumer shares one ResBlock across a head's layers, so the last layer's tensors are
   imported into every layer: the native heads compute what the consumer computes.
+- `eagle3` (SafeAILab EAGLE-3 / SGLang `LlamaForCausalLMEagle3`) and `speculators` (its EAGLE-3 layout, which vLLM
+  reads): `midlayer.*` resp. `layers.0.*`, `fc.weight`, `norm.weight`, `lm_head.weight`, `d2t`, `t2d`, optionally
+  `fc_norm.{i}.weight` and `embed_tokens.weight`, into an `eagle3` drafter (`train.eagle3_layouts.import_eagle3`:
+  the fused layers from the config's aux layer ids in that engine's numbering, or low/mid/high).
 `.pt` / `.bin` files are read with `torch.load(weights_only=True)` only: tensors, never arbitrary pickle.
 `--target` is a recipe (its `target` section) or a target model directory: the model the checkpoint drafts for.
 
@@ -19,7 +24,7 @@ mapped into our drafter (EAGLE: `fc_norm: false`, `post_norm: false`, `feature_l
 config; Medusa: `num_heads`, `num_layers` from the checkpoint, one lm_head per head), written through `<out>.tmp`
 and a rename, reloaded strictly with `models.io.load_drafter` and compared with the consumer-semantics loader of the
 source (`train.gates`): the same draft logits, else nothing is written. Evaluate the result like any native export:
-`python -m eval RECIPE eval.drafter=DIR`, with a recipe of the same method (eagle2 / medusa1) and target.
+`python -m eval RECIPE eval.drafter=DIR`, with a recipe of the same method (eagle2 / medusa1 / eagle3) and target.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from models.configs import EagleConfig, MedusaConfig
 from models.io import ExportError, load_drafter, read_safetensors, save_native
 from models.methods import METHODS
 from models.target import Target, TargetError, load_target
+from train import eagle3_layouts
 from train.config import RecipeError, load_recipe
 from train.gates import (
     MEDUSA_PT,
@@ -54,8 +60,13 @@ from train.gates import (
     tolerance,
 )
 
-FORMATS = ("eagle", "medusa")
-WEIGHTS = {"eagle": ("model.safetensors", "pytorch_model.bin"), "medusa": (MEDUSA_SAFETENSORS, MEDUSA_PT)}
+FORMATS = ("eagle", "medusa", "eagle3", "speculators")
+WEIGHTS = {
+    "eagle": ("model.safetensors", "pytorch_model.bin"),
+    "medusa": (MEDUSA_SAFETENSORS, MEDUSA_PT),
+    "eagle3": ("model.safetensors", "pytorch_model.bin"),
+    "speculators": ("model.safetensors",),
+}
 _MEDUSA_NAME = re.compile(r"^(\d+)\.(\d+)\.(linear\.weight|linear\.bias|weight)$")
 
 
@@ -198,14 +209,27 @@ def import_checkpoint(src: str | Path, fmt: str, target: Target, out: str | Path
     if out.exists() and not (out / "config.json").is_file() and (not out.is_dir() or any(out.iterdir())):
         raise ExportError(f"{out}: exists and is not an export; choose another --out")
     config, tensors, weights = read_source(src, fmt)
-    drafter = (import_eagle if fmt == "eagle" else import_medusa)(src, config, tensors, weights, target)
+    reader = None
+    if fmt in ("eagle3", "speculators"):
+        drafter, reader = eagle3_layouts.import_eagle3(config, tensors, weights, target, fmt == "speculators")
+    else:
+        drafter = (import_eagle if fmt == "eagle" else import_medusa)(src, config, tensors, weights, target)
     drafter = drafter.to(target.device).eval()
     tmp = out.with_name(out.name + ".tmp")  # renamed into place once verified: a failed import leaves nothing
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
         save_native(tmp, drafter, target, {"imported_from": str(src.resolve()), "format": fmt})
-        verify(fmt, load_drafter(tmp, target), config, tensors, weights, target)
+        if reader is not None:  # EAGLE-3: the layout's reader on the source, the reloaded native drafter
+            result = eagle3_layouts.compare(config, tensors, reader, target, load_drafter(tmp, target))
+            diff = (result.consumer - result.reference).abs().max().item()
+            if not diff <= tolerance(result.reference, compute_dtype(drafter, target)):
+                raise ExportError(
+                    f"{weights}: the imported drafter's draft logits differ from the checkpoint's, as "
+                    f"{reader.name} loads it, by {diff:.3g} ({'; '.join(result.notes) or 'no field fell back'})"
+                )
+        else:
+            verify(fmt, load_drafter(tmp, target), config, tensors, weights, target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
