@@ -19,10 +19,10 @@ subtree is the top n - 1 candidates (connected, with parents ranked first on tie
     if not can_improve(pick, frontier_prob=0.3, new_per_step=100, costs=costs, max_extra_steps=3):
         ...                                                                   # stop drafting: no deeper tree pays
 
-Not done in this step (needs timing on the machine): measuring `Costs` on a real target and drafter at start-up
-(a few verify sizes, one draft step), an `eval.tree: auto` value that builds every round's tree with
-`select_tree` and `can_improve` instead of fixed depth / top_k / total_tokens, and pruning the drafted candidates
-to the selection before the verifying forward.
+`eval.tree: cost` uses it: `eval.costs.measure_costs` times the target's verifying forward at a few tree sizes and
+one draft step at start-up, and every round the EAGLE proposer drafts `tree_depth` steps of `tree_top_k` and keeps
+the `batch_tree_size` best candidates (at most `tree_total_tokens`) instead of a fixed count. Not done: stopping
+the drafting early with `can_improve` (every round drafts `tree_depth` steps).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["Costs", "Selection", "can_improve", "path_probs", "select_tree", "selection_parents"]
+__all__ = ["Costs", "Selection", "batch_tree_size", "can_improve", "path_probs", "select_tree", "selection_parents"]
 
 
 @dataclass(frozen=True)
@@ -175,6 +175,21 @@ def select_tree(
         draft_steps=draft_steps,
         ranked=tuple(ranked),
     )
+
+
+def batch_tree_size(
+    ranked_rows: Sequence[Sequence[float]], costs: Costs, draft_steps: int, max_size: int | None = None
+) -> int:
+    """One tree size for a batch whose trees are verified in the same forward (they must have the same size): the
+    size with the most expected tokens per second for the batch's mean ranking. `ranked_rows`: per row, the path
+    probabilities of its candidates, best first (each row's prefix of that length is connected)."""
+    _check_steps(draft_steps)
+    if not ranked_rows:
+        raise ValueError("ranked_rows: need at least one row")
+    n = min(len(r) for r in ranked_rows)
+    mean = [sum(float(r[i]) for r in ranked_rows) / len(ranked_rows) for i in range(n)]
+    limit = n if max_size is None else max(0, min(n, max_size - 1))
+    return _best_size(mean[:limit], costs, draft_steps)[0]
 
 
 def selection_parents(parents: Sequence[int], nodes: Sequence[int]) -> list[int]:

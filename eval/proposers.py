@@ -20,6 +20,7 @@ from typing import Protocol
 
 import torch
 
+from eval.cost_trees import batch_tree_size
 from eval.trees import NAMED_TREES, Tree, calibrated_tree, chain, dynamic_trees, medusa_tokens, medusa_tree
 from models.methods import Method
 from train.config import EvalConfig
@@ -206,6 +207,7 @@ class EagleProposer:
             draft_vocab = VocabProjection(drafter.lm_head, draft_vocab)
         _check_draft_vocab(None if draft_vocab is None else draft_vocab.ids, top_k)
         self.vocab = draft_vocab
+        self.costs = None  # eval.cost_trees.Costs: keep the batch_tree_size best candidates, not total_tokens
         self.reset(1)
 
     def reset(self, batch_size: int) -> None:
@@ -297,7 +299,14 @@ class EagleProposer:
             return log_probs(step_logits)  # (B, F, V)
 
         roots = torch.cat([state.tokens[:, -1] for state in states])
-        return dynamic_trees(expand, roots, self.depth, self.top_k, self.total_tokens)
+        size_fn = None
+        if self.costs is not None:
+
+            def size_fn(scores: torch.Tensor) -> int:  # (B, n) log path probabilities -> one size for the batch
+                ranked = scores.exp().sort(dim=-1, descending=True).values.tolist()
+                return batch_tree_size(ranked, self.costs, self.depth, self.total_tokens)
+
+        return dynamic_trees(expand, roots, self.depth, self.top_k, self.total_tokens, size_fn)
 
     def commit(self, paths: Sequence[list[int]]) -> None:
         self.cache.crop(self.committed)
@@ -336,6 +345,9 @@ def build_proposer(
             suffix = f", own draft vocab {len(vocab.ids)}"
         if tree == "chain":
             return EagleProposer(drafter, ev.tree_depth, 1, ev.tree_depth + 1, vocab), f"chain d{ev.tree_depth}{suffix}"
+        if tree == "cost":  # the caller measures `proposer.costs` on the machine before decoding
+            desc = f"cost-aware d{ev.tree_depth} k{ev.tree_top_k} n<={ev.tree_total_tokens}{suffix}"
+            return EagleProposer(drafter, ev.tree_depth, ev.tree_top_k, ev.tree_total_tokens, vocab), desc
         desc = f"dynamic d{ev.tree_depth} k{ev.tree_top_k} n{ev.tree_total_tokens}{suffix}"
         return EagleProposer(drafter, ev.tree_depth, ev.tree_top_k, ev.tree_total_tokens, vocab), desc
     heads = drafter.cfg.num_heads  # Medusa: auto, calibrated, chain and the named trees

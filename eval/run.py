@@ -38,6 +38,7 @@ from data.shards import FeatureDataset, FeatureMismatchError, frequent_loss_toke
 from eval import REPORT_FILES, EvalError, kernels
 from eval.baselines import PROMPT_LOOKUP_TOKENS, plain_generate, plain_generate_batch, prompt_lookup_generate
 from eval.checks import near_tie, tie_margin
+from eval.costs import measure_costs
 from eval.decode import DecodeSettings, GenerationResult, speculative_generate_batch
 from eval.heads import two_stage_projection
 from eval.prompts import load_prompts, stop_token_ids
@@ -437,6 +438,13 @@ def run(recipe: Recipe) -> dict[str, Any] | None:
         raise
     except ValueError as exc:  # e.g. a calibrated tree deeper than the heads
         raise EvalError(f"{recipe.source}: eval: {exc}") from None
+    if ev.tree == "cost":  # verify / draft costs of this machine, target and drafter
+        first = torch.tensor(prompts[0]["input_ids"])[None]
+        proposer.costs = measure_costs(target.model, proposer, first, ev.tree_total_tokens, ev.batch_size)
+        points = ", ".join(f"{n}: {t * 1e3:.1f}" for n, t in proposer.costs.verify_points)
+        print(
+            f"eval: cost-aware tree: verify ms by size {{{points}}}, draft step {proposer.costs.draft_cost * 1e3:.1f}"
+        )
     with state.split_between_processes(prompts) as local:
         batches = [local[i : i + ev.batch_size] for i in range(0, len(local), ev.batch_size)]
         if batches:  # warm-up (kernel compilation, allocator), not timed

@@ -276,7 +276,12 @@ def dynamic_tree(expand_fn: ExpandFn, root_token: int, depth: int, top_k: int, t
 
 
 def dynamic_trees(
-    expand_fn: ExpandFn, root_tokens: torch.Tensor, depth: int, top_k: int, total_tokens: int
+    expand_fn: ExpandFn,
+    root_tokens: torch.Tensor,
+    depth: int,
+    top_k: int,
+    total_tokens: int,
+    size_fn: Callable[[torch.Tensor], int] | None = None,
 ) -> list[Tree]:
     """EAGLE-2 dynamic trees (Li et al., 2024) for a batch of B requests, one tree each, grown in lockstep.
 
@@ -288,6 +293,8 @@ def dynamic_trees(
     frontier is the top_k of those children. Finally the global top (total_tokens - 1) candidates of each request
     are kept with its root; since scores never increase along a path (and ties rank parents first) the kept set is
     connected. Nodes are returned in creation order; every tree has the same node count.
+    `size_fn(scores)`: the scores (B, n_candidates) float64 -> the tree size to keep instead of `total_tokens`
+    (cost-aware trees, `eval.cost_trees`); clamped to 1 + n_candidates.
     """
     if total_tokens < 1 or top_k < 1 or depth < 1:
         raise ValueError("depth, top_k and total_tokens must be positive")
@@ -314,6 +321,8 @@ def dynamic_trees(
         frontier_tokens, frontier_cand = cand_tokens[-1].gather(1, keep), new_idx[keep]
         frontier_scores, parent_rows = scores.gather(1, keep), keep // top_k
     tokens, parents, scores = torch.cat(cand_tokens, 1), torch.cat(cand_parents, 1), torch.cat(cand_scores, 1)
+    if size_fn is not None:
+        total_tokens = max(1, min(int(size_fn(scores)), n_cand + 1))
     trees = []
     for row in range(bsz):
         kept = torch.sort(-scores[row], stable=True).indices[: total_tokens - 1].sort().values  # creation order

@@ -32,7 +32,7 @@ from typing import Literal
 from models.configs import Eagle3Config, EagleConfig, Medusa2Config, MedusaConfig
 
 MEDUSA_TREES = ("auto", "chain", "calibrated", "mc_sim_7b_63", "calibrated63")
-EAGLE_TREES = ("auto", "dynamic", "chain")
+EAGLE_TREES = ("auto", "dynamic", "chain", "cost")
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from eval.cost_trees import Costs, can_improve, path_probs, select_tree, selection_parents
+from eval.cost_trees import Costs, batch_tree_size, can_improve, path_probs, select_tree, selection_parents
 from eval.trees import Tree
 
 #          root
@@ -228,3 +228,54 @@ def test_early_stop_looks_past_one_step():
 def test_bad_inputs_name_the_argument(make, name):
     with pytest.raises(ValueError, match=name):
         make()
+
+
+def test_batch_tree_size_is_the_best_size_for_the_mean_ranking():
+    costs = Costs.from_points([(1, 1.0), (4, 1.2), (8, 2.0)], draft_cost=0.1)
+    rows = [[0.9, 0.8, 0.1, 0.05], [0.7, 0.6, 0.2, 0.0]]
+    mean = [0.8, 0.7, 0.15, 0.025]
+    best = max(range(1, 6), key=lambda n: ((1 + sum(mean[: n - 1])) / costs.round_cost(n, 3), -n))
+    assert batch_tree_size(rows, costs, draft_steps=3) == best == 4
+    assert batch_tree_size(rows, costs, draft_steps=3, max_size=2) == 2
+
+
+def test_cost_aware_eagle_trees_follow_the_costs_and_keep_greedy_output():
+    """eval.tree=cost: start-up timing gives a cost point per size; the EAGLE proposer keeps the batch_tree_size best
+    candidates each round (all of them when verifying is free, none when it is steep), and speculative greedy output
+    still equals plain greedy output."""
+    import torch
+    from tiny import tiny_llama
+
+    from eval.baselines import plain_generate
+    from eval.costs import measure_costs
+    from eval.decode import DecodeSettings, speculative_generate
+    from eval.proposers import EagleProposer
+    from models.common import TargetParts
+    from models.configs import EagleConfig
+    from models.eagle import EagleDrafter
+
+    model = tiny_llama()
+    torch.manual_seed(0)
+    drafter = EagleDrafter(EagleConfig(), TargetParts(model.config, model.model.embed_tokens, model.lm_head, [-1]))
+    proposer = EagleProposer(drafter.eval(), depth=3, top_k=3, total_tokens=10)
+    prompt = torch.randint(0, 256, (1, 9), generator=torch.Generator().manual_seed(3))
+    measured = measure_costs(model, proposer, prompt, max_size=10)
+    assert [n for n, _ in measured.verify_points] == [1, 2, 4, 8, 10] and measured.draft_cost > 0
+    settings = DecodeSettings(max_new_tokens=20)
+    plain = plain_generate(model, prompt, settings).tokens
+    propose = proposer.propose
+    # scripted costs: a flat verify cost makes every drafted node worth keeping (up to total_tokens); a steep one
+    # makes none worth it (a random drafter's path probabilities are small)
+    flat, steep = Costs.from_points([(1, 1.0), (64, 1.0)], 0.0), Costs.from_points([(1, 1.0), (2, 100.0)], 0.0)
+    for costs, want in ((flat, 10), (steep, 1)):
+        proposer.costs = costs
+        sizes = []
+
+        def counting(states, sizes=sizes):
+            trees = propose(states)
+            sizes.extend(len(t.tokens) for t in trees)
+            return trees
+
+        proposer.propose = counting
+        assert speculative_generate(model, proposer, prompt, settings).tokens == plain
+        assert sizes and set(sizes) == {want}

@@ -256,11 +256,11 @@ def test_other_template_is_refused(recipe_path: Path, reference: Path, tmp_path:
 
 
 def test_layer_out_of_range_fails_before_work(recipe_path: Path, tmp_path: Path) -> None:
-    # a target loaded from a path: only loading it tells its depth (random_init ones fail at recipe load)
+    # a target loaded from a path: its config.json tells its depth when the recipe loads, as random_init does
     recipe = load_recipe(recipe_path)
     load_target(**vars(recipe.target)).model.save_pretrained(tmp_path / "model")
     path_target = ["target.random_init=", f"target.path={tmp_path / 'model'}"]
-    with pytest.raises(RecipeError, match=r"data.layers: hidden-state index 4 out of range"):
+    with pytest.raises(RecipeError, match=r"data.layers\[0\]: layer 4 out of range for a 3-layer target"):
         run_inprocess(recipe_path, tmp_path / "never", *path_target, "data.layers=[4,-1]")
     assert not (tmp_path / "never").exists()
 
