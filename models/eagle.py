@@ -118,6 +118,26 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))  # (B, n, d)
 
 
+def step_mask(tree_mask: torch.Tensor | None, B: int, n: int, S: int, device: torch.device) -> torch.Tensor:
+    """A draft step's attention mask (B, n, S+n) over S cached and n new positions from its `tree_mask` argument:
+    None = causal among the new positions; (B, n, n) = among the new positions, every cached one visible;
+    (B, n, S+n) = as given."""
+    if tree_mask is None:
+        tree_mask = torch.ones(n, n, dtype=torch.bool, device=device).tril().expand(B, n, n)
+    if tree_mask.shape[-1] == n:
+        seen = torch.ones(B, n, S, dtype=torch.bool, device=device)
+        tree_mask = torch.cat([seen, tree_mask.to(device)], dim=-1)
+    return tree_mask
+
+
+def logit_positions(out: torch.Tensor, last_only: bool, logits_at: torch.Tensor | None) -> torch.Tensor:
+    """The new positions (B, n, d) a draft step computes logits for: all, the last (B, 1, d), or row b's
+    `logits_at[b]` (B, 1, d)."""
+    if logits_at is not None:
+        return out[torch.arange(out.shape[0], device=out.device), logits_at.to(out.device)][:, None]
+    return out[:, -1:] if last_only else out
+
+
 @dataclass
 class DraftCache:
     """Keys and values of the drafter's layers for the positions drafted so far, (B, Hkv, S, hd) each."""
@@ -336,16 +356,9 @@ class EagleDrafter(nn.Module):
             g = self.fuse_features(inputs[:, :, None])
         else:
             g = inputs
-        S = cache.length
-        if tree_mask is None:
-            tree_mask = torch.ones(n, n, dtype=torch.bool, device=g.device).tril().expand(B, n, n)
-        if tree_mask.shape[-1] == n:
-            seen = torch.ones(B, n, S, dtype=torch.bool, device=g.device)
-            tree_mask = torch.cat([seen, tree_mask.to(g.device)], dim=-1)  # (B, n, S+n)
-        f_hat = self._predict(g, input_ids, position_ids, tree_mask, cache)  # (B, n, d)
-        out = f_hat[:, -1:] if last_only else f_hat
-        if logits_at is not None:
-            out = f_hat[torch.arange(B, device=f_hat.device), logits_at.to(f_hat.device)][:, None]  # (B, 1, d)
+        mask = step_mask(tree_mask, B, n, cache.length, g.device)
+        f_hat = self._predict(g, input_ids, position_ids, mask, cache)  # (B, n, d)
+        out = logit_positions(f_hat, last_only, logits_at)
         return (self.logits(out) if project is None else project(out)), f_hat
 
     # ---------------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ from models.common import (
     shifted_valid,
 )
 from models.configs import Eagle3Config
-from models.eagle import MLP, Attention, DraftCache, RMSNorm
+from models.eagle import MLP, Attention, DraftCache, RMSNorm, logit_positions, step_mask
 
 
 class Eagle3Layer(nn.Module):
@@ -232,16 +232,8 @@ class Eagle3Drafter(nn.Module):
         inputs = inputs.to(self.compute_dtype)
         d = self.fc.out_features
         g = self.fuse_features(inputs.reshape(B, n, len(self.cfg.feature_layers), d)) if from_target else inputs
-        S = cache.length
-        if tree_mask is None:
-            tree_mask = torch.ones(n, n, dtype=torch.bool, device=g.device).tril().expand(B, n, n)
-        if tree_mask.shape[-1] == n:
-            seen = torch.ones(B, n, S, dtype=torch.bool, device=g.device)
-            tree_mask = torch.cat([seen, tree_mask.to(g.device)], dim=-1)
-        h, normed = self._predict(g, input_ids, position_ids, tree_mask, cache)
-        out = normed[:, -1:] if last_only else normed
-        if logits_at is not None:
-            out = normed[torch.arange(B, device=g.device), logits_at.to(g.device)][:, None]
+        h, normed = self._predict(g, input_ids, position_ids, step_mask(tree_mask, B, n, cache.length, g.device), cache)
+        out = logit_positions(normed, last_only, logits_at)
         logits = self.draft_logits(out) if project is None else project(out)
         return logits, (normed if self.cfg.norm_output else h)
 

@@ -16,6 +16,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -98,18 +101,45 @@ def read_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
         raise ExportError(f"{path}: not a readable safetensors file, truncated or corrupt ({exc})") from None
 
 
-def read_config(export_dir: str | Path) -> dict[str, Any]:
-    path = Path(export_dir) / CONFIG_FILE
-    if not Path(export_dir).is_dir():
-        raise ExportError(f"{export_dir}: no such drafter export directory (write one with `python -m train.export`)")
+def read_json(path: str | Path) -> dict[str, Any]:
+    """A JSON object file; a missing, undecodable or non-object file is an ExportError naming it."""
+    path = Path(path)
     if not path.is_file():
-        raise ExportError(f"{export_dir}: no {CONFIG_FILE} (not a drafter export: see `python -m train.export`)")
+        raise ExportError(f"{path}: no such file")
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ExportError(f"{path}: not valid JSON ({exc})") from None
     if not isinstance(config, dict):
         raise ExportError(f"{path}: expected a JSON object, got {type(config).__name__}")
+    return config
+
+
+@contextmanager
+def staged_directory(out: str | Path) -> Iterator[Path]:
+    """Write a directory under `<out>.tmp`, renamed to `out` (replacing an earlier one) only when the block completes:
+    an error leaves nothing that looks complete."""
+    out = Path(out)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+
+
+def read_config(export_dir: str | Path) -> dict[str, Any]:
+    path = Path(export_dir) / CONFIG_FILE
+    if not Path(export_dir).is_dir():
+        raise ExportError(f"{export_dir}: no such drafter export directory (write one with `python -m train.export`)")
+    if not path.is_file():
+        raise ExportError(f"{export_dir}: no {CONFIG_FILE} (not a drafter export: see `python -m train.export`)")
+    config = read_json(path)
     if config.get("format") != FORMAT or config.get("format_version") != FORMAT_VERSION:
         raise ExportError(
             f"{path}: format {config.get('format')!r} v{config.get('format_version')!r}, "

@@ -51,7 +51,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import shutil
 import sys
 from pathlib import Path
 
@@ -66,6 +65,7 @@ from models.io import (
     read_safetensors,
     save_draft_vocab,
     save_native,
+    staged_directory,
     write_safetensors,
 )
 from models.medusa import MedusaHeads
@@ -295,10 +295,7 @@ def export(
         include_target_weights = recipe.export.include_target_weights
     if out.exists() and not (out / "config.json").is_file() and (not out.is_dir() or any(out.iterdir())):
         raise ExportError(f"{out}: exists and is not an export; choose another --out (export.out)")
-    tmp = out.with_name(out.name + ".tmp")  # renamed into place once complete: a failed export leaves nothing
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    with staged_directory(out) as tmp:  # renamed into place once complete: a failed export leaves nothing
         if (method.name, fmt) in METHOD_LAYOUTS:
             METHOD_LAYOUTS[method.name, fmt](tmp, recipe, target, drafter, include_target_weights)
             gate_check(f"{fmt}/{method.name}", tmp, recipe, target, drafter)
@@ -306,29 +303,34 @@ def export(
             ENGINE_FORMATS[fmt](tmp, recipe, target, drafter, include_target_weights)
             gate_check(fmt, tmp, recipe, target, drafter)  # reloaded as its consumer does, before the rename
         else:
-            save_native(tmp, drafter, target, recipe.to_dict(), include_target_weights)
-            vocab = max(recipe.eval.draft_vocab, recipe.train.loss_vocab)
-            if vocab and recipe.data.features_dir and (Path(recipe.data.features_dir) / "manifest.json").is_file():
-                features = FeatureDataset(recipe.data.features_dir, verify_checksums=recipe.data.verify_checksums)
-                save_draft_vocab(tmp, frequent_loss_tokens(features, vocab))
-            if recipe.eval.head == "two_stage" and recipe.data.features_dir and method.proposer == "eagle":
-                from eval.heads import FACTORS_DIR, compute_factors  # the two-stage draft head's factors
-
-                features = FeatureDataset(recipe.data.features_dir, verify_checksums=recipe.data.verify_checksums)
-                factors = compute_factors(drafter.lm_head.weight, features, recipe.eval.head_rank)
-                factors.save(tmp / FACTORS_DIR)
-            if METHODS[recipe.drafter.method].export_extra:
-                merge = recipe.export.merge_lora if merge_lora is None else merge_lora
-                drafter.export_extra(tmp, target, merge_lora=merge)
+            merge = recipe.export.merge_lora if merge_lora is None else merge_lora
+            write_native(tmp, recipe, target, drafter, include_target_weights, merge)
             native = f"native/{method.name}"  # strict reload (load_drafter), same logits
             gate_check(native if native in GATES else "native", tmp, recipe, target, drafter)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
     return out
+
+
+def write_native(
+    out: Path, recipe: Recipe, target: Target, drafter: nn.Module, include_target_weights: bool, merge_lora: bool
+) -> None:
+    """The native export and what comes with it: the draft vocabulary (`eval.draft_vocab`, `train.loss_vocab`), the
+    two-stage head's factors (`eval.head: two_stage`), a method's extra files."""
+    method = METHODS[recipe.drafter.method]
+    save_native(out, drafter, target, recipe.to_dict(), include_target_weights)
+    features_dir = recipe.data.features_dir
+    if not (features_dir and (Path(features_dir) / "manifest.json").is_file()):
+        features_dir = None
+    vocab = max(recipe.eval.draft_vocab, recipe.train.loss_vocab)
+    if vocab and features_dir:
+        features = FeatureDataset(features_dir, verify_checksums=recipe.data.verify_checksums)
+        save_draft_vocab(out, frequent_loss_tokens(features, vocab))
+    if recipe.eval.head == "two_stage" and features_dir and method.proposer == "eagle":
+        from eval.heads import FACTORS_DIR, compute_factors  # the two-stage draft head's factors
+
+        features = FeatureDataset(features_dir, verify_checksums=recipe.data.verify_checksums)
+        compute_factors(drafter.lm_head.weight, features, recipe.eval.head_rank).save(out / FACTORS_DIR)
+    if method.export_extra:
+        drafter.export_extra(out, target, merge_lora=merge_lora)
 
 
 def default_out(recipe: Recipe, run_dir: str | Path, fmt: str) -> Path:

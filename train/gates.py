@@ -36,7 +36,6 @@ a tensor dict, so `train.imports` verifies imported checkpoints with the same co
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -47,7 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.io import ExportError, read_safetensors
+from models.io import ExportError, read_json, read_safetensors
 
 MEDUSA_PT = "medusa_lm_head.pt"
 MEDUSA_SAFETENSORS = "medusa_lm_head.safetensors"
@@ -128,18 +127,6 @@ def check(fmt: str, out_dir: str | Path, recipe, target, drafter: nn.Module) -> 
 
 # --------------------------------------------------------------------------------------------
 # Reading an export as a consumer does
-
-
-def read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        raise ExportError(f"{path}: no such file")
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ExportError(f"{path}: not valid JSON ({exc})") from None
-    if not isinstance(config, dict):
-        raise ExportError(f"{path}: expected a JSON object, got {type(config).__name__}")
-    return config
 
 
 def read_pt(path: Path) -> dict[str, torch.Tensor]:

@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import re
-import shutil
 import sys
 from pathlib import Path
 
@@ -40,7 +39,7 @@ import torch
 from torch import nn
 
 from models.configs import EagleConfig, MedusaConfig
-from models.io import ExportError, load_drafter, read_safetensors, save_native
+from models.io import ExportError, load_drafter, read_safetensors, save_native, staged_directory
 from models.methods import METHODS
 from models.target import Target, TargetError, load_target
 from train import eagle3_layouts
@@ -215,10 +214,7 @@ def import_checkpoint(src: str | Path, fmt: str, target: Target, out: str | Path
     else:
         drafter = (import_eagle if fmt == "eagle" else import_medusa)(src, config, tensors, weights, target)
     drafter = drafter.to(target.device).eval()
-    tmp = out.with_name(out.name + ".tmp")  # renamed into place once verified: a failed import leaves nothing
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    with staged_directory(out) as tmp:  # renamed into place once verified: a failed import leaves nothing
         save_native(tmp, drafter, target, {"imported_from": str(src.resolve()), "format": fmt})
         if reader is not None:  # EAGLE-3: the layout's reader on the source, the reloaded native drafter
             result = eagle3_layouts.compare(config, tensors, reader, target, load_drafter(tmp, target))
@@ -230,12 +226,6 @@ def import_checkpoint(src: str | Path, fmt: str, target: Target, out: str | Path
                 )
         else:
             verify(fmt, load_drafter(tmp, target), config, tensors, weights, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
     return out
 
 
