@@ -56,10 +56,21 @@ def summarize(records: list[dict[str, Any]], meta: dict[str, Any]) -> dict[str, 
         "near_tie_margins": [t["margin"] for t in ties],
         "tokens_per_round_histogram": _histogram([a + 1 for a in accepted]),
         "by_group": _by_group(records),
+        "by_tree_size": _by_tree_size(records),
         "time_per_round": _time_per_round(records),
         "batches": _batches(records),
         "per_prompt": records,
     }
+
+
+def _by_tree_size(records: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Rounds pooled by the size of the tree they verified (tree tokens, root included): how many, and their τ."""
+    sizes: dict[int, list[int]] = {}
+    for r in records:
+        spec = r["speculative"]
+        for n, a in zip(spec.get("tree_nodes") or [], spec["accepted"]):
+            sizes.setdefault(int(n), []).append(a + 1)
+    return {str(n): {"rounds": len(t), "accept_len": sum(t) / len(t)} for n, t in sorted(sizes.items())}
 
 
 def _time_per_round(records: list[dict[str, Any]]) -> dict[str, float] | None:
@@ -180,9 +191,17 @@ def to_markdown(s: dict[str, Any]) -> str:
             markdown_table(SUMMARY_HEADER, [summary_row(s)]),
             "## Acceptance by depth\n\n" + markdown_table(depth_header, depth_rows),
             *([_group_table(s["by_group"])] if s.get("by_group") else []),
+            *([_size_table(s["by_tree_size"])] if len(s.get("by_tree_size") or {}) > 1 else []),
             *([_time_table(s["time_per_round"])] if s.get("time_per_round") else []),
             "## Per prompt\n\n" + markdown_table(["prompt", "new tokens", "τ", "speedup", "lossless"], prompt_rows),
         ]
+    )
+
+
+def _size_table(sizes: dict[str, dict[str, float]]) -> str:
+    rows = [[n, str(v["rounds"]), _fmt(v["accept_len"])] for n, v in sizes.items()]
+    return "## τ by tree size (rounds that verified a tree of that many tokens)\n\n" + markdown_table(
+        ["tree tokens", "rounds", "τ"], rows
     )
 
 
@@ -220,13 +239,16 @@ def _batch_note(s: dict[str, Any]) -> str:
 
 
 def plot(s: dict[str, Any], path: Path) -> None:
-    """Acceptance rate by depth (bars) and the histogram of tokens per round (whose mean is τ)."""
+    """Acceptance rate by depth (bars), the histogram of tokens per round (whose mean is τ) and, when tree sizes vary
+    per round, τ by tree size."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.5))
+    sizes = s.get("by_tree_size") or {}
+    fig, axes = plt.subplots(1, 3 if len(sizes) > 1 else 2, figsize=(13.5 if len(sizes) > 1 else 9, 3.5))
+    ax1, ax2 = axes[0], axes[1]
     rates = [x or 0.0 for x in s["accept_rate_by_depth"]]
     ax1.bar(range(1, len(rates) + 1), rates, color="tab:blue")
     ax1.set_xticks(range(1, len(rates) + 1))
@@ -238,6 +260,11 @@ def plot(s: dict[str, Any], path: Path) -> None:
         ax2.axvline(s["accept_len"], color="k", linestyle="--", label=f"τ = {s['accept_len']:.2f}")
         ax2.legend()
     ax2.set(xlabel="tokens per round (accepted + 1)", ylabel="rounds", title="τ histogram")
+    if len(sizes) > 1:  # trees whose size changes per round (eval.tree: cost)
+        ns = [int(n) for n in sizes]
+        rounds = [v["rounds"] for v in sizes.values()]
+        axes[2].scatter(ns, [v["accept_len"] for v in sizes.values()], s=[20 + 200 * r / max(rounds) for r in rounds])
+        axes[2].set(xlabel="tree tokens (point size: rounds)", ylabel="τ of those rounds", title="τ by tree size")
     fig.suptitle(f"{s['method']} ({s['tree']})")
     fig.tight_layout()
     fig.savefig(path, dpi=100)

@@ -24,7 +24,7 @@ from eval import EvalError
 from eval.__main__ import main
 from eval.checks import near_tie
 from eval.prompts import load_prompts, prompt_token_ids
-from eval.report import summarize, to_markdown, write_report
+from eval.report import plot, summarize, to_markdown, write_report
 from eval.run import calibration_samples, calibration_sequences, draft_vocabulary, medusa_rank_accuracy, process_gpus
 from models.eagle import EagleConfig, EagleDrafter
 from models.io import FORMAT, FORMAT_VERSION, save_draft_vocab, save_native
@@ -382,6 +382,20 @@ def test_report_splits_a_rounds_time():
     t = summarize(records, REPORT_META)["time_per_round"]
     assert t == pytest.approx({"target_s": 0.3, "draft_s": 0.1, "loop_s": 0.1, "plain_token_s": 0.2})
     assert "## Time per round (ms)" in to_markdown(summarize(records, REPORT_META))
+
+
+def test_report_pools_rounds_by_tree_size_and_plots_them(tmp_path):
+    """Cost-aware trees change size per round: τ per tree size, in report.json, report.md and a third plot."""
+    records = [_record(0, [3, 1, 0], [True] * 3, True), _record(1, [2], [True], True)]
+    records[0]["speculative"]["tree_nodes"] = [8, 4, 4]
+    records[1]["speculative"]["tree_nodes"] = [8]
+    s = summarize(records, REPORT_META)
+    assert s["by_tree_size"] == {"4": {"rounds": 2, "accept_len": 1.5}, "8": {"rounds": 2, "accept_len": 3.5}}
+    assert "| 8 | 2 | 3.50 |" in to_markdown(s)
+    plot(s, tmp_path / "report.png")
+    assert (tmp_path / "report.png").stat().st_size > 0
+    records[1]["speculative"]["tree_nodes"] = [4]
+    assert "τ by tree size" not in to_markdown(summarize(records[1:], REPORT_META))  # one size: no table
 
 
 def test_prompt_records_carry_their_group(tmp_path, target):
