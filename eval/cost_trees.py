@@ -21,8 +21,8 @@ subtree is the top n - 1 candidates (connected, with parents ranked first on tie
 
 `eval.tree: cost` uses it: `eval.costs.measure_costs` times the target's verifying forward at a few tree sizes and
 one draft step at start-up, and every round the EAGLE proposer drafts `tree_depth` steps of `tree_top_k` and keeps
-the `batch_tree_size` best candidates (at most `tree_total_tokens`) instead of a fixed count. Not done: stopping
-the drafting early with `can_improve` (every round drafts `tree_depth` steps).
+the `batch_tree_size` best candidates (at most `tree_total_tokens`) instead of a fixed count, and stops drafting
+before `tree_depth` steps when `batch_should_stop` (the `can_improve` bound) says no deeper tree can pay.
 """
 
 from __future__ import annotations
@@ -32,7 +32,16 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["Costs", "Selection", "batch_tree_size", "can_improve", "path_probs", "select_tree", "selection_parents"]
+__all__ = [
+    "Costs",
+    "Selection",
+    "batch_should_stop",
+    "batch_tree_size",
+    "can_improve",
+    "path_probs",
+    "select_tree",
+    "selection_parents",
+]
 
 
 @dataclass(frozen=True)
@@ -190,6 +199,29 @@ def batch_tree_size(
     mean = [sum(float(r[i]) for r in ranked_rows) / len(ranked_rows) for i in range(n)]
     limit = n if max_size is None else max(0, min(n, max_size - 1))
     return _best_size(mean[:limit], costs, draft_steps)[0]
+
+
+def batch_should_stop(
+    ranked_rows: Sequence[Sequence[float]],
+    frontier_probs: Sequence[float],
+    costs: Costs,
+    draft_steps: int,
+    new_per_step: int,
+    steps_left: int,
+    max_size: int | None = None,
+) -> bool:
+    """Early stop for a batch drafting in lockstep: True when no further draft step (up to `steps_left`) can raise
+    the expected tokens per second of the batch's mean ranking (`can_improve`'s bound, with the rows' mean best
+    frontier path probability `frontier_probs`)."""
+    if steps_left <= 0:
+        return True
+    n = min(len(r) for r in ranked_rows)
+    mean = [sum(float(r[i]) for r in ranked_rows) / len(ranked_rows) for i in range(n)]
+    limit = n if max_size is None else max(0, min(n, max_size - 1))
+    size, tokens, cost, ratio = _best_size(mean[:limit], costs, draft_steps)
+    current = Selection((), size, tokens, cost, ratio, draft_steps, tuple(mean))
+    frontier = sum(float(p) for p in frontier_probs) / len(frontier_probs)
+    return not can_improve(current, min(frontier, 1.0), new_per_step, costs, steps_left, max_size)
 
 
 def selection_parents(parents: Sequence[int], nodes: Sequence[int]) -> list[int]:

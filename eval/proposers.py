@@ -20,7 +20,7 @@ from typing import Protocol
 
 import torch
 
-from eval.cost_trees import batch_tree_size
+from eval.cost_trees import batch_should_stop, batch_tree_size
 from eval.trees import NAMED_TREES, Tree, calibrated_tree, chain, dynamic_trees, medusa_tokens, medusa_tree
 from models.methods import Method
 from train.config import EvalConfig
@@ -299,14 +299,23 @@ class EagleProposer:
             return log_probs(step_logits)  # (B, F, V)
 
         roots = torch.cat([state.tokens[:, -1] for state in states])
-        size_fn = None
+        size_fn = stop_fn = None
         if self.costs is not None:
+            steps = [self.depth]  # draft steps this round actually ran
 
             def size_fn(scores: torch.Tensor) -> int:  # (B, n) log path probabilities -> one size for the batch
                 ranked = scores.exp().sort(dim=-1, descending=True).values.tolist()
-                return batch_tree_size(ranked, self.costs, self.depth, self.total_tokens)
+                return batch_tree_size(ranked, self.costs, steps[0], self.total_tokens)
 
-        return dynamic_trees(expand, roots, self.depth, self.top_k, self.total_tokens, size_fn)
+            def stop_fn(scores: torch.Tensor, frontier: torch.Tensor, done: int) -> bool:
+                ranked = scores.exp().sort(dim=-1, descending=True).values.tolist()
+                best = frontier.exp().max(dim=-1).values.tolist()
+                new = self.top_k * self.top_k
+                stop = batch_should_stop(ranked, best, self.costs, done, new, self.depth - done, self.total_tokens)
+                steps[0] = done if stop else steps[0]
+                return stop
+
+        return dynamic_trees(expand, roots, self.depth, self.top_k, self.total_tokens, size_fn, stop_fn)
 
     def commit(self, paths: Sequence[list[int]]) -> None:
         self.cache.crop(self.committed)

@@ -241,8 +241,8 @@ def test_batch_tree_size_is_the_best_size_for_the_mean_ranking():
 
 def test_cost_aware_eagle_trees_follow_the_costs_and_keep_greedy_output():
     """eval.tree=cost: start-up timing gives a cost point per size; the EAGLE proposer keeps the batch_tree_size best
-    candidates each round (all of them when verifying is free, none when it is steep), and speculative greedy output
-    still equals plain greedy output."""
+    candidates each round (all of them when verifying is free, none when it is steep, and then it stops drafting after
+    the first step), and speculative greedy output still equals plain greedy output."""
     import torch
     from tiny import tiny_llama
 
@@ -267,9 +267,13 @@ def test_cost_aware_eagle_trees_follow_the_costs_and_keep_greedy_output():
     # scripted costs: a flat verify cost makes every drafted node worth keeping (up to total_tokens); a steep one
     # makes none worth it (a random drafter's path probabilities are small)
     flat, steep = Costs.from_points([(1, 1.0), (64, 1.0)], 0.0), Costs.from_points([(1, 1.0), (2, 100.0)], 0.0)
-    for costs, want in ((flat, 10), (steep, 1)):
+    steps = []
+    step = drafter.step
+    drafter.step = lambda *args, **kw: steps.append(kw.get("from_target", True)) or step(*args, **kw)
+    for costs, want, tree_steps in ((flat, 10, 2), (steep, 1, 0)):
         proposer.costs = costs
         sizes = []
+        steps.clear()
 
         def counting(states, sizes=sizes):
             trees = propose(states)
@@ -279,3 +283,5 @@ def test_cost_aware_eagle_trees_follow_the_costs_and_keep_greedy_output():
         proposer.propose = counting
         assert speculative_generate(model, proposer, prompt, settings).tokens == plain
         assert sizes and set(sizes) == {want}
+        # each round: one catch-up step, then tree steps until depth 3 or until no deeper tree can pay (steep)
+        assert steps.count(False) == tree_steps * steps.count(True)
