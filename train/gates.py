@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.io import ExportError, read_json, read_safetensors
+from models.methods import METHODS
 
 MEDUSA_PT = "medusa_lm_head.pt"
 MEDUSA_SAFETENSORS = "medusa_lm_head.safetensors"
@@ -459,7 +460,7 @@ def vllm_medusa_logits(
 
 @register("vllm")
 def vllm_gate(out_dir: Path, recipe, target, drafter: nn.Module) -> GateResult:
-    if not hasattr(drafter, "head_logits"):  # EAGLE-1/2 drafters go out in the SafeAILab layout
+    if METHODS[drafter.cfg.method].proposer == "eagle":  # EAGLE-1/2 drafters go out in the SafeAILab layout
         return eagle_gate(out_dir, target, drafter, VLLM_EAGLE)
     config = read_json(out_dir / "config.json")
     tensors = read_safetensors(out_dir / ENGINE_WEIGHTS)
@@ -482,17 +483,18 @@ def sglang_gate(out_dir: Path, recipe, target, drafter: nn.Module) -> GateResult
 @register("native")
 def native_gate(out_dir: Path, recipe, target, drafter: nn.Module) -> GateResult:
     """`models.io.load_drafter` (what eval runs: strict names, shapes and frozen tensors), then the same draft
-    logits for EAGLE-2 drafters and Medusa heads; other methods get the strict reload only."""
-    from models.eagle import EagleDrafter
+    logits for EAGLE-2 drafters and Medusa heads (what their method declares: `models.methods`); a method with its
+    own gate registers `native/<method>` (EAGLE-3: `train.eagle3_layouts`), others get the strict reload only."""
     from models.io import load_drafter
 
     reloaded = load_drafter(out_dir, target)
-    if isinstance(drafter, EagleDrafter):
+    method = METHODS[drafter.cfg.method]
+    if method.proposer == "eagle" and not method.own_vocab:
         batch, _, _ = eagle_inputs(drafter, target.config.vocab_size, target.config.hidden_size)
         return GateResult(
             reloaded.logits(reloaded.predict_features(batch)).float(), drafter.logits(drafter.predict_features(batch))
         )
-    if hasattr(drafter, "head_logits"):
+    if method.proposer == "medusa":
         hidden = medusa_hidden(drafter, target.config.hidden_size)
         return GateResult(reloaded.head_logits(hidden).float(), drafter.head_logits(hidden).float())
     return GateResult(torch.zeros(0), torch.zeros(0), ["no logit comparison for this method: strict reload only"])
