@@ -131,6 +131,6 @@ def test_yaml_readings_a_user_did_not_mean(tmp_path):
 def test_eagle_refuses_medusa_trees():
     eagle = ROOT / "recipes/tiny/eagle2.yaml"
     with pytest.raises(
-        RecipeError, match="eval.tree: mc_sim_7b_63: a eagle2 drafter drafts auto, dynamic, chain trees"
+        RecipeError, match="eval.tree: mc_sim_7b_63: a eagle2 drafter drafts auto, dynamic, chain, cost trees"
     ):
         load_recipe(eagle, ["eval.tree=mc_sim_7b_63"])
