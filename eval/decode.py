@@ -80,6 +80,9 @@ class GenerationResult:
     """Per round: whether the last accepted node had children (a deeper draft was offered and rejected), i.e. the
     round ended by a rejection rather than by running out of tree."""
     tree_nodes: list[int] = field(default_factory=list)
+    """Per round: tokens of the verified tree (root included)."""
+    round_s: list[float] = field(default_factory=list)
+    """Per round: seconds from drafting to the committed result (the batch's, shared by its rows)."""
     target_forwards: int = 0
     wall_s: float = 0.0
     target_s: float = 0.0
@@ -405,7 +408,7 @@ def speculative_generate_batch(
             target.keep_rows(active)
             proposer.keep_rows(active)
         while active:
-            t0 = clock(device)
+            t0 = round_start = clock(device)
             trees = proposer.propose([DecodeState(tokens=tokens[b], new_hidden=new_hidden[b]) for b in active])
             draft_s += clock(device) - t0
             if len({t.num_nodes for t in trees}) != 1:
@@ -421,7 +424,8 @@ def speculative_generate_batch(
 
             t0 = clock(device)
             proposer.commit(paths)
-            draft_s += clock(device) - t0
+            now = clock(device)
+            draft_s += now - t0
 
             still = []
             for i, (b, path) in enumerate(zip(active, paths)):
@@ -431,6 +435,7 @@ def speculative_generate_batch(
                 result.tree_depth.append(trees[i].max_depth)
                 result.extendable.append(first_child[i][path[-1]] >= 0)
                 result.tree_nodes.append(tree.num_nodes)
+                result.round_s.append(now - round_start)
                 new_hidden[b] = hidden[i : i + 1, path] if hidden is not None else None  # (1, k+1, S, d)
                 tokens[b] = torch.cat([tokens[b], torch.tensor([new], device=device)], dim=1)
                 if not _finish(result.tokens, new, settings):

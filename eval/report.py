@@ -63,14 +63,26 @@ def summarize(records: list[dict[str, Any]], meta: dict[str, Any]) -> dict[str, 
     }
 
 
-def _by_tree_size(records: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """Rounds pooled by the size of the tree they verified (tree tokens, root included): how many, and their τ."""
-    sizes: dict[int, list[int]] = {}
+def _by_tree_size(records: list[dict[str, Any]]) -> dict[str, dict[str, float | None]]:
+    """Rounds pooled by the size of the tree they verified (tree tokens, root included): how many, their τ, and
+    their tokens per second (tokens over the rounds' own seconds, drafting to commit; None without round times)."""
+    sizes: dict[int, list[tuple[int, float | None]]] = {}
     for r in records:
         spec = r["speculative"]
-        for n, a in zip(spec.get("tree_nodes") or [], spec["accepted"]):
-            sizes.setdefault(int(n), []).append(a + 1)
-    return {str(n): {"rounds": len(t), "accept_len": sum(t) / len(t)} for n, t in sorted(sizes.items())}
+        times = spec.get("round_s") or [None] * len(spec["accepted"])
+        for n, a, t in zip(spec.get("tree_nodes") or [], spec["accepted"], times):
+            sizes.setdefault(int(n), []).append((a + 1, t))
+    out = {}
+    for n, rounds in sorted(sizes.items()):
+        tokens = sum(k for k, _ in rounds)
+        timed = all(t is not None for _, t in rounds)
+        seconds = sum(t for _, t in rounds) if timed else 0.0
+        out[str(n)] = {
+            "rounds": len(rounds),
+            "accept_len": tokens / len(rounds),
+            "tokens_per_s": tokens / seconds if timed and seconds > 0 else None,
+        }
+    return out
 
 
 def _time_per_round(records: list[dict[str, Any]]) -> dict[str, float] | None:
@@ -198,10 +210,10 @@ def to_markdown(s: dict[str, Any]) -> str:
     )
 
 
-def _size_table(sizes: dict[str, dict[str, float]]) -> str:
-    rows = [[n, str(v["rounds"]), _fmt(v["accept_len"])] for n, v in sizes.items()]
+def _size_table(sizes: dict[str, dict[str, float | None]]) -> str:
+    rows = [[n, str(v["rounds"]), _fmt(v["accept_len"]), _fmt(v.get("tokens_per_s"), 1)] for n, v in sizes.items()]
     return "## τ by tree size (rounds that verified a tree of that many tokens)\n\n" + markdown_table(
-        ["tree tokens", "rounds", "τ"], rows
+        ["tree tokens", "rounds", "τ", "tok/s in those rounds"], rows
     )
 
 
@@ -264,7 +276,14 @@ def plot(s: dict[str, Any], path: Path) -> None:
         ns = [int(n) for n in sizes]
         rounds = [v["rounds"] for v in sizes.values()]
         axes[2].scatter(ns, [v["accept_len"] for v in sizes.values()], s=[20 + 200 * r / max(rounds) for r in rounds])
-        axes[2].set(xlabel="tree tokens (point size: rounds)", ylabel="τ of those rounds", title="τ by tree size")
+        axes[2].set(
+            xlabel="tree tokens (point size: rounds)", ylabel="τ of those rounds", title="τ, tok/s by tree size"
+        )
+        speeds = [v.get("tokens_per_s") for v in sizes.values()]
+        if all(x is not None for x in speeds):
+            twin = axes[2].twinx()
+            twin.plot(ns, speeds, color="tab:red", marker="x", linestyle=":")
+            twin.set_ylabel("tok/s in those rounds", color="tab:red")
     fig.suptitle(f"{s['method']} ({s['tree']})")
     fig.tight_layout()
     fig.savefig(path, dpi=100)

@@ -241,6 +241,7 @@ def _record(target: Target, prompt: dict[str, Any], spec: GenerationResult) -> d
             "accepted": spec.accepted,
             "tree_depth": spec.tree_depth,
             "tree_nodes": spec.tree_nodes,
+            "round_s": spec.round_s,
             "extendable": spec.extendable,
             "target_s": spec.target_s,
             "draft_s": spec.draft_s,

@@ -281,7 +281,9 @@ def test_cost_aware_eagle_trees_follow_the_costs_and_keep_greedy_output():
             return trees
 
         proposer.propose = counting
-        assert speculative_generate(model, proposer, prompt, settings).tokens == plain
+        out = speculative_generate(model, proposer, prompt, settings)
+        assert out.tokens == plain and out.tree_nodes == sizes
+        assert len(out.round_s) == len(out.accepted) and all(t > 0 for t in out.round_s)
         assert sizes and set(sizes) == {want}
         # each round: one catch-up step, then tree steps until depth 3 or until no deeper tree can pay (steep)
         assert steps.count(False) == tree_steps * steps.count(True)

@@ -385,13 +385,17 @@ def test_report_splits_a_rounds_time():
 
 
 def test_report_pools_rounds_by_tree_size_and_plots_them(tmp_path):
-    """Cost-aware trees change size per round: τ per tree size, in report.json, report.md and a third plot."""
+    """Cost-aware trees change size per round: τ and tokens per second per tree size, in report.json, report.md and a
+    third plot."""
     records = [_record(0, [3, 1, 0], [True] * 3, True), _record(1, [2], [True], True)]
-    records[0]["speculative"]["tree_nodes"] = [8, 4, 4]
-    records[1]["speculative"]["tree_nodes"] = [8]
+    records[0]["speculative"] |= {"tree_nodes": [8, 4, 4], "round_s": [0.5, 0.25, 0.25]}
+    records[1]["speculative"] |= {"tree_nodes": [8], "round_s": [0.5]}
     s = summarize(records, REPORT_META)
-    assert s["by_tree_size"] == {"4": {"rounds": 2, "accept_len": 1.5}, "8": {"rounds": 2, "accept_len": 3.5}}
-    assert "| 8 | 2 | 3.50 |" in to_markdown(s)
+    assert s["by_tree_size"] == {
+        "4": {"rounds": 2, "accept_len": 1.5, "tokens_per_s": 6.0},
+        "8": {"rounds": 2, "accept_len": 3.5, "tokens_per_s": 7.0},
+    }
+    assert "| 8 | 2 | 3.50 | 7.0 |" in to_markdown(s)
     plot(s, tmp_path / "report.png")
     assert (tmp_path / "report.png").stat().st_size > 0
     records[1]["speculative"]["tree_nodes"] = [4]
