@@ -32,9 +32,10 @@ from models.target import load_target
 from train import TrainingError
 from train.checkpoint import DRAFTER_FILE, METRICS_FILE, latest_checkpoint
 from train.config import load_recipe, recipe_from_dict
-from train.eagle3_layouts import compare, drafter_logits, eagle3_inputs, import_eagle3
+from train.eagle3_layouts import compare, drafter_logits, eagle3_inputs
 from train.export import export, load_run
 from train.gates import check as gate_check
+from train.imports import import_eagle3
 from train.imports import main as imports_main
 from train.loop import train
 

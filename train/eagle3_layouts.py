@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.io import ExportError, read_safetensors, write_safetensors
+from models.io import ExportError, load_drafter, read_safetensors, write_safetensors
 from train.gates import (
     GATE_BATCH,
     GATE_LEN,
@@ -43,6 +43,7 @@ from train.gates import (
     _rms,
     _rotate,
     config_value,
+    legacy_rope,
     read_json,
     register,
     rope_cos_sin,
@@ -104,9 +105,7 @@ def layer_config(target_config) -> dict:
         "tie_word_embeddings": False,
         "rope_parameters": rope,
     }
-    from train.export import legacy_rope  # the same transformers-4 RoPE fields as the EAGLE-1/2 layouts
-
-    out.update(legacy_rope({"rope_parameters": rope}))
+    out.update(legacy_rope({"rope_parameters": rope}))  # the same transformers-4 RoPE fields as EAGLE-1/2 layouts
     return out
 
 
@@ -399,72 +398,6 @@ def sglang_eagle3_gate(out_dir: Path, recipe, target, drafter: nn.Module) -> Gat
 @register("native/eagle3")
 def native_eagle3_gate(out_dir: Path, recipe, target, drafter: nn.Module) -> GateResult:
     """`models.io.load_drafter` (eval's strict loader), then the same two draft steps over the target vocabulary."""
-    from models.io import load_drafter
-
     reloaded = load_drafter(out_dir, target)
     inputs = eagle3_inputs(drafter, target.config.num_hidden_layers, target.config.vocab_size)
     return finite_pairs(drafter_logits(reloaded, *inputs), drafter_logits(drafter, *inputs), [])
-
-
-# --------------------------------------------------------------------------------------------
-# Imports: EAGLE-3 checkpoints as native `eagle3` drafters (`python -m train.imports --format eagle3|speculators`)
-
-
-def import_eagle3(config: dict, tensors: dict[str, torch.Tensor], weights: Path, target, speculators: bool):
-    """A SafeAILab / SGLang EAGLE-3 checkpoint (`midlayer.*`; aux ids from `eagle_config` in SGLang's numbering, else
-    the consumers' default low/mid/high) or a speculators one (`layers.0.*`, its flags) -> (Eagle3Drafter, reader)."""
-    from models.configs import Eagle3Config
-    from models.methods import METHODS
-
-    reader = SPECULATORS if speculators else SGLANG
-    where = weights.parent / "config.json"
-    layer = config.get("transformer_layer_config") if speculators else config
-    if not isinstance(layer, dict):
-        raise ExportError(f"{where}: transformer_layer_config: expected an object, got {layer!r}")
-    tc = target.config
-    for key in ("hidden_size", "num_attention_heads", "intermediate_size"):
-        if layer.get(key) != getattr(tc, key):
-            raise ExportError(f"{where}: {key} is {layer.get(key)!r}, the target's is {getattr(tc, key)!r}")
-    if layer.get("num_hidden_layers", 1) != 1:
-        raise ExportError(f"{where}: num_hidden_layers is {layer.get('num_hidden_layers')}: one decoder layer only")
-    K = config.get("draft_vocab_size")
-    if not isinstance(K, int) or K < 1:
-        raise ExportError(f"{where}: draft_vocab_size: expected an integer >= 1, got {K!r}")
-    L = tc.num_hidden_layers
-    ids = (config.get("eagle_aux_hidden_state_layer_ids") if speculators else None) or (
-        config.get("eagle_config") or {}
-    ).get("eagle_aux_hidden_state_layer_ids")
-    layers = [i + reader.aux_offset for i in ids] if ids else [2, L // 2, L - 3]
-    flags = {k: bool(config.get(k, False)) for k in ("fc_norm", "norm_output", "norm_before_residual")}
-    if not speculators and any(flags.values()):
-        raise ExportError(f"{where}: {[k for k, v in flags.items() if v]}: SGLang's EAGLE-3 layout has no such flag")
-    if config.get("norm_before_fc"):
-        raise ExportError(f"{where}: norm_before_fc: not supported by the eagle3 method (use fc_norm)")
-    cfg = Eagle3Config(feature_layers=layers, draft_vocab=K, ttt_steps=1, **flags)
-    drafter = METHODS["eagle3"].module()(cfg, target.parts([*layers, -1]))
-    prefix = "layers.0." if speculators else "midlayer."
-    ours = {name: tuple(t.shape) for name, t in drafter.trainable_state_dict().items()}
-    expected = {n.replace("midlayer.", prefix, 1) if n.startswith("midlayer.") else n: v for n, v in ours.items()}
-    if "d2t" not in tensors:
-        raise ExportError(f"{weights}: no d2t (the draft vocabulary's offsets)")
-    from train.imports import check_tensors
-
-    layout = f"{'a speculators' if speculators else 'an EAGLE-3'} drafter with draft_vocab_size={K}"
-    check_tensors(tensors, expected, weights, layout, optional=("embed_tokens.weight",))
-    if "embed_tokens.weight" in tensors and not torch.equal(
-        tensors["embed_tokens.weight"].to(target.embed_tokens.weight), target.embed_tokens.weight
-    ):
-        raise ExportError(f"{weights}: embed_tokens.weight differs from the target's embedding (another target?)")
-    draft_ids = torch.arange(K) + tensors["d2t"].to(torch.int64)
-    if int(draft_ids.min()) < 0 or int(draft_ids.max()) >= tc.vocab_size or len(draft_ids.unique()) != K:
-        raise ExportError(f"{weights}: d2t does not map {K} draft ids to distinct target ids (ids instead of offsets?)")
-    t2d = torch.zeros(tc.vocab_size, dtype=torch.bool)
-    t2d[draft_ids] = True
-    if not torch.equal(tensors["t2d"].bool(), t2d):
-        raise ExportError(f"{weights}: t2d does not mark exactly the target ids d2t maps to")
-    drafter.set_draft_vocab(draft_ids, init_head=False)
-    order = draft_ids.argsort()  # our draft ids are sorted by target id: reorder the head's rows the same way
-    state = {n: tensors[e] for n, e in zip(ours, expected) if n not in ("d2t", "t2d")}
-    state["lm_head.weight"] = state["lm_head.weight"][order]
-    drafter.load_state_dict(state, strict=False)
-    return drafter, reader

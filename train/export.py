@@ -74,7 +74,7 @@ from models.target import Target, TargetError, load_target
 from train import eagle3_layouts
 from train.checkpoint import DRAFTER_FILE, RECIPE_FILE, CheckpointError, latest_checkpoint, read_state
 from train.config import Recipe, RecipeError, load_recipe
-from train.gates import FASTERDECODING_HEADS, GATES, MEDUSA_PT, MEDUSA_SAFETENSORS
+from train.gates import FASTERDECODING_HEADS, GATES, MEDUSA_PT, MEDUSA_SAFETENSORS, legacy_rope
 from train.gates import check as gate_check
 
 MEDUSA_WEIGHTS = MEDUSA_SAFETENSORS
@@ -240,17 +240,6 @@ def _write_eagle(out: Path, target: Target, drafter: nn.Module, include_target_w
     (out / "config.json").write_text(json.dumps(config, indent=2, default=str) + "\n")
 
 
-def legacy_rope(config: dict) -> dict:
-    """`rope_theta` (and a legacy `rope_scaling` for scaled RoPE) beside transformers-5's `rope_parameters`:
-    consumers built on transformers 4 read those and silently fall back to base 10000 without them."""
-    rope = config.get("rope_parameters") or {}
-    out = {"rope_theta": rope["rope_theta"]} if "rope_theta" in rope else {}
-    kind = rope.get("rope_type", "default")
-    if kind != "default":
-        out["rope_scaling"] = {"rope_type": kind, "type": kind, **{k: v for k, v in rope.items() if k != "rope_theta"}}
-    return out
-
-
 SGLANG_EAGLE = "LlamaForCausalLMEagle"
 
 
@@ -318,16 +307,17 @@ def write_native(
     method = METHODS[recipe.drafter.method]
     save_native(out, drafter, target, recipe.to_dict(), include_target_weights)
     features_dir = recipe.data.features_dir
-    if not (features_dir and (Path(features_dir) / "manifest.json").is_file()):
-        features_dir = None
     vocab = max(recipe.eval.draft_vocab, recipe.train.loss_vocab)
-    if vocab and features_dir:
+    two_stage = recipe.eval.head == "two_stage" and method.proposer == "eagle"
+    if not ((vocab or two_stage) and features_dir and (Path(features_dir) / "manifest.json").is_file()):
+        features = None
+    else:  # opened (and its shards hashed) once for both
         features = FeatureDataset(features_dir, verify_checksums=recipe.data.verify_checksums)
+    if vocab and features is not None:
         save_draft_vocab(out, frequent_loss_tokens(features, vocab))
-    if recipe.eval.head == "two_stage" and features_dir and method.proposer == "eagle":
+    if two_stage and features is not None:
         from eval.heads import FACTORS_DIR, compute_factors  # the two-stage draft head's factors
 
-        features = FeatureDataset(features_dir, verify_checksums=recipe.data.verify_checksums)
         compute_factors(drafter.lm_head.weight, features, recipe.eval.head_rank).save(out / FACTORS_DIR)
     if method.export_extra:
         drafter.export_extra(out, target, merge_lora=merge_lora)

@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.io import ExportError, read_json, read_safetensors
+from models.io import ExportError, load_drafter, read_json, read_safetensors
 from models.methods import METHODS
 
 MEDUSA_PT = "medusa_lm_head.pt"
@@ -210,6 +210,17 @@ VLLM_EAGLE = EagleRules(
     attn_bias=lambda c, n: bool(c.get("attention_bias", False) or c.get("bias", False)),
     head_dim=_head_dim_given,
 )
+
+
+def legacy_rope(config: dict) -> dict:
+    """`rope_theta` (and a legacy `rope_scaling` for scaled RoPE) beside transformers-5's `rope_parameters`:
+    consumers built on transformers 4 read those and silently fall back to base 10000 without them."""
+    rope = config.get("rope_parameters") or {}
+    out = {"rope_theta": rope["rope_theta"]} if "rope_theta" in rope else {}
+    kind = rope.get("rope_type", "default")
+    if kind != "default":
+        out["rope_scaling"] = {"rope_type": kind, "type": kind, **{k: v for k, v in rope.items() if k != "rope_theta"}}
+    return out
 
 
 def rope_cos_sin(config: dict, head_dim: int, positions: torch.Tensor, notes: list) -> tuple[torch.Tensor, ...]:
@@ -485,8 +496,6 @@ def native_gate(out_dir: Path, recipe, target, drafter: nn.Module) -> GateResult
     """`models.io.load_drafter` (what eval runs: strict names, shapes and frozen tensors), then the same draft
     logits for EAGLE-2 drafters and Medusa heads (what their method declares: `models.methods`); a method with its
     own gate registers `native/<method>` (EAGLE-3: `train.eagle3_layouts`), others get the strict reload only."""
-    from models.io import load_drafter
-
     reloaded = load_drafter(out_dir, target)
     method = METHODS[drafter.cfg.method]
     if method.proposer == "eagle" and not method.own_vocab:

@@ -13,7 +13,7 @@
   imported into every layer: the native heads compute what the consumer computes.
 - `eagle3` (SafeAILab EAGLE-3 / SGLang `LlamaForCausalLMEagle3`) and `speculators` (its EAGLE-3 layout, which vLLM
   reads): `midlayer.*` resp. `layers.0.*`, `fc.weight`, `norm.weight`, `lm_head.weight`, `d2t`, `t2d`, optionally
-  `fc_norm.{i}.weight` and `embed_tokens.weight`, into an `eagle3` drafter (`train.eagle3_layouts.import_eagle3`:
+  `fc_norm.{i}.weight` and `embed_tokens.weight`, into an `eagle3` drafter (`import_eagle3`:
   the fused layers from the config's aux layer ids in that engine's numbering, or low/mid/high).
 `.pt` / `.bin` files are read with `torch.load(weights_only=True)` only: tensors, never arbitrary pickle.
 `--target` is a recipe (its `target` section) or a target model directory: the model the checkpoint drafts for.
@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from models.configs import EagleConfig, MedusaConfig
+from models.configs import Eagle3Config, EagleConfig, MedusaConfig
 from models.io import ExportError, load_drafter, read_safetensors, save_native, staged_directory
 from models.methods import METHODS
 from models.target import Target, TargetError, load_target
@@ -152,6 +152,61 @@ def import_eagle(src: Path, config: dict, tensors: dict, weights: Path, target: 
     return drafter
 
 
+def import_eagle3(config: dict, tensors: dict[str, torch.Tensor], weights: Path, target, speculators: bool):
+    """A SafeAILab / SGLang EAGLE-3 checkpoint (`midlayer.*`; aux ids from `eagle_config` in SGLang's numbering, else
+    the consumers' default low/mid/high) or a speculators one (`layers.0.*`, its flags) -> (Eagle3Drafter, reader)."""
+    reader = eagle3_layouts.SPECULATORS if speculators else eagle3_layouts.SGLANG
+    where = weights.parent / "config.json"
+    layer = config.get("transformer_layer_config") if speculators else config
+    if not isinstance(layer, dict):
+        raise ExportError(f"{where}: transformer_layer_config: expected an object, got {layer!r}")
+    tc = target.config
+    for key in ("hidden_size", "num_attention_heads", "intermediate_size"):
+        if layer.get(key) != getattr(tc, key):
+            raise ExportError(f"{where}: {key} is {layer.get(key)!r}, the target's is {getattr(tc, key)!r}")
+    if layer.get("num_hidden_layers", 1) != 1:
+        raise ExportError(f"{where}: num_hidden_layers is {layer.get('num_hidden_layers')}: one decoder layer only")
+    K = config.get("draft_vocab_size")
+    if not isinstance(K, int) or K < 1:
+        raise ExportError(f"{where}: draft_vocab_size: expected an integer >= 1, got {K!r}")
+    L = tc.num_hidden_layers
+    ids = (config.get("eagle_aux_hidden_state_layer_ids") if speculators else None) or (
+        config.get("eagle_config") or {}
+    ).get("eagle_aux_hidden_state_layer_ids")
+    layers = [i + reader.aux_offset for i in ids] if ids else [2, L // 2, L - 3]
+    flags = {k: bool(config.get(k, False)) for k in ("fc_norm", "norm_output", "norm_before_residual")}
+    if not speculators and any(flags.values()):
+        raise ExportError(f"{where}: {[k for k, v in flags.items() if v]}: SGLang's EAGLE-3 layout has no such flag")
+    if config.get("norm_before_fc"):
+        raise ExportError(f"{where}: norm_before_fc: not supported by the eagle3 method (use fc_norm)")
+    cfg = Eagle3Config(feature_layers=layers, draft_vocab=K, ttt_steps=1, **flags)
+    drafter = METHODS["eagle3"].module()(cfg, target.parts([*layers, -1]))
+    prefix = "layers.0." if speculators else "midlayer."
+    ours = {name: tuple(t.shape) for name, t in drafter.trainable_state_dict().items()}
+    expected = {n.replace("midlayer.", prefix, 1) if n.startswith("midlayer.") else n: v for n, v in ours.items()}
+    if "d2t" not in tensors:
+        raise ExportError(f"{weights}: no d2t (the draft vocabulary's offsets)")
+    layout = f"{'a speculators' if speculators else 'an EAGLE-3'} drafter with draft_vocab_size={K}"
+    check_tensors(tensors, expected, weights, layout, optional=("embed_tokens.weight",))
+    if "embed_tokens.weight" in tensors and not torch.equal(
+        tensors["embed_tokens.weight"].to(target.embed_tokens.weight), target.embed_tokens.weight
+    ):
+        raise ExportError(f"{weights}: embed_tokens.weight differs from the target's embedding (another target?)")
+    draft_ids = torch.arange(K) + tensors["d2t"].to(torch.int64)
+    if int(draft_ids.min()) < 0 or int(draft_ids.max()) >= tc.vocab_size or len(draft_ids.unique()) != K:
+        raise ExportError(f"{weights}: d2t does not map {K} draft ids to distinct target ids (ids instead of offsets?)")
+    t2d = torch.zeros(tc.vocab_size, dtype=torch.bool)
+    t2d[draft_ids] = True
+    if not torch.equal(tensors["t2d"].bool(), t2d):
+        raise ExportError(f"{weights}: t2d does not mark exactly the target ids d2t maps to")
+    drafter.set_draft_vocab(draft_ids, init_head=False)
+    order = draft_ids.argsort()  # our draft ids are sorted by target id: reorder the head's rows the same way
+    state = {n: tensors[e] for n, e in zip(ours, expected) if n not in ("d2t", "t2d")}
+    state["lm_head.weight"] = state["lm_head.weight"][order]
+    drafter.load_state_dict(state, strict=False)
+    return drafter, reader
+
+
 def import_medusa(src: Path, config: dict, tensors: dict, weights: Path, target: Target) -> nn.Module:
     where = src / "config.json"
     L = _int_field(config, "medusa_num_layers", 1, where)
@@ -210,7 +265,7 @@ def import_checkpoint(src: str | Path, fmt: str, target: Target, out: str | Path
     config, tensors, weights = read_source(src, fmt)
     reader = None
     if fmt in ("eagle3", "speculators"):
-        drafter, reader = eagle3_layouts.import_eagle3(config, tensors, weights, target, fmt == "speculators")
+        drafter, reader = import_eagle3(config, tensors, weights, target, fmt == "speculators")
     else:
         drafter = (import_eagle if fmt == "eagle" else import_medusa)(src, config, tensors, weights, target)
     drafter = drafter.to(target.device).eval()
