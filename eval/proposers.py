@@ -97,6 +97,11 @@ class VocabProjection:
         logits = torch.nn.functional.linear(h.to(self.weight.device, self.weight.dtype), self.weight, self.bias)
         return logits.float().to(h.device)
 
+    @property
+    def size(self) -> int:
+        """Tokens a position can draft among."""
+        return len(self.ids)
+
     def token_ids(self, index: torch.Tensor) -> torch.Tensor:
         """Positions in the draft vocabulary -> token ids (on index's device)."""
         return self.ids.to(index.device)[index]
@@ -115,7 +120,7 @@ class TwoStageProjection:
 
     def __init__(self, head, vocab_size: int):
         self.head, self.vocab_size = head, vocab_size
-        self.ids = torch.arange(head.candidates)  # how many tokens a position can draft among (`_check_draft_vocab`)
+        self.size = head.candidates  # tokens a position can draft among
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         """(..., d) -> (..., V) float32 logits, -inf off each position's candidates, on h's device."""
@@ -127,11 +132,10 @@ class TwoStageProjection:
         return torch.log_softmax(logits, dim=-1)
 
 
-def _check_draft_vocab(draft_vocab: torch.Tensor | None, top_k: int) -> None:
-    if draft_vocab is not None and len(draft_vocab) < top_k:
-        raise ValueError(
-            f"the draft vocabulary has {len(draft_vocab)} tokens, fewer than the top {top_k} a tree drafts"
-        )
+def _check_draft_vocab(size: int | None, top_k: int) -> None:
+    """`size`: tokens a draft step chooses among (None: the whole vocabulary)."""
+    if size is not None and size < top_k:
+        raise ValueError(f"the draft vocabulary has {size} tokens, fewer than the top {top_k} a tree drafts")
 
 
 class MedusaProposer:
@@ -150,7 +154,7 @@ class MedusaProposer:
         self.tree = tree
         self.top_k = int(tree.head_rank.max()) + 1
         self.vocab = None  # per head: its projection restricted to the draft vocabulary
-        _check_draft_vocab(draft_vocab, self.top_k)
+        _check_draft_vocab(None if draft_vocab is None else len(draft_vocab), self.top_k)
         if draft_vocab is not None:
             self.vocab = [VocabProjection(heads.projection(k), draft_vocab) for k in range(1, tree.max_depth + 1)]
 
@@ -205,7 +209,7 @@ class EagleProposer:
         self.depth, self.top_k, self.total_tokens = depth, top_k, total_tokens
         if isinstance(draft_vocab, torch.Tensor):
             draft_vocab = VocabProjection(drafter.lm_head, draft_vocab)
-        _check_draft_vocab(None if draft_vocab is None else draft_vocab.ids, top_k)
+        _check_draft_vocab(None if draft_vocab is None else draft_vocab.size, top_k)
         self.vocab = draft_vocab
         self.costs = None  # eval.cost_trees.Costs: keep the batch_tree_size best candidates, not total_tokens
         self.reset(1)
@@ -351,7 +355,7 @@ def build_proposer(
     if method.proposer == "eagle":  # trees: auto, dynamic, chain
         if method.own_vocab:
             vocab = VocabProjection.trained(drafter.lm_head, drafter.draft_ids, drafter.target_vocab_size)
-            suffix = f", own draft vocab {len(vocab.ids)}"
+            suffix = f", own draft vocab {vocab.size}"
         if tree == "chain":
             return EagleProposer(drafter, ev.tree_depth, 1, ev.tree_depth + 1, vocab), f"chain d{ev.tree_depth}{suffix}"
         if tree == "cost":  # the caller measures `proposer.costs` on the machine before decoding

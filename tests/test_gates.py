@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from tiny import perturbed
 
 from models.configs import EagleConfig, MedusaConfig
 from models.eagle import EagleDrafter
@@ -64,15 +65,6 @@ def recipes():
 def recipe(recipes, request):
     """The tiny recipe of the test's method (writers and gates read its method, not its fields)."""
     return recipes["medusa" if "medusa" in request.node.name else "eagle"]
-
-
-def perturbed(module: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in module.parameters():
-            if p.requires_grad:
-                p.add_(torch.randn(p.shape, generator=gen) * 0.05)
-    return module.eval()
 
 
 def eagle(target, **cfg) -> EagleDrafter:

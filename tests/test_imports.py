@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from tiny import perturbed
 
 from models.configs import EagleConfig, MedusaConfig
 from models.eagle import EagleDrafter
@@ -41,15 +42,6 @@ def target():
     mp.chdir(ROOT)
     yield resolve_target(EAGLE_RECIPE)  # the tiny recipes share their target
     mp.undo()
-
-
-def perturbed(module: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in module.parameters():
-            if p.requires_grad:
-                p.add_(torch.randn(p.shape, generator=gen) * 0.05)
-    return module.eval()
 
 
 def exported(fmt: str, drafter, recipe_file: str, overrides: list[str], target, out: Path, monkeypatch) -> Path:

@@ -21,6 +21,17 @@ def trainable_names(module: torch.nn.Module) -> list[str]:
     return [name for name, p in module.named_parameters() if p.requires_grad]
 
 
+def perturbed(module: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """`module` in eval mode with its trainable parameters moved off their initialisation (seeded), so that exports
+    and reloads of it are compared on non-trivial weights."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+    return module.eval()
+
+
 def make_samples(lengths: list[int], seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(input_ids (T,), loss_mask (T,)): a short prompt without loss, then assistant tokens."""
     g = torch.Generator().manual_seed(seed)
