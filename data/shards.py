@@ -355,15 +355,28 @@ class FeatureDataset:
         return split_by_id(self.sample_ids, heldout_fraction, seed)
 
 
-def loss_token_counts(dataset: FeatureDataset, vocab_size: int | None = None) -> torch.Tensor:
-    """How often each token id is a loss token in a feature dataset's shards: (vocab_size,) int64, or as long as
-    the largest id seen + 1 when `vocab_size` is None; ids >= vocab_size are refused."""
+def loss_token_counts(dataset: FeatureDataset | Sequence[dict], vocab_size: int | None = None) -> torch.Tensor:
+    """How often each token id is a loss token in a feature dataset's shards (or in token samples with `input_ids`
+    and `loss_mask`): (vocab_size,) int64, or as long as the largest id seen + 1 when `vocab_size` is None; ids >=
+    vocab_size are refused."""
+    if isinstance(dataset, FeatureDataset):
+        where = str(dataset.directory)
+
+        def loss_ids():
+            for entry in dataset.shards:
+                with safe_open(str(dataset.directory / entry["file"]), framework="pt") as shard:
+                    yield shard.get_tensor("input_ids").to(torch.int64)[shard.get_tensor("loss_mask") > 0]
+    else:
+        where = "the token samples"
+
+        def loss_ids():
+            for s in dataset:
+                yield torch.as_tensor(s["input_ids"]).to(torch.int64)[torch.as_tensor(s["loss_mask"]) > 0]
+
     counts = torch.zeros(vocab_size or 0, dtype=torch.int64)
-    for entry in dataset.shards:
-        with safe_open(str(dataset.directory / entry["file"]), framework="pt") as shard:
-            ids = shard.get_tensor("input_ids").to(torch.int64)[shard.get_tensor("loss_mask") > 0]
+    for ids in loss_ids():
         if vocab_size is not None and len(ids) and int(ids.max()) >= vocab_size:
-            raise ValueError(f"vocab_size={vocab_size}: {dataset.directory} has loss token id {int(ids.max())}")
+            raise ValueError(f"vocab_size={vocab_size}: {where} has loss token id {int(ids.max())}")
         new = torch.bincount(ids)
         if len(new) > len(counts):
             counts = torch.nn.functional.pad(counts, (0, len(new) - len(counts)))
@@ -376,10 +389,6 @@ def frequent_loss_tokens(dataset: FeatureDataset | Sequence[dict], size: int) ->
     `loss_mask`, as online training reads them), most frequent first (ties: lower id first): (<= size,) int64.
     Training's `train.loss_vocab` and `drafter.draft_vocab` and evaluation's `eval.draft_vocab` all use it, so the
     same size gives the same tokens."""
-    if isinstance(dataset, FeatureDataset):
-        counts = loss_token_counts(dataset)
-    else:
-        ids = [torch.tensor(s["input_ids"])[torch.tensor(s["loss_mask"]) > 0] for s in dataset]
-        counts = torch.bincount(torch.cat(ids).to(torch.int64)) if ids else torch.zeros(0, dtype=torch.int64)
+    counts = loss_token_counts(dataset)
     seen = int((counts > 0).sum())
     return counts.argsort(descending=True, stable=True)[: min(size, seen)]

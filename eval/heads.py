@@ -1,17 +1,23 @@
-"""The two-stage draft head for evaluation (`eval.head: two_stage`): its factors, from the export or the data.
+"""The two-stage draft head (`eval.head: two_stage`) for every drafter: its factors, from the export or the data.
 
-    projection = two_stage_projection(recipe, drafter_dir, drafter, target)   # -> eval.proposers.TwoStageProjection
+    save_factors(export_dir, drafter, FeatureDataset(features_dir), rank)   # train.export, with the native export
+    projections, source = two_stage_projections(recipe, drafter_dir, drafter, fit_data)  # eval: one per draft head
 
-Factors (`models.lm_head.factorize`) of the head the drafter projects through (an EAGLE-2 drafter: the target's
-lm_head) at rank `eval.head_rank`, frequency-aware (token weights from the loss-token counts of the feature shards)
-and fitted to the second moment of the stored last hidden states at loss positions (what the head reads), so that the
-screen ranks the tokens the drafter actually proposes. `python -m train.export` stores them with the native export
-(`lm_head/factors.safetensors`) when the recipe asks for the two-stage head; an export without them gets them
-computed here from `data.features_dir`, with a log line.
+A drafter lists the vocabulary projections it drafts through in `draft_heads()` (`models.lm_head.DraftHead`): an
+EAGLE-2 drafter the target's lm_head, an EAGLE-3 drafter its own head over the draft vocabulary, Medusa one per
+head. Each gets factors (`models.lm_head.factorize`) at rank `eval.head_rank`, frequency-aware (token weights from
+the training data's loss-token counts) and fitted to the second moment of what that projection reads at the loss
+positions of some training samples, so that the screen ranks the tokens the drafter actually proposes.
+
+`python -m train.export` stores them with the native export (`lm_head/<head>.safetensors`) when the recipe asks for
+the two-stage head and the run has feature shards. Evaluation reads them, or computes them at start-up (with a log
+line) from the feature shards, or, for drafters trained without shards (Medusa-2), from the verifying target's
+hidden states over the calibration samples.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import torch
@@ -19,45 +25,71 @@ import torch
 from data.shards import FeatureDataset, loss_token_counts
 from eval import EvalError
 from eval.proposers import TwoStageProjection
-from models.lm_head import LowRankHead, TwoStageHead, factorize, hidden_moment, token_weights
+from models.lm_head import DraftHead, LowRankHead, TwoStageHead, factorize, hidden_moment, token_weights
 
 FACTORS_DIR = "lm_head"
 MOMENT_SAMPLES = 256
 """Samples whose loss positions estimate E[h·hᵀ] (a few tens of thousands of positions: enough for d <= 1024)."""
 
-
-def compute_factors(weight: torch.Tensor, features: FeatureDataset, rank: int) -> LowRankHead:
-    """Rank-`rank` factors of `weight` (V, d) weighted by the shards' loss-token counts and fitted to the stored last
-    hidden states' second moment."""
-    if -1 not in features.layers:
-        raise EvalError(f"{features.directory}: the two-stage head's fit reads the last hidden state (-1), not stored")
-    counts = loss_token_counts(features, vocab_size=weight.shape[0])
-    slot = features.layers.index(-1)
-    rows = [features[i] for i in range(min(len(features), MOMENT_SAMPLES))]
-    hidden = torch.cat([r["hidden"][:, slot][r["loss_mask"] > 0].to(torch.float32) for r in rows])
-    return factorize(weight, rank, weights=token_weights(counts), hidden_moment=hidden_moment(hidden))
+FitData = tuple[list[dict], torch.Tensor, str]
+"""(samples {"input_ids", "hidden" at the drafter's stored layers, "loss_mask"}, loss-token counts (V,), where from)."""
 
 
-def two_stage_projection(recipe, drafter_dir: str, weight: torch.Tensor) -> tuple[TwoStageProjection, str]:
-    """The proposer's projection through `weight` (the head the drafter reads), and where its factors came from."""
+def compute_factors(head: DraftHead, samples: Iterable[dict], counts: torch.Tensor, rank: int) -> LowRankHead:
+    """Rank-`rank` factors of `head.weight` weighted by the loss-token `counts` (V,) of its rows' tokens and fitted to
+    the second moment of `head.inputs` over `samples`."""
+    if head.token_ids is not None:
+        counts = counts[head.token_ids.cpu()]
+    hidden = torch.cat([head.inputs(sample) for sample in samples])  # (N, d)
+    if len(hidden) == 0:
+        raise EvalError(f"the two-stage head {head.name}: the fitting samples have no loss positions")
+    return factorize(head.weight, rank, weights=token_weights(counts), hidden_moment=hidden_moment(hidden))
+
+
+def shard_fit_data(features: FeatureDataset, vocab_size: int) -> FitData:
+    """Fitting data from feature shards: their first `MOMENT_SAMPLES` samples and all their loss-token counts."""
+    counts = loss_token_counts(features, vocab_size=vocab_size)
+    samples = [features[i] for i in range(min(len(features), MOMENT_SAMPLES))]
+    samples = [{**s, "loss_mask": s["loss_mask"] > 0} for s in samples]
+    return samples, counts, f"{features.directory}"
+
+
+def save_factors(out: str | Path, drafter: torch.nn.Module, features: FeatureDataset, rank: int, vocab_size: int):
+    """Every draft head's factors into `out/lm_head/`, fitted on the feature shards (target vocabulary `vocab_size`)."""
+    samples, counts, _ = shard_fit_data(features, vocab_size)
+    for head in drafter.draft_heads():
+        compute_factors(head, samples, counts, rank).save(Path(out) / FACTORS_DIR, head.name)
+
+
+def two_stage_projections(
+    recipe, drafter_dir: str, drafter: torch.nn.Module, vocab_size: int, fit_data: Callable[[], FitData]
+) -> tuple[list[TwoStageProjection], str]:
+    """One two-stage projection per draft head of `drafter`, over a target vocabulary of `vocab_size`, and where their
+    factors came from: the export's `lm_head/` when it holds every head's, else computed from `fit_data()`."""
     ev = recipe.eval
+    heads: Sequence[DraftHead] = drafter.draft_heads()
     stored = Path(drafter_dir) / FACTORS_DIR
-    if (stored / "factors.safetensors").is_file():
-        factors, source = LowRankHead.load(stored), f"{stored}"
-        if factors.rank != ev.head_rank:
-            raise EvalError(
-                f"{stored}: factors of rank {factors.rank}, eval.head_rank is {ev.head_rank} (re-export, or set it)"
-            )
+    if all((stored / f"{head.name}.safetensors").is_file() for head in heads):
+        factors, source = [LowRankHead.load(stored, head.name) for head in heads], f"{stored}"
+        for head, f in zip(heads, factors):
+            if f.rank != ev.head_rank:
+                raise EvalError(
+                    f"{stored / head.name}.safetensors: factors of rank {f.rank}, eval.head_rank is {ev.head_rank} "
+                    "(re-export, or set it)"
+                )
     else:
-        directory = recipe.data.features_dir
-        if not directory or not (Path(directory) / "manifest.json").is_file():
-            raise EvalError(
-                f"{recipe.source}: eval.head: two_stage needs factors: {drafter_dir} has no {FACTORS_DIR}/ and "
-                f"data.features_dir ({directory}) holds no shards to compute them from"
-            )
-        print(f"eval: two-stage head factors computed from {directory} ({drafter_dir} has none)")
-        features = FeatureDataset(directory, verify_checksums=recipe.data.verify_checksums)
-        factors = compute_factors(weight, features, ev.head_rank)
-        source = f"{directory} (computed at start-up)"
-    head = TwoStageHead(weight, factors, candidates=ev.head_candidates)
-    return TwoStageProjection(head, weight.shape[0]), source
+        samples, counts, where = fit_data()
+        print(f"eval: two-stage head factors computed from {where} ({drafter_dir} has none)")
+        factors = [compute_factors(head, samples, counts, ev.head_rank) for head in heads]
+        source = f"{where} (computed at start-up)"
+    rows = min(len(head.weight) for head in heads)
+    if ev.head_candidates > rows:
+        raise EvalError(
+            f"{recipe.source}: eval.head_candidates: {ev.head_candidates} is more than the {rows} tokens the drafter's "
+            "head scores"
+        )
+    projections = [
+        TwoStageProjection(TwoStageHead(head.weight, f, candidates=ev.head_candidates), vocab_size, head.token_ids)
+        for head, f in zip(heads, factors)
+    ]
+    return projections, source

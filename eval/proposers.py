@@ -113,20 +113,28 @@ class VocabProjection:
 
 
 class TwoStageProjection:
-    """The two-stage head (`models.lm_head.TwoStageHead`) as a draft step's projection: a low-rank screen of the whole
-    vocabulary keeps `head.candidates` tokens per position and their exact logits are computed; the result is laid
-    out over the vocabulary, -inf off the candidates, so the proposer drafts only among them (verification still uses
-    the target's full distribution: greedy output is unchanged, sampled output still follows the target)."""
+    """The two-stage head (`models.lm_head.TwoStageHead`) as a draft step's projection: a low-rank screen of the head's
+    rows keeps `head.candidates` of them per position and their exact logits are computed; the result is laid out over
+    the target vocabulary (`vocab_size`), -inf off the candidates, so the proposer drafts only among them
+    (verification still uses the target's full distribution: greedy output is unchanged, sampled output still follows
+    the target). `token_ids` (R,): the target token of each row of a draft-vocabulary head; None: row r is token r."""
 
-    def __init__(self, head, vocab_size: int):
+    def __init__(self, head, vocab_size: int, token_ids: torch.Tensor | None = None):
         self.head, self.vocab_size = head, vocab_size
+        self.rows_to_tokens = None if token_ids is None else token_ids.to(head.weight.device)
         self.size = head.candidates  # tokens a position can draft among
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         """(..., d) -> (..., V) float32 logits, -inf off each position's candidates, on h's device."""
         ids, logits = self.head(h.to(self.head.weight.device))
+        if self.rows_to_tokens is not None:
+            ids = self.rows_to_tokens[ids]
         out = torch.full((*ids.shape[:-1], self.vocab_size), float("-inf"), device=ids.device)
         return out.scatter_(-1, ids, logits.float()).to(h.device)
+
+    def token_ids(self, index: torch.Tensor) -> torch.Tensor:
+        """Positions in this projection's output -> token ids: the same (it is laid out over the vocabulary)."""
+        return index
 
     def full_log_probs(self, logits: torch.Tensor) -> torch.Tensor:
         return torch.log_softmax(logits, dim=-1)
@@ -147,16 +155,25 @@ class MedusaProposer:
 
     feature_layers = [-1]
 
-    def __init__(self, heads: torch.nn.Module, tree: Tree, draft_vocab: torch.Tensor | None = None):
+    def __init__(
+        self,
+        heads: torch.nn.Module,
+        tree: Tree,
+        draft_vocab: torch.Tensor | Sequence[TwoStageProjection] | None = None,
+    ):
+        """`draft_vocab`: token ids whose rows of every head's projection it drafts from, or one ready projection per
+        head (the two-stage heads); None: the whole vocabulary."""
         if tree.max_depth > heads.cfg.num_heads:
             raise ValueError(f"tree depth {tree.max_depth} exceeds the number of Medusa heads ({heads.cfg.num_heads})")
         self.heads = heads
         self.tree = tree
         self.top_k = int(tree.head_rank.max()) + 1
-        self.vocab = None  # per head: its projection restricted to the draft vocabulary
-        _check_draft_vocab(None if draft_vocab is None else len(draft_vocab), self.top_k)
-        if draft_vocab is not None:
+        self.vocab = None  # per head the tree reaches: its projection restricted to the draft vocabulary
+        if isinstance(draft_vocab, torch.Tensor):
             self.vocab = [VocabProjection(heads.projection(k), draft_vocab) for k in range(1, tree.max_depth + 1)]
+        elif draft_vocab is not None:
+            self.vocab = list(draft_vocab)[: tree.max_depth]
+        _check_draft_vocab(None if self.vocab is None else min(v.size for v in self.vocab), self.top_k)
 
     def reset(self, batch_size: int) -> None:
         pass
@@ -340,22 +357,28 @@ def build_proposer(
     drafter: torch.nn.Module,
     ev: EvalConfig,
     calibrate: Callable[[int], torch.Tensor],
-    draft_vocab: torch.Tensor | None = None,
+    draft_vocab: torch.Tensor | Sequence[TwoStageProjection] | None = None,
 ) -> tuple[Proposer, str]:
     """The proposer `method` declares for `drafter` and `eval.tree`, with a short description of the tree.
 
     `eval.tree` is one of `method.trees` (the recipe schema checks it). `calibrate(top_k)` returns measured Medusa
-    rank accuracies (only called for calibrated trees); `draft_vocab` restricts drafting to those token ids.
+    rank accuracies (only called for calibrated trees); `draft_vocab` restricts drafting to those token ids, or
+    holds the two-stage projection of each of the drafter's draft heads (`eval.heads.two_stage_projections`).
     """
     tree, vocab = ev.tree, draft_vocab
-    if isinstance(vocab, TwoStageProjection):
-        suffix = f", two-stage head r{vocab.head.a.shape[1]} c{vocab.head.candidates}"
+    two_stage = vocab is not None and not isinstance(vocab, torch.Tensor)
+    if two_stage:
+        suffix = f", two-stage head r{vocab[0].head.a.shape[1]} c{vocab[0].head.candidates}"
     else:
         suffix = "" if vocab is None else f", draft vocab {len(vocab)}"
     if method.proposer == "eagle":  # trees: auto, dynamic, chain
+        if two_stage:
+            (vocab,) = vocab  # an EAGLE drafter drafts through one head
         if method.own_vocab:
-            vocab = VocabProjection.trained(drafter.lm_head, drafter.draft_ids, drafter.target_vocab_size)
-            suffix = f", own draft vocab {vocab.size}"
+            size = len(drafter.draft_ids)
+            if not two_stage:
+                vocab = VocabProjection.trained(drafter.lm_head, drafter.draft_ids, drafter.target_vocab_size)
+            suffix = f", own draft vocab {size}{suffix}"
         if tree == "chain":
             return EagleProposer(drafter, ev.tree_depth, 1, ev.tree_depth + 1, vocab), f"chain d{ev.tree_depth}{suffix}"
         if tree == "cost":  # the caller measures `proposer.costs` on the machine before decoding

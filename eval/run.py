@@ -34,19 +34,19 @@ import yaml
 
 from data.chat import ChatTemplateError, DataError
 from data.prepare import prepare_dataset
-from data.shards import FeatureDataset, FeatureMismatchError, frequent_loss_tokens, split_by_id
+from data.shards import FeatureDataset, FeatureMismatchError, frequent_loss_tokens, loss_token_counts, split_by_id
 from eval import REPORT_FILES, EvalError, kernels
 from eval.baselines import PROMPT_LOOKUP_TOKENS, plain_generate, plain_generate_batch, prompt_lookup_generate
 from eval.checks import near_tie, tie_margin
 from eval.costs import measure_costs
 from eval.decode import DecodeSettings, GenerationResult, speculative_generate_batch
-from eval.heads import two_stage_projection
+from eval.heads import FitData, shard_fit_data, two_stage_projections
 from eval.prompts import load_prompts, stop_token_ids
 from eval.proposers import Proposer, build_proposer
 from eval.report import summarize, write_report
 from models.io import ExportError, load_draft_vocab, load_drafter, read_config
 from models.medusa import MedusaHeads
-from models.methods import METHODS
+from models.methods import METHODS, Method
 from models.target import Target, TargetError, load_target
 from train.config import EvalConfig, Recipe, RecipeError
 from train.heldout import HELDOUT_FILE, HeldoutError, read_heldout
@@ -147,6 +147,24 @@ def calibration_sequences(target: Target, samples: list[tuple[torch.Tensor, torc
         ids = ids.to(target.device)
         hidden = target.hidden_states(ids[None], layers=[-1])[0, :, 0].to(ids.device)  # device_map: last GPU
         yield hidden, ids, scored.to(ids.device)
+
+
+def fit_data(recipe: Recipe, method: Method, target: Target, drafter: torch.nn.Module) -> FitData:
+    """What the two-stage head's factors are fitted on when the export holds none: the feature shards of
+    data.features_dir, or, for a drafter that adapts the target (Medusa-2, whose heads read the LoRA-merged
+    backbone) or a run without shards, the verifying target's hidden states over the calibration samples, with the
+    loss-token counts of the recipe's data."""
+    data, vocab = recipe.data, target.config.vocab_size
+    if not method.adapts_target and data.features_dir and (Path(data.features_dir) / "manifest.json").is_file():
+        return shard_fit_data(FeatureDataset(data.features_dir, verify_checksums=data.verify_checksums), vocab)
+    samples, desc = calibration_samples(recipe, target.tokenizer, CALIBRATION_SAMPLES)
+    layers = list(drafter.stored_layers)
+    fit = []
+    for ids, scored in samples:
+        hidden = target.hidden_states(ids[None].to(target.device), layers=layers)[0].cpu()  # (T, S, d)
+        fit.append({"input_ids": ids, "hidden": hidden, "loss_mask": scored})
+    counts = loss_token_counts(prepare_dataset(data, target.tokenizer).samples, vocab_size=vocab)
+    return fit, counts, f"the target's hidden states over {desc}"
 
 
 def _export_asked(drafter_dir: str) -> int:
@@ -427,12 +445,9 @@ def run(recipe: Recipe) -> dict[str, Any] | None:
     if ev.draft_vocab:
         draft_vocab = draft_vocabulary(recipe, drafter_dir, ev.draft_vocab).to(target.device)
     if ev.head == "two_stage":
-        if method.proposer != "eagle" or method.own_vocab:
-            raise EvalError(
-                f"{recipe.source}: eval.head: two_stage screens the target's lm_head, which only {method.name} "
-                "drafters of the eagle2 kind project through"
-            )
-        draft_vocab, source = two_stage_projection(recipe, drafter_dir, drafter.lm_head.weight)
+        draft_vocab, source = two_stage_projections(
+            recipe, drafter_dir, drafter, target.config.vocab_size, lambda: fit_data(recipe, method, target, drafter)
+        )
         print(f"eval: two-stage head, rank {ev.head_rank}, {ev.head_candidates} candidates, factors from {source}")
     try:
         proposer, tree_desc = build_proposer(method, drafter, ev, calibrate, draft_vocab)

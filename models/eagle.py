@@ -26,6 +26,7 @@ from models.common import (
     shifted_valid,
 )
 from models.configs import EagleConfig
+from models.lm_head import FACTORS_NAME, DraftHead, unbiased_weight
 
 # ------------------------------------------------------------------------------------------------
 # Llama building blocks (written here so the drafter does not depend on a modeling file's internals)
@@ -371,3 +372,13 @@ class EagleDrafter(nn.Module):
     def is_head_param(self, name: str) -> bool:
         """EAGLE has no Medusa-style heads: no parameter gets the head LR multiplier."""
         return False
+
+    def draft_heads(self) -> list[DraftHead]:
+        """The projection the draft steps end in (the target's lm_head), for the two-stage head: fitted to the
+        target's last hidden states at loss positions, the features f̂ learns to predict."""
+        slot = self.stored_layers.index(-1)
+
+        def inputs(sample: dict) -> torch.Tensor:
+            return sample["hidden"][:, slot][sample["loss_mask"] > 0].float().cpu()
+
+        return [DraftHead(FACTORS_NAME, unbiased_weight(self.lm_head, "the target's lm_head"), None, inputs)]

@@ -28,6 +28,7 @@ from models.common import (
 )
 from models.configs import Eagle3Config
 from models.eagle import MLP, Attention, DraftCache, RMSNorm, logit_positions, step_mask
+from models.lm_head import FACTORS_NAME, DraftHead, unbiased_weight
 
 
 class Eagle3Layer(nn.Module):
@@ -247,3 +248,28 @@ class Eagle3Drafter(nn.Module):
 
     def is_head_param(self, name: str) -> bool:
         return False
+
+    def draft_heads(self) -> list[DraftHead]:
+        """Its own head over the draft vocabulary, for the two-stage head: fitted to what the head reads, the final-norm
+        outputs of every unrolled step (`unroll`, without input noise) at a sample's loss positions."""
+
+        @torch.no_grad()
+        def inputs(sample: dict) -> torch.Tensor:
+            device, T = self.fc.weight.device, len(sample["input_ids"])
+            batch = {
+                "input_ids": sample["input_ids"][None].to(device),
+                "loss_mask": sample["loss_mask"][None].to(device),
+                "attention_mask": torch.ones(1, T, dtype=torch.long, device=device),
+                "position_ids": torch.arange(T, device=device)[None],
+                "hidden": sample["hidden"][None].to(device),
+            }
+            training = self.training
+            self.eval()
+            try:
+                steps = self.unroll(batch)
+            finally:
+                self.train(training)
+            at = batch["loss_mask"][0] > 0
+            return torch.cat([normed[0][at] for normed in steps]).float().cpu()
+
+        return [DraftHead(FACTORS_NAME, unbiased_weight(self.lm_head, "lm_head"), self.draft_ids, inputs)]

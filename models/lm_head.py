@@ -29,6 +29,7 @@ a tile holding more than `k_local` of a row's top C loses the rest (`benchmarks/
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,7 +39,31 @@ from safetensors.torch import save_file
 
 from data.shards import loss_token_counts  # noqa: F401  (re-exported: the counts `token_weights` takes)
 
-FACTORS_FILE = "factors.safetensors"
+FACTORS_NAME = "factors"
+"""File stem of a drafter's one head's factors (`factors.safetensors`); Medusa head k's are `factors-head{k}`."""
+
+
+@dataclass
+class DraftHead:
+    """One vocabulary projection a drafter drafts through, as the two-stage head needs to know it. Each drafter's
+    `draft_heads()` lists its own (EAGLE: one; Medusa: one per head)."""
+
+    name: str
+    """File stem of its factors (`<name>.safetensors` in an export's `lm_head/`)."""
+    weight: torch.Tensor
+    """(R, d) its rows: the whole vocabulary, or a draft vocabulary (`token_ids`)."""
+    token_ids: torch.Tensor | None
+    """(R,) the target token of each row; None: row r scores token r."""
+    inputs: Callable[[dict], torch.Tensor]
+    """A sample {"input_ids" (T,), "hidden" (T, S, d) at the drafter's stored layers, "loss_mask" (T,)} -> (N, d)
+    float32 on the CPU: what the projection reads at the sample's loss positions (its factors are fitted to them)."""
+
+
+def unbiased_weight(projection: torch.nn.Linear, where: str) -> torch.Tensor:
+    """A vocabulary projection's weight for a `DraftHead`; the two-stage head scores h·W[c]ᵀ, so a bias is refused."""
+    if projection.bias is not None:
+        raise ValueError(f"{where}: the two-stage head needs a vocabulary projection without a bias")
+    return projection.weight
 
 
 def token_weights(counts: torch.Tensor) -> torch.Tensor:
@@ -59,16 +84,16 @@ class LowRankHead:
     def rank(self) -> int:
         return self.b.shape[0]
 
-    def save(self, directory: str | Path) -> Path:
+    def save(self, directory: str | Path, name: str = FACTORS_NAME) -> Path:
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        path = directory / FACTORS_FILE
+        path = directory / f"{name}.safetensors"
         save_file({"a": self.a.contiguous(), "b": self.b.contiguous()}, str(path))
         return path
 
     @classmethod
-    def load(cls, directory: str | Path) -> LowRankHead:
-        with safe_open(str(Path(directory) / FACTORS_FILE), framework="pt") as f:
+    def load(cls, directory: str | Path, name: str = FACTORS_NAME) -> LowRankHead:
+        with safe_open(str(Path(directory) / f"{name}.safetensors"), framework="pt") as f:
             return cls(a=f.get_tensor("a"), b=f.get_tensor("b"))
 
 

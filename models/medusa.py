@@ -15,6 +15,7 @@ from torch import nn
 
 from models.common import DraftBatch, DrafterOutput, FrozenRef, TargetParts, num_loss_tokens, shifted_valid
 from models.configs import MedusaConfig
+from models.lm_head import FACTORS_NAME, DraftHead, unbiased_weight
 
 
 class ResidualStack(nn.Module):
@@ -141,6 +142,22 @@ class MedusaHeads(nn.Module):
     def is_head_param(self, name: str) -> bool:
         """Every trainable Medusa parameter belongs to a head (Medusa-2 gives heads an LR multiplier)."""
         return name.startswith(("blocks.", "lm_heads."))
+
+    def draft_heads(self) -> list[DraftHead]:
+        """Each head's vocabulary projection, for the two-stage head: head k's fitted to its residual blocks' output
+        on the last hidden states at loss positions (what that projection reads)."""
+        slot = self.stored_layers.index(-1)
+
+        def head(k: int) -> DraftHead:
+            @torch.no_grad()
+            def inputs(sample: dict) -> torch.Tensor:
+                last = sample["hidden"][:, slot][sample["loss_mask"] > 0]  # (N, d)
+                return self.head_state(k, last.to(self.blocks[0].layers[0].weight.device)).float().cpu()
+
+            weight = unbiased_weight(self.projection(k), f"head {k}'s lm_head")
+            return DraftHead(f"{FACTORS_NAME}-head{k}", weight, None, inputs)
+
+        return [head(k) for k in range(1, self.cfg.num_heads + 1)]
 
 
 def _copy_linear(src: nn.Linear) -> nn.Linear:

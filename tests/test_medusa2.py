@@ -335,7 +335,7 @@ def metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / METRICS_FILE).read_text().splitlines()]
 
 
-def test_two_stages_train_export_and_decode(in_repo, tmp_path):
+def test_two_stages_train_export_and_decode(in_repo, tmp_path, capsys):
     from eval.run import run as run_eval
     from train.export import export
     from train.loop import train
@@ -364,6 +364,13 @@ def test_two_stages_train_export_and_decode(in_repo, tmp_path):
     ev += ["eval.max_new_tokens=10", "eval.kernels=reference", "eval.baselines=[plain]"]
     summary = run_eval(load_recipe(TINY["medusa2"], [*overrides, *ev]))
     assert summary["lossless"] is True and summary["accept_len"] >= 1.0
+
+    # the two-stage heads: no shards, so their factors are fitted on the LoRA-merged target's hidden states
+    ev = [*ev[:2], f"eval.output_dir={tmp_path / 'eval-two-stage'}", *ev[3:], "eval.head=two_stage",
+          "eval.head_rank=8", "eval.head_candidates=16", "eval.tree_top_k=4"]  # fmt: skip
+    summary = run_eval(load_recipe(TINY["medusa2"], [*overrides, *ev]))
+    assert summary["lossless"] is True and "two-stage head r8 c16" in summary["tree"]
+    assert "two-stage head factors computed from the target's hidden states" in capsys.readouterr().out
 
 
 def _free_port() -> int:

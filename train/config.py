@@ -230,9 +230,10 @@ class EvalConfig(SamplingConfig):
     `data.features_dir` (an EAGLE-3-style draft vocabulary: each draft step's vocabulary projection costs N/V
     as much; verification still uses the full vocabulary, so outputs are unchanged)."""
     head: Literal["full", "two_stage"] = "full"
-    """The draft steps' vocabulary projection (EAGLE drafters): `full` (or the `draft_vocab` rows), or `two_stage`:
-    a rank-`head_rank` screen of the whole vocabulary keeps `head_candidates` tokens, whose exact logits follow
-    (`models/lm_head.py`; the factors come with the export, else from `data.features_dir`)."""
+    """The draft steps' vocabulary projections: `full` (or the `draft_vocab` rows), or `two_stage`: for each of the
+    drafter's heads (EAGLE-2: the target's lm_head; EAGLE-3: its own over the draft vocabulary; Medusa: every head),
+    a rank-`head_rank` screen of all its rows keeps `head_candidates` tokens, whose exact logits follow
+    (`models/lm_head.py`; the factors come with the export, else are fitted at start-up, `eval/heads.py`)."""
     head_rank: int = 64
     head_candidates: int = 256
     tie_margin: float | None = None
@@ -265,7 +266,7 @@ class EvalConfig(SamplingConfig):
                 err(f"eval.{key}", f"must be >= {least}, got {getattr(self, key)}")
         if self.head == "two_stage":
             if self.draft_vocab:
-                err("eval.head", "two_stage screens the whole vocabulary: set eval.draft_vocab to 0")
+                err("eval.head", "two_stage screens every row of the heads: set eval.draft_vocab to 0")
             if self.head_rank < 1 or self.head_candidates < self.tree_top_k:
                 err("eval.head_candidates", f"must be >= tree_top_k with head_rank >= 1, got {self.head_candidates}, "
                     f"{self.head_rank}")  # fmt: skip

@@ -308,7 +308,7 @@ def write_native(
     save_native(out, drafter, target, recipe.to_dict(), include_target_weights)
     features_dir = recipe.data.features_dir
     vocab = max(recipe.eval.draft_vocab, recipe.train.loss_vocab)
-    two_stage = recipe.eval.head == "two_stage" and method.proposer == "eagle"
+    two_stage = recipe.eval.head == "two_stage" and method.inputs == "features"  # fitted on the shards
     if not ((vocab or two_stage) and features_dir and (Path(features_dir) / "manifest.json").is_file()):
         features = None
     else:  # opened (and its shards hashed) once for both
@@ -316,9 +316,9 @@ def write_native(
     if vocab and features is not None:
         save_draft_vocab(out, frequent_loss_tokens(features, vocab))
     if two_stage and features is not None:
-        from eval.heads import FACTORS_DIR, compute_factors  # the two-stage draft head's factors
+        from eval.heads import save_factors  # the two-stage draft heads' factors
 
-        compute_factors(drafter.lm_head.weight, features, recipe.eval.head_rank).save(out / FACTORS_DIR)
+        save_factors(out, drafter, features, recipe.eval.head_rank, target.config.vocab_size)
     if method.export_extra:
         drafter.export_extra(out, target, merge_lora=merge_lora)
 
