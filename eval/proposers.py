@@ -84,12 +84,18 @@ class VocabProjection:
         self.bias = None if projection.bias is None else projection.bias[rows].detach()
 
     @classmethod
-    def trained(cls, head: torch.nn.Linear, ids: torch.Tensor, vocab_size: int) -> VocabProjection:
-        """A drafter's own head over its draft vocabulary: row i scores target token `ids[i]` of `vocab_size`."""
+    def trained(
+        cls, head: torch.nn.Linear, ids: torch.Tensor, vocab_size: int, rows: torch.Tensor | None = None
+    ) -> VocabProjection:
+        """A drafter's own head over its draft vocabulary: row i scores target token `ids[i]` of `vocab_size`.
+        `rows`: only these rows (a smaller draft vocabulary inside its own, `eval.draft_vocab`)."""
         out = cls.__new__(cls)
-        out.ids, out.vocab_size = ids, vocab_size
-        out.weight = head.weight.detach()
-        out.bias = None if head.bias is None else head.bias.detach()
+        out.vocab_size = vocab_size
+        out.ids = ids if rows is None else ids[rows.to(ids.device)]
+        weight, bias = head.weight.detach(), None if head.bias is None else head.bias.detach()
+        if rows is not None:
+            weight, bias = weight[rows.to(weight.device)], None if bias is None else bias[rows.to(bias.device)]
+        out.weight, out.bias = weight, bias
         return out
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
@@ -374,11 +380,18 @@ def build_proposer(
     if method.proposer == "eagle":  # trees: auto, dynamic, chain
         if two_stage:
             (vocab,) = vocab  # an EAGLE drafter drafts through one head
-        if method.own_vocab:
-            size = len(drafter.draft_ids)
+        if method.own_vocab:  # its own head over its draft vocabulary (sorted ids), or the N most frequent of them
+            own = drafter.draft_ids
             if not two_stage:
-                vocab = VocabProjection.trained(drafter.lm_head, drafter.draft_ids, drafter.target_vocab_size)
-            suffix = f", own draft vocab {size}{suffix}"
+                rows = None
+                if vocab is not None:
+                    if not bool(drafter.t2d[vocab.to(drafter.t2d.device)].all()):
+                        raise ValueError(
+                            f"eval.draft_vocab: {len(vocab)} tokens, not all among its own {len(own)} draft tokens"
+                        )
+                    rows = torch.searchsorted(own, vocab.to(own.device))
+                vocab = VocabProjection.trained(drafter.lm_head, own, drafter.target_vocab_size, rows)
+            suffix = f", own draft vocab {len(own)}{suffix}"
         if tree == "chain":
             return EagleProposer(drafter, ev.tree_depth, 1, ev.tree_depth + 1, vocab), f"chain d{ev.tree_depth}{suffix}"
         if tree == "cost":  # the caller measures `proposer.costs` on the machine before decoding

@@ -195,6 +195,33 @@ def test_drafting_over_the_own_vocabulary_keeps_greedy_output(setup, tree):
     assert drafted and all(set(t.tokens[1:].tolist()) <= allowed for t in drafted)
 
 
+def test_eval_draft_vocab_drafts_among_the_most_frequent_of_its_own_tokens(setup):
+    """`eval.draft_vocab: N` on an EAGLE-3 drafter keeps those N of its own head's rows (an equal-cost pruned head);
+    N tokens outside its draft vocabulary are refused."""
+    model = setup[0]
+    drafter = drafter_for(model, vocab=64)
+    ev = recipe_from_dict(recipe(draft_vocab=64)).eval
+    ev = type(ev)(**{**vars(ev), "tree": "dynamic", "tree_depth": 3, "tree_top_k": 3, "tree_total_tokens": 8})
+    subset = drafter.draft_ids[torch.randperm(64, generator=torch.Generator().manual_seed(2))[:16]]
+    proposer, desc = build_proposer(METHODS["eagle3"], drafter, ev, calibrate=None, draft_vocab=subset)
+    assert desc.endswith("own draft vocab 64, draft vocab 16") and proposer.vocab.size == 16
+    rows = torch.searchsorted(drafter.draft_ids, subset)
+    h = torch.randn(2, 64)
+    torch.testing.assert_close(proposer.vocab(h), drafter.draft_logits(h)[:, rows])
+    drafted = []
+    propose = proposer.propose
+    proposer.propose = lambda states: drafted.extend(trees := propose(states)) or trees
+    prompt = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(3))
+    settings = DecodeSettings(max_new_tokens=20)
+    assert (
+        speculative_generate(model, proposer, prompt, settings).tokens == plain_generate(model, prompt, settings).tokens
+    )
+    assert drafted and all(set(t.tokens[1:].tolist()) <= set(subset.tolist()) for t in drafted)
+    outside = torch.nonzero(~drafter.t2d).flatten()[:3]
+    with pytest.raises(ValueError, match="eval.draft_vocab: 19 tokens, not all among its own 64 draft"):
+        build_proposer(METHODS["eagle3"], drafter, ev, calibrate=None, draft_vocab=torch.cat([subset, outside]))
+
+
 # ------------------------------------------------------------------------------------------------
 # The training pipeline: extract -> train (offline and online) -> resume -> export -> draft
 

@@ -228,7 +228,8 @@ class EvalConfig(SamplingConfig):
     draft_vocab: int = 0
     """0: draft over the whole vocabulary. N > 0: draft only among the N most frequent loss tokens of
     `data.features_dir` (an EAGLE-3-style draft vocabulary: each draft step's vocabulary projection costs N/V
-    as much; verification still uses the full vocabulary, so outputs are unchanged)."""
+    as much; verification still uses the full vocabulary, so outputs are unchanged). An EAGLE-3 drafter keeps those
+    N rows of its own head (N at most its `drafter.draft_vocab`)."""
     head: Literal["full", "two_stage"] = "full"
     """The draft steps' vocabulary projections: `full` (or the `draft_vocab` rows), or `two_stage`: for each of the
     drafter's heads (EAGLE-2: the target's lm_head; EAGLE-3: its own over the draft vocabulary; Medusa: every head),
