@@ -1,7 +1,7 @@
 """The two-stage draft head (`eval.head: two_stage`) for every drafter: its factors, from the export or the data.
 
-    save_factors(export_dir, drafter, FeatureDataset(features_dir), rank)   # train.export, with the native export
-    projections, source = two_stage_projections(recipe, drafter_dir, drafter, fit_data)  # eval: one per draft head
+    save_factors(export_dir, drafter, FeatureDataset(features_dir), rank, V)  # train.export, with the native export
+    projections, source = two_stage_projections(recipe, drafter_dir, drafter, V, fit_data)  # eval: one per draft head
 
 A drafter lists the vocabulary projections it drafts through in `draft_heads()` (`models.lm_head.DraftHead`): an
 EAGLE-2 drafter the target's lm_head, an EAGLE-3 drafter its own head over the draft vocabulary, Medusa one per
@@ -11,8 +11,8 @@ positions of some training samples, so that the screen ranks the tokens the draf
 
 `python -m train.export` stores them with the native export (`lm_head/<head>.safetensors`) when the recipe asks for
 the two-stage head and the run has feature shards. Evaluation reads them, or computes them at start-up (with a log
-line) from the feature shards, or, for drafters trained without shards (Medusa-2), from the verifying target's
-hidden states over the calibration samples.
+line) from the feature shards, or, for a drafter that adapts the target (Medusa-2) or a run without shards, from the
+verifying target's hidden states over the calibration samples (`eval.run.fit_data`).
 """
 
 from __future__ import annotations
