@@ -247,7 +247,8 @@ class Eagle3Drafter(nn.Module):
         return {**out, "d2t": self.d2t, "t2d": self.t2d}
 
     def is_head_param(self, name: str) -> bool:
-        return False
+        """Its own LM head (started from the target's rows) gets `train.head_lr_mult` times the learning rate."""
+        return name.startswith("lm_head.")
 
     def draft_heads(self) -> list[DraftHead]:
         """Its own head over the draft vocabulary, for the two-stage head: fitted to what the head reads, the final-norm

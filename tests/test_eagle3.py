@@ -151,6 +151,17 @@ def test_draft_vocabulary_offsets_membership_and_head_start(setup):
         drafter.set_draft_vocab(torch.tensor([1, 2, 2, 3]), init_head=False)
 
 
+def test_its_own_head_takes_the_head_learning_rate(setup):
+    from train.config import TrainConfig
+    from train.optim import param_groups
+
+    drafter = drafter_for(setup[0])
+    groups = param_groups(drafter, TrainConfig(lr=1e-3, head_lr_mult=0.1))
+    head = [g for g in groups if any(p is drafter.lm_head.weight for p in g["params"])]
+    assert len(head) == 1 and len(head[0]["params"]) == 1 and head[0]["lr"] == pytest.approx(1e-4)
+    assert all(g["lr"] == 1e-3 for g in groups if g is not head[0])
+
+
 def test_default_feature_layers_are_low_mid_high():
     assert Eagle3Config().resolved_layers(30) == [2, 15, 27]
     assert Eagle3Config().resolved_layers(8) == [2, 4, 5]

@@ -164,7 +164,8 @@ class TrainConfig:
     taken over that subset (target distribution renormalised on it), Medusa's CE skips positions whose label is
     outside it. The exported drafter is unchanged: it drafts with the target's full lm_head (or `eval.draft_vocab`)."""
     head_lr_mult: float = 1.0
-    """Learning-rate multiplier for parameters the drafter marks as heads (Medusa-2 default 4)."""
+    """Learning-rate multiplier for parameters the drafter marks as heads: Medusa-2's heads (4 in its recipes),
+    EAGLE-3's own LM head (which starts from the target's rows)."""
     resume: str | None = None
     """`auto` = continue from the newest checkpoint in output_dir (if any); or a checkpoint directory."""
 
