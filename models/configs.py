@@ -125,8 +125,12 @@ class Eagle3Config:
                 "data.layers",
                 f"EAGLE-3 learns the last hidden state's distribution: -1 must be stored, got {recipe.data.layers}",
             )
-        if recipe.eval.draft_vocab:
-            err("eval.draft_vocab", "eagle3 drafts over its own trained vocabulary (drafter.draft_vocab); set it to 0")
+        if recipe.eval.draft_vocab > self.draft_vocab:  # a smaller draft vocabulary keeps rows of its own head
+            err(
+                "eval.draft_vocab",
+                f"{recipe.eval.draft_vocab} is more than the drafter's own draft vocabulary (drafter.draft_vocab: "
+                f"{self.draft_vocab})",
+            )
         if recipe.train.loss_vocab:
             err("train.loss_vocab", "eagle3 learns over its own draft vocabulary (drafter.draft_vocab); set it to 0")
         n_layers = recipe.target.num_layers

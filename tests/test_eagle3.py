@@ -182,8 +182,9 @@ def test_recipe_checks_the_stored_layers_and_the_vocabulary_settings():
     assert recipe_from_dict(recipe()).drafter.draft_vocab == 32000
     with pytest.raises(Exception, match=r"data.layers: must store the drafter's layers \[2, 4, 5\] and -1; missing"):
         recipe_from_dict({**recipe(), "data": {"train_files": ["x.jsonl"], "layers": [4, 5, -1]}})
-    with pytest.raises(Exception, match="eval.draft_vocab: eagle3 drafts over its own trained vocabulary"):
-        recipe_from_dict({**recipe(), "eval": {"draft_vocab": 100}})
+    assert recipe_from_dict({**recipe(draft_vocab=200), "eval": {"draft_vocab": 100}}).eval.draft_vocab == 100
+    with pytest.raises(Exception, match=r"eval.draft_vocab: 300 is more than .* \(drafter.draft_vocab: 200\)"):
+        recipe_from_dict({**recipe(draft_vocab=200), "eval": {"draft_vocab": 300}})
     with pytest.raises(Exception, match="drafter.ttt_steps: must be >= 1"):
         recipe_from_dict(recipe(ttt_steps=0))
 
