@@ -1,14 +1,14 @@
-"""Two-stage head recall for each draft head of a trained run (any method): how often the full head's top tokens
-survive the screen.
+"""Two-stage head recall for each draft head of a trained run (any method trained on feature shards): how often the
+full head's top tokens survive the screen.
 
     .venv/bin/python -m benchmarks.draft_heads artifacts/smollm2-run/medusa1 [--rank 64] [--candidates 256]
 
 For every head the drafter lists (`draft_heads()`: EAGLE one, Medusa one per head), factors are fitted exactly as
-`python -m train.export` fits them (`eval.heads.shard_fit_data`: the first samples of the run's feature shards and
-their loss-token counts), then evaluated on what the head reads at the loss positions of the run's *held-out*
-samples (`heldout.json`, else the last 5% of the shards): top-1 recall = the fraction of positions whose full-head
-best token is among the candidates, top-4 recall = the same for each of its 4 best. FLOP ratio as in
-`benchmarks/lm_head.py`. Goal: the worst head's top-1 recall >= 0.98.
+`python -m train.export` fits them (`eval.heads.shard_fit_data`: the first samples of the run's feature shards, here
+only training ones, and their loss-token counts), then evaluated on what the head reads at the loss positions of the
+run's *held-out* samples (`heldout.json`, else the last 5% of the shards): top-1 recall = the fraction of positions
+whose full-head best token is among the candidates, top-4 recall = the same for each of its 4 best. FLOP ratio as
+in `benchmarks/lm_head.py`. Goal: the worst head's top-1 recall >= 0.98.
 
 Measured (SmolLM2, 4,000 held-out positions): Medusa-1's three heads 0.92-0.94 at rank 64 / 256 candidates (0.12 of
 the FLOPs), 0.98-0.99 at rank 128 (0.23): `draft_heads/top1_recall: 0.9818 (goal >= 0.98)`; the EAGLE-2 run's
@@ -31,12 +31,13 @@ from train.heldout import read_heldout
 POSITIONS = 4000
 
 
-def heldout_samples(features: FeatureDataset, run_dir: Path) -> list[dict]:
+def split(features: FeatureDataset, run_dir: Path) -> tuple[list[int], list[int]]:
+    """(fitting, held-out) sample indices: the run's held-out samples (`heldout.json`, else the last 5%), the rest."""
     ids = set(read_heldout(run_dir) or [])
-    chosen = [i for i, s in enumerate(features.sample_ids) if s in ids] or list(
-        range(len(features) - max(1, len(features) // 20), len(features))
-    )
-    return [{**features[i], "loss_mask": features[i]["loss_mask"] > 0} for i in chosen]
+    heldout = [i for i, s in enumerate(features.sample_ids) if s in ids]
+    heldout = heldout or list(range(len(features) - max(1, len(features) // 20), len(features)))
+    kept = set(heldout)
+    return [i for i in range(len(features)) if i not in kept], heldout
 
 
 def main() -> None:
@@ -50,8 +51,9 @@ def main() -> None:
     run_dir = Path(args.run_dir)
     recipe, target, drafter = load_run(run_dir)
     features = FeatureDataset(recipe.data.features_dir, verify_checksums=False)
-    fit, counts, _ = shard_fit_data(features, target.config.vocab_size)
-    test = heldout_samples(features, run_dir)
+    fit_idx, test_idx = split(features, run_dir)
+    fit, counts, _ = shard_fit_data(features, drafter, target.config.vocab_size, fit_idx)
+    test = [{**s, "loss_mask": s["loss_mask"] > 0} for s in (features[i] for i in test_idx)]
     worst = 1.0
     print(f"{run_dir}: {recipe.drafter.method}, rank {args.rank}, {args.candidates} candidates, "
           f"{len(fit)} fitting samples, {len(test)} held-out")  # fmt: skip

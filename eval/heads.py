@@ -37,26 +37,36 @@ FitData = tuple[list[dict], torch.Tensor, str]
 
 def compute_factors(head: DraftHead, samples: Iterable[dict], counts: torch.Tensor, rank: int) -> LowRankHead:
     """Rank-`rank` factors of `head.weight` weighted by the loss-token `counts` (V,) of its rows' tokens and fitted to
-    the second moment of `head.inputs` over `samples`."""
+    the second moment of `head.inputs` over `samples`. Fitted on the CPU in float32 (the SVD of a V x d matrix); the
+    two-stage head moves them to the head's device."""
     if head.token_ids is not None:
         counts = counts[head.token_ids.cpu()]
     hidden = torch.cat([head.inputs(sample) for sample in samples])  # (N, d)
     if len(hidden) == 0:
         raise EvalError(f"the two-stage head {head.name}: the fitting samples have no loss positions")
-    return factorize(head.weight, rank, weights=token_weights(counts), hidden_moment=hidden_moment(hidden))
+    weight = head.weight.detach().to("cpu", torch.float32)
+    return factorize(weight, rank, weights=token_weights(counts), hidden_moment=hidden_moment(hidden))
 
 
-def shard_fit_data(features: FeatureDataset, vocab_size: int) -> FitData:
-    """Fitting data from feature shards: their first `MOMENT_SAMPLES` samples and all their loss-token counts."""
+def shard_fit_data(
+    features: FeatureDataset, drafter: torch.nn.Module, vocab_size: int, indices: Sequence[int] | None = None
+) -> FitData:
+    """Fitting data from feature shards: the first `MOMENT_SAMPLES` samples (of `indices`, default all) and all the
+    shards' loss-token counts. The shards must hold the drafter's stored layers, in its order."""
+    if list(features.layers) != list(drafter.stored_layers):
+        raise EvalError(
+            f"{features.directory}: stores layers {features.layers}, the drafter reads {drafter.stored_layers}: the "
+            "two-stage head's factors are fitted on the drafter's own inputs"
+        )
     counts = loss_token_counts(features, vocab_size=vocab_size)
-    samples = [features[i] for i in range(min(len(features), MOMENT_SAMPLES))]
-    samples = [{**s, "loss_mask": s["loss_mask"] > 0} for s in samples]
+    chosen = list(range(len(features)) if indices is None else indices)[:MOMENT_SAMPLES]
+    samples = [{**s, "loss_mask": s["loss_mask"] > 0} for s in (features[i] for i in chosen)]
     return samples, counts, f"{features.directory}"
 
 
 def save_factors(out: str | Path, drafter: torch.nn.Module, features: FeatureDataset, rank: int, vocab_size: int):
     """Every draft head's factors into `out/lm_head/`, fitted on the feature shards (target vocabulary `vocab_size`)."""
-    samples, counts, _ = shard_fit_data(features, vocab_size)
+    samples, counts, _ = shard_fit_data(features, drafter, vocab_size)
     for head in drafter.draft_heads():
         compute_factors(head, samples, counts, rank).save(Path(out) / FACTORS_DIR, head.name)
 
@@ -68,6 +78,12 @@ def two_stage_projections(
     factors came from: the export's `lm_head/` when it holds every head's, else computed from `fit_data()`."""
     ev = recipe.eval
     heads: Sequence[DraftHead] = drafter.draft_heads()
+    rows = min(len(head.weight) for head in heads)
+    if ev.head_candidates > rows:
+        raise EvalError(
+            f"{recipe.source}: eval.head_candidates: {ev.head_candidates} is more than the {rows} tokens the drafter's "
+            "head scores"
+        )
     stored = Path(drafter_dir) / FACTORS_DIR
     if all((stored / f"{head.name}.safetensors").is_file() for head in heads):
         factors, source = [LowRankHead.load(stored, head.name) for head in heads], f"{stored}"
@@ -82,12 +98,6 @@ def two_stage_projections(
         print(f"eval: two-stage head factors computed from {where} ({drafter_dir} has none)")
         factors = [compute_factors(head, samples, counts, ev.head_rank) for head in heads]
         source = f"{where} (computed at start-up)"
-    rows = min(len(head.weight) for head in heads)
-    if ev.head_candidates > rows:
-        raise EvalError(
-            f"{recipe.source}: eval.head_candidates: {ev.head_candidates} is more than the {rows} tokens the drafter's "
-            "head scores"
-        )
     projections = [
         TwoStageProjection(TwoStageHead(head.weight, f, candidates=ev.head_candidates), vocab_size, head.token_ids)
         for head, f in zip(heads, factors)

@@ -123,11 +123,11 @@ class TwoStageProjection:
     rows keeps `head.candidates` of them per position and their exact logits are computed; the result is laid out over
     the target vocabulary (`vocab_size`), -inf off the candidates, so the proposer drafts only among them
     (verification still uses the target's full distribution: greedy output is unchanged, sampled output still follows
-    the target). `token_ids` (R,): the target token of each row of a draft-vocabulary head; None: row r is token r."""
+    the target). `row_tokens` (R,): the target token of each row of a draft-vocabulary head; None: row r is token r."""
 
-    def __init__(self, head, vocab_size: int, token_ids: torch.Tensor | None = None):
+    def __init__(self, head, vocab_size: int, row_tokens: torch.Tensor | None = None):
         self.head, self.vocab_size = head, vocab_size
-        self.rows_to_tokens = None if token_ids is None else token_ids.to(head.weight.device)
+        self.rows_to_tokens = None if row_tokens is None else row_tokens.to(head.weight.device)
         self.size = head.candidates  # tokens a position can draft among
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
@@ -146,10 +146,12 @@ class TwoStageProjection:
         return torch.log_softmax(logits, dim=-1)
 
 
-def _check_draft_vocab(size: int | None, top_k: int) -> None:
-    """`size`: tokens a draft step chooses among (None: the whole vocabulary)."""
-    if size is not None and size < top_k:
-        raise ValueError(f"the draft vocabulary has {size} tokens, fewer than the top {top_k} a tree drafts")
+def _check_draft_vocab(vocab, top_k: int) -> None:
+    """`vocab`: what a draft step chooses among (a projection with a `size`, a list of them, or None: everything)."""
+    items = [] if vocab is None else vocab if isinstance(vocab, list) else [vocab]
+    if items and min(v.size for v in items) < top_k:
+        what = "eval.head_candidates" if isinstance(items[0], TwoStageProjection) else "the draft vocabulary"
+        raise ValueError(f"{what}: {min(v.size for v in items)} tokens, fewer than the top {top_k} a tree drafts")
 
 
 class MedusaProposer:
@@ -179,7 +181,7 @@ class MedusaProposer:
             self.vocab = [VocabProjection(heads.projection(k), draft_vocab) for k in range(1, tree.max_depth + 1)]
         elif draft_vocab is not None:
             self.vocab = list(draft_vocab)[: tree.max_depth]
-        _check_draft_vocab(None if self.vocab is None else min(v.size for v in self.vocab), self.top_k)
+        _check_draft_vocab(self.vocab, self.top_k)
 
     def reset(self, batch_size: int) -> None:
         pass
@@ -232,7 +234,7 @@ class EagleProposer:
         self.depth, self.top_k, self.total_tokens = depth, top_k, total_tokens
         if isinstance(draft_vocab, torch.Tensor):
             draft_vocab = VocabProjection(drafter.lm_head, draft_vocab)
-        _check_draft_vocab(None if draft_vocab is None else draft_vocab.size, top_k)
+        _check_draft_vocab(draft_vocab, top_k)
         self.vocab = draft_vocab
         self.costs = None  # eval.cost_trees.Costs: keep the batch_tree_size best candidates, not total_tokens
         self.reset(1)

@@ -156,7 +156,7 @@ def fit_data(recipe: Recipe, method: Method, target: Target, drafter: torch.nn.M
     loss-token counts of the recipe's data."""
     data, vocab = recipe.data, target.config.vocab_size
     if not method.adapts_target and data.features_dir and (Path(data.features_dir) / "manifest.json").is_file():
-        return shard_fit_data(FeatureDataset(data.features_dir, verify_checksums=data.verify_checksums), vocab)
+        return shard_fit_data(FeatureDataset(data.features_dir, verify_checksums=data.verify_checksums), drafter, vocab)
     samples, desc = calibration_samples(recipe, target.tokenizer, CALIBRATION_SAMPLES)
     layers = list(drafter.stored_layers)
     fit = []

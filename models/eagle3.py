@@ -252,7 +252,7 @@ class Eagle3Drafter(nn.Module):
 
     def draft_heads(self) -> list[DraftHead]:
         """Its own head over the draft vocabulary, for the two-stage head: fitted to what the head reads, the final-norm
-        outputs of every unrolled step (`unroll`, without input noise) at a sample's loss positions."""
+        outputs of every unrolled step (`unroll`, without input noise) where that step's loss is taken."""
 
         @torch.no_grad()
         def inputs(sample: dict) -> torch.Tensor:
@@ -270,7 +270,7 @@ class Eagle3Drafter(nn.Module):
                 steps = self.unroll(batch)
             finally:
                 self.train(training)
-            at = batch["loss_mask"][0] > 0
-            return torch.cat([normed[0][at] for normed in steps]).float().cpu()
+            loss = batch["loss_mask"][0] > 0  # step j at t predicts token t+j+2, which the target predicts at t+j+1
+            return torch.cat([normed[0][: -j - 1][loss[j + 1 :]] for j, normed in enumerate(steps)]).float().cpu()
 
         return [DraftHead(FACTORS_NAME, unbiased_weight(self.lm_head, "lm_head"), self.draft_ids, inputs)]

@@ -116,20 +116,20 @@ def factorize(
         raise ValueError(f"rank={rank}: want 1 <= rank <= min(V, d) = {min(vocab, hidden)}")
     w = weight.detach().to(torch.float32)
     if weights is None:
-        scale = torch.ones(vocab, dtype=torch.float32)
+        scale = torch.ones(vocab, dtype=torch.float32, device=w.device)
     else:
         if weights.shape != (vocab,):
             raise ValueError(f"weights: want shape ({vocab},), got {tuple(weights.shape)}")
         if not bool((weights > 0).all()):
             raise ValueError("weights: every token weight must be positive (a zero row cannot be unscaled)")
-        scale = weights.detach().to(torch.float32)
+        scale = weights.detach().to(w.device, torch.float32)
     scaled = scale[:, None] * w  # (V, d)
     if hidden_moment is not None:
         if hidden_moment.shape != (hidden, hidden):
             raise ValueError(f"hidden_moment: want shape ({hidden}, {hidden}), got {tuple(hidden_moment.shape)}")
         # a relative jitter keeps the Cholesky factor invertible when some channel is (nearly) always zero
-        m = hidden_moment.detach().to(torch.float64)
-        m = m + 1e-6 * m.diagonal().mean() * torch.eye(hidden, dtype=torch.float64)
+        m = hidden_moment.detach().to(w.device, torch.float64)
+        m = m + 1e-6 * m.diagonal().mean() * torch.eye(hidden, dtype=torch.float64, device=w.device)
         chol = torch.linalg.cholesky(m).to(torch.float32)  # (d, d) lower, L Lᵀ = E[h·hᵀ]
         scaled = scaled @ chol
     u, s, vh = torch.linalg.svd(scaled, full_matrices=False)  # (V, k), (k,), (k, d); k = min(V, d)
@@ -174,8 +174,8 @@ class TwoStageHead:
         if not 1 <= candidates <= vocab:
             raise ValueError(f"candidates={candidates}: want 1 <= candidates <= V = {vocab}")
         self.weight = weight.detach()  # (V, d)
-        self.a = factors.a.detach().to(weight.dtype).contiguous()  # (V, r)
-        self.b = factors.b.detach().to(weight.dtype).contiguous()  # (r, d)
+        self.a = factors.a.detach().to(weight.device, weight.dtype).contiguous()  # (V, r)
+        self.b = factors.b.detach().to(weight.device, weight.dtype).contiguous()  # (r, d)
         self.candidates = candidates
         if kernels not in ("torch", "triton", "reference"):
             raise ValueError(f"unknown kernels {kernels!r}; expected 'torch', 'triton' or 'reference'")

@@ -145,13 +145,14 @@ class MedusaHeads(nn.Module):
 
     def draft_heads(self) -> list[DraftHead]:
         """Each head's vocabulary projection, for the two-stage head: head k's fitted to its residual blocks' output
-        on the last hidden states at loss positions (what that projection reads)."""
+        on the last hidden states where its loss is taken (what that projection reads)."""
         slot = self.stored_layers.index(-1)
 
         def head(k: int) -> DraftHead:
             @torch.no_grad()
             def inputs(sample: dict) -> torch.Tensor:
-                last = sample["hidden"][:, slot][sample["loss_mask"] > 0]  # (N, d)
+                scored = sample["loss_mask"][k + 1 :] > 0  # head k at t predicts token t+k+1
+                last = sample["hidden"][: -k - 1, slot][scored]  # (N, d)
                 return self.head_state(k, last.to(self.blocks[0].layers[0].weight.device)).float().cpu()
 
             weight = unbiased_weight(self.projection(k), f"head {k}'s lm_head")

@@ -157,7 +157,8 @@ def test_native_export_stores_the_two_stage_factors_that_eval_reads(tmp_path, mo
 
 
 def _drafters(model):
-    """An EAGLE-2 drafter, an EAGLE-3 drafter over 64 random draft tokens, 3 Medusa heads: weights off their init."""
+    """An EAGLE-2 drafter, an EAGLE-3 drafter over 64 random draft tokens, 4 Medusa heads: weights off their init;
+    the EAGLE drafters' stored layers are [0, 1, -1], so the last hidden state is not the first slot."""
     from tiny import perturbed
 
     from models.common import TargetParts
@@ -173,9 +174,9 @@ def _drafters(model):
     eagle3 = Eagle3Drafter(Eagle3Config(feature_layers=[0, 1, -1], draft_vocab=64, ttt_steps=3), parts([0, 1, -1]))
     eagle3.set_draft_vocab(torch.randperm(256, generator=torch.Generator().manual_seed(1))[:64], init_head=True)
     return {
-        "eagle2": perturbed(EagleDrafter(EagleConfig(), parts([-1]))),
+        "eagle2": perturbed(EagleDrafter(EagleConfig(), parts([0, 1, -1]))),
         "eagle3": perturbed(eagle3),
-        "medusa": perturbed(MedusaHeads(MedusaConfig(num_heads=3), parts([-1]))),
+        "medusa": perturbed(MedusaHeads(MedusaConfig(num_heads=4), parts([-1]))),
     }
 
 
@@ -187,10 +188,12 @@ def _sample(model, layers, seed=0):
 
 
 @pytest.mark.parametrize("name", ["eagle2", "eagle3", "medusa"])
-def test_every_draft_head_reads_what_its_projection_reads_and_full_rank_reproduces_it(name):
-    """`draft_heads()`: one head for EAGLE (EAGLE-3's rows are its draft tokens), one per Medusa head; the fitting
-    inputs are the projection's own inputs at loss positions (EAGLE-3: every unrolled step); full-rank factors
-    fitted to them reproduce the head's logits on them."""
+def test_every_draft_head_reads_what_its_projection_reads_and_is_fitted_to_it(name):
+    """`draft_heads()`: one head for EAGLE (EAGLE-3's rows are its draft tokens), one per Medusa head. The fitting
+    inputs are what the projection reads where its loss is taken (EAGLE-3: every unrolled step j at the positions
+    whose token t+j+1 is a loss token; Medusa head k: those whose token t+k+1 is), the drafter's train/eval mode is
+    left as it was, and `compute_factors` is the frequency- and moment-weighted SVD of exactly those inputs and the
+    counts of the head's own tokens."""
     from tiny import tiny_llama
 
     from eval.heads import compute_factors
@@ -198,26 +201,35 @@ def test_every_draft_head_reads_what_its_projection_reads_and_full_rank_reproduc
     model = tiny_llama()
     drafter = _drafters(model)[name]
     heads = drafter.draft_heads()
-    sample = _sample(model, drafter.stored_layers)
-    n_loss = int(sample["loss_mask"].sum())
-    assert [h.name for h in heads] == (["factors"] if name != "medusa" else [f"factors-head{k}" for k in (1, 2, 3)])
+    sample, other = _sample(model, drafter.stored_layers), _sample(model, drafter.stored_layers, seed=5)
+    loss = sample["loss_mask"]
+    assert [h.name for h in heads] == (["factors"] if name != "medusa" else [f"factors-head{k}" for k in range(1, 5)])
     for k, head in enumerate(heads, 1):
         inputs = head.inputs(sample)
         if name == "eagle3":
             assert head.token_ids.tolist() == drafter.draft_ids.tolist() and head.weight.shape == (64, 64)
-            assert inputs.shape == (3 * n_loss, 64)  # 3 unrolled steps
             batch = {"input_ids": sample["input_ids"][None], "attention_mask": torch.ones(1, 14, dtype=torch.long),
                      "position_ids": torch.arange(14)[None], "hidden": sample["hidden"][None]}  # fmt: skip
-            torch.testing.assert_close(inputs[:n_loss], drafter.unroll(batch)[0][0][sample["loss_mask"]])
+            steps = drafter.unroll(batch)
+            expect = torch.cat([out[0][: -j - 1][loss[j + 1 :]] for j, out in enumerate(steps)])
+            assert len(steps) == 3 and inputs.shape == expect.shape
+            torch.testing.assert_close(inputs, expect)
+            for training in (True, False):
+                drafter.train(training)
+                head.inputs(sample)
+                assert drafter.training is training
+            drafter.eval()
         elif name == "medusa":
-            last = sample["hidden"][:, -1][sample["loss_mask"]]
-            torch.testing.assert_close(inputs, drafter.head_state(k, last))
-            assert head.weight is drafter.projection(k).weight
+            torch.testing.assert_close(inputs, drafter.head_state(k, sample["hidden"][: -k - 1, 0][loss[k + 1 :]]))
+            assert head.weight is drafter.projection(k).weight and head.token_ids is None
         else:
-            torch.testing.assert_close(inputs, sample["hidden"][:, 0][sample["loss_mask"]])
+            torch.testing.assert_close(inputs, sample["hidden"][:, 2][loss])  # slot of -1 in [0, 1, -1]
         counts = torch.randint(0, 50, (256,), generator=torch.Generator().manual_seed(k))
-        factors = compute_factors(head, [sample, _sample(model, drafter.stored_layers, seed=5)], counts, rank=64)
-        torch.testing.assert_close(inputs @ (factors.a @ factors.b).T, inputs @ head.weight.T, atol=1e-3, rtol=1e-3)
+        factors = compute_factors(head, [sample, other], counts, rank=8)
+        mine = counts if head.token_ids is None else counts[head.token_ids]
+        moment = hidden_moment(torch.cat([inputs, head.inputs(other)]))
+        expect = factorize(head.weight.detach().float(), 8, weights=token_weights(mine), hidden_moment=moment)
+        torch.testing.assert_close(factors.a @ factors.b, expect.a @ expect.b)
 
 
 def _drafted(proposer, model, prompt, settings):
@@ -260,8 +272,8 @@ def test_eagle3_two_stage_over_its_own_head_drafts_among_candidates_and_keeps_gr
 
 
 def test_medusa_two_stage_heads_draft_among_their_candidates_and_keep_greedy_output():
-    """One two-stage projection per Medusa head: candidates = V gives the full heads' trees; fewer give other trees
-    and the same greedy output, each head's tokens among its own candidates."""
+    """One two-stage projection per Medusa head (4 heads, a tree 3 deep: the fourth is never drafted through):
+    candidates = V gives the full heads' trees; fewer give other trees and the same greedy output."""
     from tiny import tiny_llama
 
     from eval.baselines import plain_generate
@@ -271,7 +283,7 @@ def test_medusa_two_stage_heads_draft_among_their_candidates_and_keep_greedy_out
 
     model = tiny_llama()
     heads = _drafters(model)["medusa"]
-    tree = medusa_tree([[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1]], 3)
+    tree = medusa_tree([[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1]], heads.cfg.num_heads)
     prompt = torch.randint(0, 256, (1, 9), generator=torch.Generator().manual_seed(3))
     settings = DecodeSettings(max_new_tokens=16)
     plain = plain_generate(model, prompt, settings).tokens
@@ -284,7 +296,7 @@ def test_medusa_two_stage_heads_draft_among_their_candidates_and_keep_greedy_out
         tokens, runs[name] = _drafted(MedusaProposer(heads, tree, vocab), model, prompt, settings)
         assert tokens == plain
     assert runs["all"] == runs["full"] and runs["few"] != runs["full"]
-    with pytest.raises(ValueError, match="fewer than the top"):
+    with pytest.raises(ValueError, match="eval.head_candidates: 2 tokens, fewer than the top 3"):
         MedusaProposer(heads, tree, [TwoStageProjection(TwoStageHead(heads.projection(1).weight,
                        factorize(heads.projection(1).weight, rank=8), 2), 256)] * 3)  # fmt: skip
 

@@ -294,6 +294,8 @@ def export(
         else:
             merge = recipe.export.merge_lora if merge_lora is None else merge_lora
             write_native(tmp, recipe, target, drafter, include_target_weights, merge)
+            if method.own_vocab and not (tmp / DRAFT_VOCAB_FILE).is_file():  # its draft tokens, most frequent first:
+                save_draft_vocab(tmp, load_draft_vocab(run_dir))  # `eval.draft_vocab` needs no shards then
             native = f"native/{method.name}"  # strict reload (load_drafter), same logits
             gate_check(native if native in GATES else "native", tmp, recipe, target, drafter)
     return out
