@@ -318,6 +318,8 @@ def test_native_export_reloads_to_identical_logits_and_drafts_losslessly(feature
     recipe, target, drafter = load_run(tmp_path / "run")
     loaded = load_drafter(out, target)
     assert torch.equal(loaded.d2t, drafter.d2t) and torch.equal(loaded.t2d, drafter.t2d)
+    # the run's draft tokens, most frequent first, ship too: eval.draft_vocab then needs no shards
+    assert torch.equal(load_draft_vocab(out), load_draft_vocab(tmp_path / "run"))
     batch = next(BatchLoader(FeatureDataset(features), [0, 1], batch_size=2, max_len=128).batches())
     with torch.no_grad():
         for x, y in zip(loaded.unroll(batch), drafter.unroll(batch)):
