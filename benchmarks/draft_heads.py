@@ -11,7 +11,7 @@ whose full-head best token is among the candidates, top-4 recall = the same for 
 in `benchmarks/lm_head.py`. Goal: the worst head's top-1 recall >= 0.98.
 
 Measured (SmolLM2, 4,000 held-out positions): Medusa-1's three heads 0.92-0.94 at rank 64 / 256 candidates (0.12 of
-the FLOPs), 0.98-0.99 at rank 128 (0.23): `draft_heads/top1_recall: 0.9818 (goal >= 0.98)`; the EAGLE-2 run's
+the FLOPs), 0.98-0.99 at rank 128 (0.23): `draft_heads/top1_recall: 0.9800 (goal >= 0.98)`; the EAGLE-2 run's
 head (the target's lm_head) 0.963 at rank 64.
 """
 
