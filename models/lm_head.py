@@ -56,7 +56,7 @@ class DraftHead:
     """(R,) the target token of each row; None: row r scores token r."""
     inputs: Callable[[dict], torch.Tensor]
     """A sample {"input_ids" (T,), "hidden" (T, S, d) at the drafter's stored layers, "loss_mask" (T,)} -> (N, d)
-    float32 on the CPU: what the projection reads at the sample's loss positions (its factors are fitted to them)."""
+    float32 on the CPU: what the projection reads where its loss is taken (its factors are fitted to them)."""
 
 
 def unbiased_weight(projection: torch.nn.Linear, where: str) -> torch.Tensor:
