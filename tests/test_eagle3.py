@@ -14,7 +14,7 @@ import torch
 from accelerate.state import AcceleratorState, GradientState
 from accelerate.utils import set_seed
 from safetensors.torch import load_file, save_file
-from tiny import make_batch, make_samples
+from tiny import drafted_trees, make_batch, make_samples
 from tiny import tiny_llama as tiny_target
 
 from data.extract import main as extract_main
@@ -196,15 +196,12 @@ def test_drafting_over_the_own_vocabulary_keeps_greedy_output(setup, tree):
     vocab = VocabProjection.trained(drafter.lm_head, drafter.draft_ids, VOCAB)
     top_k, total = (3, 8) if tree == "dynamic" else (1, 4)
     proposer = EagleProposer(drafter, depth=3, top_k=top_k, total_tokens=total, draft_vocab=vocab)
-    drafted = []
-    propose = proposer.propose
-    proposer.propose = lambda states: drafted.extend(trees := propose(states)) or trees
     prompt = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(3))
     settings = DecodeSettings(max_new_tokens=20)
-    out = speculative_generate(model, proposer, prompt, settings)
-    assert out.tokens == plain_generate(model, prompt, settings).tokens
+    tokens, drafted = drafted_trees(model, proposer, prompt, settings)
+    assert tokens == plain_generate(model, prompt, settings).tokens
     allowed = set(drafter.draft_ids.tolist())
-    assert drafted and all(set(t.tokens[1:].tolist()) <= allowed for t in drafted)
+    assert drafted and all(set(t[1:]) <= allowed for t in drafted)
 
 
 def test_eval_draft_vocab_drafts_among_the_most_frequent_of_its_own_tokens(setup):
@@ -220,15 +217,11 @@ def test_eval_draft_vocab_drafts_among_the_most_frequent_of_its_own_tokens(setup
     rows = torch.searchsorted(drafter.draft_ids, subset)
     h = torch.randn(2, 64)
     torch.testing.assert_close(proposer.vocab(h), drafter.draft_logits(h)[:, rows])
-    drafted = []
-    propose = proposer.propose
-    proposer.propose = lambda states: drafted.extend(trees := propose(states)) or trees
     prompt = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(3))
     settings = DecodeSettings(max_new_tokens=20)
-    assert (
-        speculative_generate(model, proposer, prompt, settings).tokens == plain_generate(model, prompt, settings).tokens
-    )
-    assert drafted and all(set(t.tokens[1:].tolist()) <= set(subset.tolist()) for t in drafted)
+    tokens, drafted = drafted_trees(model, proposer, prompt, settings)
+    assert tokens == plain_generate(model, prompt, settings).tokens
+    assert drafted and all(set(t[1:]) <= set(subset.tolist()) for t in drafted)
     outside = torch.nonzero(~drafter.t2d).flatten()[:3]
     with pytest.raises(ValueError, match="eval.draft_vocab: 19 tokens, not all among its own 64 draft"):
         build_proposer(METHODS["eagle3"], drafter, ev, calibrate=None, draft_vocab=torch.cat([subset, outside]))

@@ -93,10 +93,10 @@ def test_bad_arguments_name_themselves():
 def test_two_stage_projection_drafts_among_the_candidates_and_keeps_greedy_output():
     """The EAGLE proposer drafting through the two-stage head: every drafted token is one of its position's
     candidates, and with candidates = V the drafted trees equal the full head's."""
-    from tiny import tiny_llama
+    from tiny import drafted_trees, tiny_llama
 
     from eval.baselines import plain_generate
-    from eval.decode import DecodeSettings, speculative_generate
+    from eval.decode import DecodeSettings
     from eval.proposers import EagleProposer, TwoStageProjection
     from models.common import TargetParts
     from models.configs import EagleConfig
@@ -115,12 +115,10 @@ def test_two_stage_projection_drafts_among_the_candidates_and_keeps_greedy_outpu
         if candidates is not None:
             vocab = TwoStageProjection(TwoStageHead(weight, factorize(weight, rank=8), candidates), 256)
         proposer = EagleProposer(drafter.eval(), depth=3, top_k=3, total_tokens=8, draft_vocab=vocab)
-        drafted = trees[name] = []
-        propose = proposer.propose
-        proposer.propose = lambda states, out=drafted, propose=propose: out.extend(t := propose(states)) or t
-        assert speculative_generate(model, proposer, prompt, settings).tokens == plain
-    assert [t.tokens.tolist() for t in trees["all"]] == [t.tokens.tolist() for t in trees["full"]]
-    assert [t.tokens.tolist() for t in trees["few"]] != [t.tokens.tolist() for t in trees["full"]]
+        tokens, trees[name] = drafted_trees(model, proposer, prompt, settings)
+        assert tokens == plain
+    assert trees["all"] == trees["full"]
+    assert trees["few"] != trees["full"]
 
 
 def test_native_export_stores_the_two_stage_factors_that_eval_reads(tmp_path, monkeypatch):
@@ -232,20 +230,10 @@ def test_every_draft_head_reads_what_its_projection_reads_and_is_fitted_to_it(na
         torch.testing.assert_close(factors.a @ factors.b, expect.a @ expect.b)
 
 
-def _drafted(proposer, model, prompt, settings):
-    from eval.decode import speculative_generate
-
-    trees = []
-    propose = proposer.propose
-    proposer.propose = lambda states: trees.extend(t := propose(states)) or t
-    tokens = speculative_generate(model, proposer, prompt, settings).tokens
-    return tokens, [t.tokens.tolist() for t in trees]
-
-
 def test_eagle3_two_stage_over_its_own_head_drafts_among_candidates_and_keeps_greedy_output():
     """Candidates = the whole draft vocabulary: the own head's trees exactly; fewer: other trees, every drafted
     token a draft-vocabulary token, the same greedy output."""
-    from tiny import tiny_llama
+    from tiny import drafted_trees, tiny_llama
 
     from eval.baselines import plain_generate
     from eval.decode import DecodeSettings
@@ -264,7 +252,7 @@ def test_eagle3_two_stage_over_its_own_head_drafts_among_candidates_and_keeps_gr
             vocab = VocabProjection.trained(drafter.lm_head, drafter.draft_ids, 256)
         else:
             vocab = TwoStageProjection(TwoStageHead(head.weight, factors, candidates), 256, head.token_ids)
-        tokens, runs[name] = _drafted(EagleProposer(drafter, 3, 3, 8, vocab), model, prompt, settings)
+        tokens, runs[name] = drafted_trees(model, EagleProposer(drafter, 3, 3, 8, vocab), prompt, settings)
         assert tokens == plain
     assert runs["all"] == runs["own"] and runs["few"] != runs["own"]
     allowed = set(drafter.draft_ids.tolist())
@@ -274,7 +262,7 @@ def test_eagle3_two_stage_over_its_own_head_drafts_among_candidates_and_keeps_gr
 def test_medusa_two_stage_heads_draft_among_their_candidates_and_keep_greedy_output():
     """One two-stage projection per Medusa head (4 heads, a tree 3 deep: the fourth is never drafted through):
     candidates = V gives the full heads' trees; fewer give other trees and the same greedy output."""
-    from tiny import tiny_llama
+    from tiny import drafted_trees, tiny_llama
 
     from eval.baselines import plain_generate
     from eval.decode import DecodeSettings
@@ -293,7 +281,7 @@ def test_medusa_two_stage_heads_draft_among_their_candidates_and_keep_greedy_out
         if candidates is not None:
             vocab = [TwoStageProjection(TwoStageHead(h.weight, factorize(h.weight, rank=8), candidates), 256)
                      for h in heads.draft_heads()]  # fmt: skip
-        tokens, runs[name] = _drafted(MedusaProposer(heads, tree, vocab), model, prompt, settings)
+        tokens, runs[name] = drafted_trees(model, MedusaProposer(heads, tree, vocab), prompt, settings)
         assert tokens == plain
     assert runs["all"] == runs["full"] and runs["few"] != runs["full"]
     with pytest.raises(ValueError, match="eval.head_candidates: 2 tokens, fewer than the top 3"):

@@ -96,3 +96,15 @@ def save_chat_target(path, tokenizer_dir) -> None:
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(path)
     tok.save_pretrained(path)
+
+
+def drafted_trees(model, proposer, prompt: torch.Tensor, settings) -> tuple[list[int], list[list[int]]]:
+    """Speculative decoding of `prompt` with `proposer`: (the output tokens, the token ids of every tree it proposed,
+    root first)."""
+    from eval.decode import speculative_generate
+
+    trees = []
+    propose = proposer.propose
+    proposer.propose = lambda states: trees.extend(t := propose(states)) or t
+    tokens = speculative_generate(model, proposer, prompt, settings).tokens
+    return tokens, [t.tokens.tolist() for t in trees]
