@@ -389,6 +389,11 @@ def frequent_loss_tokens(dataset: FeatureDataset | Sequence[dict], size: int) ->
     `loss_mask`, as online training reads them), most frequent first (ties: lower id first): (<= size,) int64.
     Training's `train.loss_vocab` and `drafter.draft_vocab` and evaluation's `eval.draft_vocab` all use it, so the
     same size gives the same tokens."""
-    counts = loss_token_counts(dataset)
+    return most_frequent(loss_token_counts(dataset), size)
+
+
+def most_frequent(counts: torch.Tensor, size: int) -> torch.Tensor:
+    """The `size` most frequent token ids of `counts` (`loss_token_counts`), most frequent first (ties: lower id
+    first), never one that was not seen: (<= size,) int64."""
     seen = int((counts > 0).sum())
     return counts.argsort(descending=True, stable=True)[: min(size, seen)]

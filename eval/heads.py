@@ -1,6 +1,6 @@
 """The two-stage draft head (`eval.head: two_stage`) for every drafter: its factors, from the export or the data.
 
-    save_factors(export_dir, drafter, FeatureDataset(features_dir), rank, V)  # train.export, with the native export
+    save_factors(export_dir, drafter, features, rank, counts)  # train.export, with the native export
     projections, source = two_stage_projections(recipe, drafter_dir, drafter, V, fit_data)  # eval: one per draft head
 
 A drafter lists the vocabulary projections it drafts through in `draft_heads()` (`models.lm_head.DraftHead`): an
@@ -49,24 +49,33 @@ def compute_factors(head: DraftHead, samples: Iterable[dict], counts: torch.Tens
 
 
 def shard_fit_data(
-    features: FeatureDataset, drafter: torch.nn.Module, vocab_size: int, indices: Sequence[int] | None = None
+    features: FeatureDataset,
+    drafter: torch.nn.Module,
+    vocab_size: int,
+    indices: Sequence[int] | None = None,
+    counts: torch.Tensor | None = None,
 ) -> FitData:
     """Fitting data from feature shards: the first `MOMENT_SAMPLES` samples (of `indices`, default all) and all the
-    shards' loss-token counts. The shards must hold the drafter's stored layers, in its order."""
+    shards' loss-token counts (`counts` when the caller has them). The shards must hold the drafter's stored layers,
+    in its order."""
     if list(features.layers) != list(drafter.stored_layers):
         raise EvalError(
             f"{features.directory}: stores layers {features.layers}, the drafter reads {drafter.stored_layers}: the "
             "two-stage head's factors are fitted on the drafter's own inputs"
         )
-    counts = loss_token_counts(features, vocab_size=vocab_size)
+    if counts is None:
+        counts = loss_token_counts(features, vocab_size=vocab_size)
     chosen = list(range(len(features)) if indices is None else indices)[:MOMENT_SAMPLES]
     samples = [{**s, "loss_mask": s["loss_mask"] > 0} for s in (features[i] for i in chosen)]
     return samples, counts, f"{features.directory}"
 
 
-def save_factors(out: str | Path, drafter: torch.nn.Module, features: FeatureDataset, rank: int, vocab_size: int):
-    """Every draft head's factors into `out/lm_head/`, fitted on the feature shards (target vocabulary `vocab_size`)."""
-    samples, counts, _ = shard_fit_data(features, drafter, vocab_size)
+def save_factors(
+    out: str | Path, drafter: torch.nn.Module, features: FeatureDataset, rank: int, counts: torch.Tensor
+) -> None:
+    """Every draft head's factors into `out/lm_head/`, fitted on the feature shards, whose loss-token counts over the
+    target vocabulary are `counts` (V,)."""
+    samples, counts, _ = shard_fit_data(features, drafter, len(counts), counts=counts)
     for head in drafter.draft_heads():
         compute_factors(head, samples, counts, rank).save(Path(out) / FACTORS_DIR, head.name)
 

@@ -57,7 +57,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from data.shards import FeatureDataset, FeatureMismatchError, frequent_loss_tokens
+from data.shards import FeatureDataset, FeatureMismatchError, loss_token_counts, most_frequent
 from models.io import (
     DRAFT_VOCAB_FILE,
     ExportError,
@@ -293,34 +293,42 @@ def export(
             gate_check(fmt, tmp, recipe, target, drafter)  # reloaded as its consumer does, before the rename
         else:
             merge = recipe.export.merge_lora if merge_lora is None else merge_lora
-            write_native(tmp, recipe, target, drafter, include_target_weights, merge)
-            if method.own_vocab and not (tmp / DRAFT_VOCAB_FILE).is_file():  # its draft tokens, most frequent first:
-                save_draft_vocab(tmp, load_draft_vocab(run_dir))  # `eval.draft_vocab` needs no shards then
+            write_native(tmp, recipe, target, drafter, include_target_weights, merge, run_dir)
             native = f"native/{method.name}"  # strict reload (load_drafter), same logits
             gate_check(native if native in GATES else "native", tmp, recipe, target, drafter)
     return out
 
 
 def write_native(
-    out: Path, recipe: Recipe, target: Target, drafter: nn.Module, include_target_weights: bool, merge_lora: bool
+    out: Path,
+    recipe: Recipe,
+    target: Target,
+    drafter: nn.Module,
+    include_target_weights: bool,
+    merge_lora: bool,
+    run_dir: str | Path,
 ) -> None:
-    """The native export and what comes with it: the draft vocabulary (`eval.draft_vocab`, `train.loss_vocab`), the
-    two-stage head's factors (`eval.head: two_stage`), a method's extra files."""
+    """The native export and what comes with it: the draft vocabulary (a drafter's own, most frequent first, so that
+    `eval.draft_vocab` needs no shards; else `eval.draft_vocab` / `train.loss_vocab` tokens counted in the shards),
+    the two-stage head's factors (`eval.head: two_stage`), a method's extra files."""
     method = METHODS[recipe.drafter.method]
     save_native(out, drafter, target, recipe.to_dict(), include_target_weights)
     features_dir = recipe.data.features_dir
-    vocab = max(recipe.eval.draft_vocab, recipe.train.loss_vocab)
+    vocab = 0 if method.own_vocab else max(recipe.eval.draft_vocab, recipe.train.loss_vocab)
     two_stage = recipe.eval.head == "two_stage" and method.inputs == "features"  # fitted on the shards
-    if not ((vocab or two_stage) and features_dir and (Path(features_dir) / "manifest.json").is_file()):
-        features = None
-    else:  # opened (and its shards hashed) once for both
+    counts = None
+    if (vocab or two_stage) and features_dir and (Path(features_dir) / "manifest.json").is_file():
+        # opened (and its shards hashed) and its tokens counted once for both
         features = FeatureDataset(features_dir, verify_checksums=recipe.data.verify_checksums)
-    if vocab and features is not None:
-        save_draft_vocab(out, frequent_loss_tokens(features, vocab))
-    if two_stage and features is not None:
+        counts = loss_token_counts(features, vocab_size=target.config.vocab_size)
+    if method.own_vocab:
+        save_draft_vocab(out, load_draft_vocab(run_dir))
+    elif vocab and counts is not None:
+        save_draft_vocab(out, most_frequent(counts, vocab))
+    if two_stage and counts is not None:
         from eval.heads import save_factors  # the two-stage draft heads' factors
 
-        save_factors(out, drafter, features, recipe.eval.head_rank, target.config.vocab_size)
+        save_factors(out, drafter, features, recipe.eval.head_rank, counts)
     if method.export_extra:
         drafter.export_extra(out, target, merge_lora=merge_lora)
 
