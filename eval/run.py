@@ -91,12 +91,14 @@ def medusa_rank_accuracy(
     return hits / counts.clamp(min=1)[:, None]
 
 
-def calibration_samples(recipe: Recipe, tokenizer, limit: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], str]:
+def calibration_samples(
+    recipe: Recipe, tokenizer, limit: int, prepared: list[dict] | None = None
+) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], str]:
     """Token data to calibrate a Medusa tree on, never the eval prompts: (ids (T,), loss mask (T,) bool) of the
     training run's held-out samples (the ids it recorded in `<train.output_dir>/heldout.json`; for runs without
     that file the split re-created from `data.heldout_fraction` and `train.seed`), or of its first samples when it
     held none out; read from the feature shards when there are any (no tokenizing), else prepared from the recipe's
-    data. Returns (samples, description)."""
+    data (`prepared`: the recipe's data already prepared by the caller). Returns (samples, description)."""
     data = recipe.data
     if data.features_dir is not None and (Path(data.features_dir) / "manifest.json").is_file():
         dataset = FeatureDataset(data.features_dir, verify_checksums=data.verify_checksums)
@@ -106,7 +108,7 @@ def calibration_samples(recipe: Recipe, tokenizer, limit: int) -> tuple[list[tup
             item = dataset[i]
             return item["input_ids"], item["loss_mask"] > 0
     else:
-        prepared = prepare_dataset(data, tokenizer).samples
+        prepared = prepare_dataset(data, tokenizer).samples if prepared is None else prepared
         sample_ids, source = [s["id"] for s in prepared], "the recipe's data"
 
         def sample(i: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -157,13 +159,14 @@ def fit_data(recipe: Recipe, method: Method, target: Target, drafter: torch.nn.M
     data, vocab = recipe.data, target.config.vocab_size
     if not method.adapts_target and data.features_dir and (Path(data.features_dir) / "manifest.json").is_file():
         return shard_fit_data(FeatureDataset(data.features_dir, verify_checksums=data.verify_checksums), drafter, vocab)
-    samples, desc = calibration_samples(recipe, target.tokenizer, CALIBRATION_SAMPLES)
+    prepared = prepare_dataset(data, target.tokenizer).samples  # the counts' data, and the samples' without shards
+    samples, desc = calibration_samples(recipe, target.tokenizer, CALIBRATION_SAMPLES, prepared)
     layers = list(drafter.stored_layers)
     fit = []
     for ids, scored in samples:
         hidden = target.hidden_states(ids[None].to(target.device), layers=layers)[0].cpu()  # (T, S, d)
         fit.append({"input_ids": ids, "hidden": hidden, "loss_mask": scored})
-    counts = loss_token_counts(prepare_dataset(data, target.tokenizer).samples, vocab_size=vocab)
+    counts = loss_token_counts(prepared, vocab_size=vocab)
     return fit, counts, f"the target's hidden states over {desc}"
 
 
