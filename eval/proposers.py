@@ -89,13 +89,14 @@ class VocabProjection:
     ) -> VocabProjection:
         """A drafter's own head over its draft vocabulary: row i scores target token `ids[i]` of `vocab_size`.
         `rows`: only these rows (a smaller draft vocabulary inside its own, `eval.draft_vocab`)."""
-        out = cls.__new__(cls)
+        if rows is not None:  # gathered as any draft vocabulary's rows are, then relabelled with their tokens
+            out = cls(head, rows)
+            out.ids = ids[rows.to(ids.device)]
+        else:  # the whole head, not copied
+            out = cls.__new__(cls)
+            out.ids, out.weight = ids, head.weight.detach()
+            out.bias = None if head.bias is None else head.bias.detach()
         out.vocab_size = vocab_size
-        out.ids = ids if rows is None else ids[rows.to(ids.device)]
-        weight, bias = head.weight.detach(), None if head.bias is None else head.bias.detach()
-        if rows is not None:
-            weight, bias = weight[rows.to(weight.device)], None if bias is None else bias[rows.to(bias.device)]
-        out.weight, out.bias = weight, bias
         return out
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
