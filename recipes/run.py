@@ -26,8 +26,9 @@ A recipe set is a directory with `pipeline.yaml` and one training recipe per met
       eagle2-mtbench: [eagle2, [eval.prompts=recipes/smollm2/prompts/mtbench.jsonl, eval.max_prompts=80]]
 
 Every step is a subprocess with its log under <first recipe's output parent>/logs/ (or --logs); steps whose output
-is complete are skipped, so re-running resumes (training resumes from its last checkpoint). The features of the
-first recipe are shared by the others (same target, data and layers: each recipe must agree). The table gives, per
+is complete are skipped, so re-running resumes (training resumes from its last checkpoint). Recipes that name the
+same `data.features_dir` share its features (the first of them extracts them: they must agree on target, data and
+layers); EAGLE-3, which stores other layers, names its own. The table gives, per
 method, τ, tokens/s and speedups over plain decoding (`eval.baselines`) and prompt lookup.
 """
 
@@ -253,12 +254,16 @@ def main() -> None:
             else:
                 run_step("selfdistill", selfdistill_cmd(distill, spec["target"]), log_dir, distill_env)
 
-        banner("feature extraction (shared by every recipe of the set: same target, data and layers)")
-        features = ROOT / first["data"]["features_dir"]
-        if (features / "manifest.json").is_file():
-            skip(first["data"]["features_dir"])
-        else:
-            run_step("extract", [py, "-m", "data.extract", next(iter(recipes.values()))], log_dir, train_env)
+        by_dir: dict[str, str] = {}  # features_dir -> the first method whose recipe names it extracts them for all
+        for method, recipe in recipes.items():
+            by_dir.setdefault(read_recipe(recipe)["data"]["features_dir"], method)
+        for i, (features_dir, method) in enumerate(by_dir.items()):
+            banner(f"feature extraction into {features_dir} ({recipes[method]})")
+            if (ROOT / features_dir / "manifest.json").is_file():
+                skip(features_dir)
+            else:
+                step = "extract" if i == 0 else f"extract-{method}"
+                run_step(step, [py, "-m", "data.extract", recipes[method]], log_dir, train_env)
 
         for method, recipe in recipes.items():
             banner(f"train + export {method} ({recipe})")

@@ -17,14 +17,16 @@ from tiny import save_chat_target
 
 ROOT = Path(__file__).resolve().parents[1]
 POCKET = ROOT / "recipes" / "pocket" / "target"
+METHODS = ("eagle2", "medusa1", "eagle3")  # EAGLE-3 stores other layers: its own features, extracted separately
 
 
 def recipe(method: str, root: Path, target: Path) -> dict:
-    drafter = (
-        {"method": "eagle2", "feature_layers": [-1]}
-        if method == "eagle2"
-        else {"method": "medusa1", "num_heads": 2, "share_lm_head": True}
-    )
+    drafter = {
+        "eagle2": {"method": "eagle2", "feature_layers": [-1]},
+        "medusa1": {"method": "medusa1", "num_heads": 2, "share_lm_head": True},
+        "eagle3": {"method": "eagle3", "feature_layers": [0, 1, -1], "draft_vocab": 32, "ttt_steps": 2},
+    }[method]
+    layers, features = ([0, 1, -1], "features-eagle3") if method == "eagle3" else ([-1], "features")
     tree = {"tree": "dynamic", "tree_depth": 2, "tree_top_k": 2, "tree_total_tokens": 4}
     if method == "medusa1":
         tree = {"tree": "chain", "tree_depth": 2}
@@ -33,8 +35,8 @@ def recipe(method: str, root: Path, target: Path) -> dict:
         "data": {
             "train_files": [str(root / "out" / "selfdistill.jsonl")],
             "max_len": 64,
-            "layers": [-1],
-            "features_dir": str(root / "out" / "features"),
+            "layers": layers,
+            "features_dir": str(root / "out" / features),
             "storage_dtype": "float32",
             "shard_tokens": 2048,
             "heldout_fraction": 0.2,
@@ -46,14 +48,14 @@ def recipe(method: str, root: Path, target: Path) -> dict:
             "batch_size": 2,
             "save_every": 0,
             "eval_batches": 1,
-            "loss_vocab": 64,
+            **({} if method == "eagle3" else {"loss_vocab": 64}),
         },
         "eval": {
             "prompts": str(root / "heldout.jsonl"),
             "output_dir": str(root / "out" / method / "eval"),
             "max_prompts": 2,
             "max_new_tokens": 8,
-            "draft_vocab": 32,
+            **({} if method == "eagle3" else {"draft_vocab": 32}),
             "kernels": "reference",
             **tree,
         },
@@ -70,7 +72,7 @@ def recipe_set(tmp_path_factory) -> Path:
                for i in range(10)]  # fmt: skip
     (root / "train.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts[:8]))
     (root / "heldout.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts[8:]))
-    for method in ("eagle2", "medusa1"):
+    for method in METHODS:
         (root / f"{method}.yaml").write_text(yaml.safe_dump(recipe(method, root, target)))
     pipeline = {
         "target": str(target),
@@ -82,8 +84,8 @@ def recipe_set(tmp_path_factory) -> Path:
             "batch_size": 2,
             "processes": 2,
         },
-        "recipes": {m: str(root / f"{m}.yaml") for m in ("eagle2", "medusa1")},
-        "shipped": {m: str(root / "shipped" / m) for m in ("eagle2", "medusa1")},
+        "recipes": {m: str(root / f"{m}.yaml") for m in METHODS},
+        "shipped": {m: str(root / "shipped" / m) for m in METHODS},
     }
     (root / "pipeline.yaml").write_text(yaml.safe_dump(pipeline))
     return root
@@ -101,7 +103,9 @@ def test_the_driver_runs_every_step_then_resumes_by_skipping_them(recipe_set):
     out = recipe_set / "out"
     records = [json.loads(line) for line in (out / "selfdistill.jsonl").read_text().splitlines()]
     assert len(records) == 8 and all("assistant_ids" in r for r in records)
-    for method in ("eagle2", "medusa1"):
+    assert json.loads((out / "features-eagle3" / "manifest.json").read_text())["layers"] == [0, 1, -1]
+    assert json.loads((out / "features" / "manifest.json").read_text())["layers"] == [-1]
+    for method in METHODS:
         assert (out / method / "export" / "draft_vocab.safetensors").is_file()
         report = json.loads((out / method / "eval" / "report.json").read_text())
         assert report["num_prompts"] == 2 and report["lossless"] is True
@@ -109,9 +113,9 @@ def test_the_driver_runs_every_step_then_resumes_by_skipping_them(recipe_set):
     assert "prompt_lookup" not in json.loads((out / "medusa1" / "eval" / "report.json").read_text())["per_prompt"][0]
     table = first[first.index("| decoder") :]
     assert "plain decoding" in table and "prompt lookup" in table and "eagle2: dynamic" in table
-    assert "medusa1: chain" in table
+    assert "medusa1: chain" in table and "eagle3: dynamic" in table
 
-    for method in ("eagle2", "medusa1"):  # --ship copied the exports with their provenance
+    for method in METHODS:  # --ship copied the exports with their provenance
         shipped = recipe_set / "shipped" / method
         provenance = json.loads((shipped / "PROVENANCE.json").read_text())
         assert provenance["selfdistill"]["records"] == 8 and provenance["training"]["steps"] == 3
@@ -122,7 +126,7 @@ def test_the_driver_runs_every_step_then_resumes_by_skipping_them(recipe_set):
             assert hashlib.sha256((shipped / name).read_bytes()).hexdigest() == digest
 
     again = run(str(recipe_set)).stdout
-    assert again.count("skipped:") == 7  # target, self-distillation, features, 2 exports, 2 reports
+    assert again.count("skipped:") == 10  # target, self-distillation, 2 feature sets, 3 exports, 3 reports
 
 
 def test_shipped_evaluates_given_exports_without_training(recipe_set, tmp_path):
