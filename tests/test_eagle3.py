@@ -394,6 +394,23 @@ def test_gates_catch_what_a_consumer_reads_wrong(fmt, edit, why, run, tmp_path):
         gate_check(f"{fmt}/eagle3", out, recipe, target, drafter)
 
 
+def test_speculators_export_of_a_bf16_target_names_the_trained_dtype(features, tmp_path, at_root):
+    """A float32 drafter of a bf16 target stores the target's bf16 embedding beside its float32 tensors. The export
+    says `dtype: float32`, and its gate holds it to float32's tolerance (its own head, no bf16 projection): without
+    the field, transformers' from_pretrained (how the speculators package loads) would read every tensor in the
+    first stored one's bf16, which the gate catches."""
+    train(tiny_recipe(features, tmp_path / "run", "train.max_steps=2", "train.online=true", "target.dtype=bfloat16"))
+    out = export(tmp_path / "run", tmp_path / "spec", fmt="speculators")
+    config, tensors = json.loads((out / "config.json").read_text()), load_file(str(out / "model.safetensors"))
+    assert config["dtype"] == "float32"
+    assert tensors["embed_tokens.weight"].dtype == torch.bfloat16 and tensors["fc.weight"].dtype == torch.float32
+    recipe, target, drafter = load_run(tmp_path / "run")
+    assert gate_check("speculators/eagle3", out, recipe, target, drafter) <= 1e-4 * 100
+    broken(out, lambda c, t: c.pop("dtype"))
+    with pytest.raises(ExportError, match="every tensor is loaded in embed_tokens.weight's bfloat16"):
+        gate_check("speculators/eagle3", out, recipe, target, drafter)
+
+
 def test_sglang_refuses_what_its_eagle3_layer_cannot_hold(features, tmp_path, at_root):
     train(tiny_recipe(features, tmp_path / "run", "train.max_steps=2", "drafter.norm_output=true"))
     with pytest.raises(ExportError, match="sglang's EAGLE-3 layer has no norm_output"):

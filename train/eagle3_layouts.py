@@ -7,7 +7,9 @@ Formats (`python -m train.export RUN_DIR --format speculators|sglang|vllm`):
   target's), `draft_vocab_size`, `target_hidden_size`, `eagle_aux_hidden_state_layer_ids` (vLLM numbering: id i =
   the input of decoder layer i = HF hidden-state index i), `norm_before_residual` (always written: vLLM's reader
   defaults it to true, the speculators package to false), the EAGLE-3.1 flags `fc_norm`, `norm_output`,
-  `norm_before_fc`, and `speculators_config` (greedy proposal, `speculative_tokens`, the verifier's name).
+  `norm_before_fc`, `dtype` (the trained tensors': without it the package loads every tensor in the stored
+  embedding's, bf16 for a bf16 target) and `speculators_config` (greedy proposal, `speculative_tokens`, the
+  verifier's name).
   Tensors `embed_tokens.weight` (an exact copy of the target's: the speculators package has no other source for
   it), `fc.weight`, `fc_norm.{i}.weight`, `layers.0.*` (with `hidden_norm`), `norm.weight`, `lm_head.weight`,
   `d2t` (offsets: target id = draft id + d2t[draft id]) and `t2d`.
@@ -139,6 +141,8 @@ def write_speculators(out: Path, recipe, target, drafter: nn.Module, include_tar
         "fc_norm": cfg.fc_norm,
         "norm_output": cfg.norm_output,
         "embed_requires_grad": False,
+        # the trained tensors' dtype: from_pretrained would otherwise load all in the first stored (the embedding's)
+        "dtype": str(drafter.compute_dtype).removeprefix("torch."),
         "speculators_config": {
             "algorithm": "eagle3",
             "proposal_methods": [
@@ -201,11 +205,32 @@ class Eagle3Reader:
     """norm_before_residual when the config has none."""
     speculators_config: bool
     """The Llama layer config sits under `transformer_layer_config` (else at the top level)."""
+    loads_config_dtype: bool = False
+    """It loads every tensor in the config's `dtype` as transformers' `from_pretrained(dtype="auto")` does: without
+    one, in the dtype of the file's first floating-point tensor (names sorted). The engines run the drafter in
+    their serving dtype instead."""
 
 
 VLLM_SPECULATORS = Eagle3Reader("vLLM (speculators config)", ("layers.0.", "midlayer."), 0, True, True, True)
-SPECULATORS = Eagle3Reader("speculators Eagle3DraftModel", ("layers.0.",), 0, True, False, True)
+SPECULATORS = Eagle3Reader("speculators Eagle3DraftModel", ("layers.0.",), 0, True, False, True, True)
 SGLANG = Eagle3Reader("SGLang LlamaForCausalLMEagle3", ("midlayer.",), 1, False, False, False)
+
+
+def from_pretrained_dtype(config: dict, tensors: dict[str, torch.Tensor], notes: list[str]) -> torch.dtype:
+    """The dtype transformers' `from_pretrained(dtype="auto")` loads a checkpoint in (see `loads_config_dtype`)."""
+    name = config.get("dtype") or config.get("torch_dtype")
+    if name is not None:
+        dtype = getattr(torch, str(name).removeprefix("torch."), None)
+        if not isinstance(dtype, torch.dtype):
+            raise ExportError(f"config.json: dtype {name!r} is not a torch dtype")
+        return dtype
+    first = next((k for k in sorted(tensors) if tensors[k].is_floating_point()), None)
+    if first is None:
+        return torch.float32
+    dtype = tensors[first].dtype
+    if dtype != torch.float32:
+        notes.append(f"config.json has no dtype: every tensor is loaded in {first}'s {str(dtype)[6:]}")
+    return dtype
 
 
 def eagle3_consumer_logits(
@@ -253,6 +278,9 @@ def eagle3_consumer_logits(
             flags[key] = bool(config_value(top, key, default, notes) if key == "norm_before_residual" else
                               top.get(key, default))  # fmt: skip
     dev = hidden.device
+    if reader.loads_config_dtype:
+        dtype = from_pretrained_dtype(top, tensors, notes)
+        tensors = {k: t.to(dtype) if t.is_floating_point() else t for k, t in tensors.items()}
     p = Params(tensors, WEIGHTS, dev, notes)
     pre = next((x for x in reader.layer_prefixes if any(k.startswith(x) for k in tensors)), reader.layer_prefixes[0])
     embed = tensors.get("embed_tokens.weight")

@@ -84,17 +84,20 @@ def register(fmt: str) -> Callable[[Gate], Gate]:
 
 
 def tolerance(reference: torch.Tensor, dtype: torch.dtype) -> float:
-    """Max abs difference allowed: 1e-4 of the logits' scale in float32, 2e-2 when the drafter or the target's
-    lm_head / embedding is 16-bit (`compute_dtype`; the gate computes in float32 up to the lm_head, which rounds its
+    """Max abs difference allowed: 1e-4 of the logits' scale in float32, 2e-2 when the drafter or the lm_head it
+    projects through is 16-bit (`compute_dtype`; the gate computes in float32 up to the lm_head, which rounds its
     input as the drafter does). Layout errors move logits by far more than either."""
     scale = max(1.0, reference.abs().max().item())
     return (1e-4 if dtype == torch.float32 else 2e-2) * scale
 
 
 def compute_dtype(drafter: nn.Module, target) -> torch.dtype:
-    """float32 when the drafter and the target's lm_head / embedding all compute in float32, else the 16-bit dtype
-    (a float32 drafter of a bf16 target projects through the bf16 lm_head)."""
-    dtypes = {p.dtype for p in drafter.parameters()} | {target.lm_head.weight.dtype, target.embed_tokens.weight.dtype}
+    """float32 when the drafter and the vocabulary projection it drafts through compute in float32, else the 16-bit
+    dtype: a float32 EAGLE-1/2 or shared-head Medusa drafter of a bf16 target projects through the target's bf16
+    lm_head; an EAGLE-3 drafter through its own head. The target's embedding only gives rows (exact in any dtype)."""
+    head = getattr(drafter, "lm_head", None)
+    head_dtype = head.weight.dtype if isinstance(head, nn.Linear) else target.lm_head.weight.dtype
+    dtypes = {p.dtype for p in drafter.parameters()} | {head_dtype}
     return next((dt for dt in dtypes if dt != torch.float32), torch.float32)
 
 
