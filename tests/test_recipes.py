@@ -5,7 +5,6 @@ pytest tests/test_recipes.py
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
@@ -50,17 +49,14 @@ SHIPPED = [(method, where, pipeline) for pipeline in PIPELINES
 
 
 @pytest.mark.parametrize("method,where,pipeline", SHIPPED, ids=lambda x: x if isinstance(x, str) else "")
-def test_shipped_drafters_are_what_their_recipes_and_provenance_say(method, where, pipeline):
-    """Each committed drafter is its pipeline's method, made by the recipe the set names for it, and its files are
-    the ones PROVENANCE.json recorded when `recipes/run.py --ship` copied them."""
-    shipped = ROOT / where
-    provenance = json.loads((shipped / "PROVENANCE.json").read_text())
-    config = json.loads((shipped / "config.json").read_text())
+def test_shipped_drafters_were_made_by_the_recipe_their_set_names(method, where, pipeline):
+    """Each committed drafter is its pipeline's method, made by the recipe the set names for it (its files against
+    PROVENANCE.json: tests/test_shipped.py)."""
+    provenance = json.loads((ROOT / where / "PROVENANCE.json").read_text())
+    config = json.loads((ROOT / where / "config.json").read_text())
     recipe = yaml.safe_load(pipeline.read_text())["recipes"][method]
     assert provenance["method"] == config["method"] == method and provenance["recipe"] == recipe
     assert config["drafter"]["method"] == yaml.safe_load((ROOT / recipe).read_text())["drafter"]["method"]
-    for name, digest in provenance["files_sha256"].items():
-        assert hashlib.sha256((shipped / name).read_bytes()).hexdigest() == digest, f"{where}/{name} changed"
 
 
 @pytest.mark.parametrize("path", ACCELERATE, ids=lambda p: p.name)
