@@ -225,7 +225,8 @@ def main() -> None:
         if args.shipped and method not in (spec.get("shipped") or {}):
             sys.exit(f"run: {directory / PIPELINE}: shipped: has no drafter for {method!r}")
     recipes = {m: spec["recipes"][m] for m in methods}
-    first = read_recipe(next(iter(recipes.values())))
+    confs = {m: read_recipe(path) for m, path in recipes.items()}  # each recipe read once
+    first = next(iter(confs.values()))
     if args.shipped and args.out is None:  # keep the evaluation of shipped drafters apart from a training run's
         args.out = Path("artifacts") / f"{directory.name}-shipped"
     out_root = args.out or Path(first["train"]["output_dir"]).parent
@@ -255,8 +256,8 @@ def main() -> None:
                 run_step("selfdistill", selfdistill_cmd(distill, spec["target"]), log_dir, distill_env)
 
         by_dir: dict[str, str] = {}  # features_dir -> the first method whose recipe names it extracts them for all
-        for method, recipe in recipes.items():
-            by_dir.setdefault(read_recipe(recipe)["data"]["features_dir"], method)
+        for method, conf in confs.items():
+            by_dir.setdefault(conf["data"]["features_dir"], method)
         for i, (features_dir, method) in enumerate(by_dir.items()):
             banner(f"feature extraction into {features_dir} ({recipes[method]})")
             if (ROOT / features_dir / "manifest.json").is_file():
@@ -267,7 +268,7 @@ def main() -> None:
 
         for method, recipe in recipes.items():
             banner(f"train + export {method} ({recipe})")
-            run_dir = read_recipe(recipe)["train"]["output_dir"]
+            run_dir = confs[method]["train"]["output_dir"]
             if (ROOT / run_dir / "export" / "config.json").is_file():
                 skip(f"{run_dir}/export")
                 continue
@@ -276,7 +277,7 @@ def main() -> None:
 
     if args.ship:
         for method in methods:
-            ship(spec, method, read_recipe(recipes[method]), directory)
+            ship(spec, method, confs[method], directory)
 
     evals: dict[str, tuple[str, list[str]]] = {m: (m, []) for m in methods}
     for key, wanted in (("large_trees", args.large_trees), ("extra_evals", args.extra_evals)):
@@ -285,8 +286,7 @@ def main() -> None:
                 evals[name] = (method, list(overrides))
     reports: dict[str, dict[str, Any]] = {}
     for i, (name, (method, overrides)) in enumerate(evals.items()):
-        recipe = recipes[method]
-        conf = read_recipe(recipe)
+        recipe, conf = recipes[method], confs[method]
         eval_dir = Path(args.out / name) if args.out else Path(conf["eval"]["output_dir"]).parent / f"eval-{name}"
         if name == method and args.out is None:
             eval_dir = Path(conf["eval"]["output_dir"])

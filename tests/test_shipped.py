@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from models.io import load_draft_vocab, load_drafter, read_config
 from models.target import load_target
@@ -47,3 +48,18 @@ def test_loads_strictly_onto_the_recorded_architecture(shipped):
     assert vocab is not None and len(vocab) == len(set(vocab.tolist())) and int(vocab.max()) < target.config.vocab_size
     assert sum(p.numel() for p in drafter.parameters() if p.requires_grad) > 0
     assert all(torch.isfinite(p).all() for p in drafter.parameters())
+
+
+PIPELINES = sorted((ROOT / "recipes").glob("*/pipeline.yaml"))
+NAMED = [(method, where, pipeline) for pipeline in PIPELINES
+           for method, where in (yaml.safe_load(pipeline.read_text()).get("shipped") or {}).items()]  # fmt: skip
+
+
+@pytest.mark.parametrize("method,where,pipeline", NAMED, ids=lambda x: x if isinstance(x, str) else "")
+def test_shipped_drafters_were_made_by_the_recipe_their_set_names(method, where, pipeline):
+    """Each drafter a set's pipeline.yaml ships is that method, made by the recipe the set names for it."""
+    provenance = json.loads((ROOT / where / "PROVENANCE.json").read_text())
+    config = json.loads((ROOT / where / "config.json").read_text())
+    recipe = yaml.safe_load(pipeline.read_text())["recipes"][method]
+    assert provenance["method"] == config["method"] == method and provenance["recipe"] == recipe
+    assert config["drafter"]["method"] == yaml.safe_load((ROOT / recipe).read_text())["drafter"]["method"]

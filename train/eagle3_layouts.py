@@ -229,7 +229,8 @@ def from_pretrained_dtype(config: dict, tensors: dict[str, torch.Tensor], notes:
         return torch.float32
     dtype = tensors[first].dtype
     if dtype != torch.float32:
-        notes.append(f"config.json has no dtype: every tensor is loaded in {first}'s {str(dtype)[6:]}")
+        name = str(dtype).removeprefix("torch.")
+        notes.append(f"config.json has no dtype: every tensor is loaded in {first}'s {name}")
     return dtype
 
 
