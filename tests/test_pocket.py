@@ -81,3 +81,22 @@ def test_greedy_continuation_matches_record(tok):
         )
     assert out[0, ids.shape[1] :].tolist() == reference["token_ids"]
     assert tok.decode(reference["token_ids"]) == reference["text"]
+
+
+def test_a_larger_prompt_set_holds_every_prompt_of_a_smaller_one(tmp_path):
+    """Data-scaling runs build more training prompts (`prompts.py --train-size`); the smaller set must be a subset,
+    so the bundled 3,000 are among them and comparisons across sizes add data rather than swap it."""
+    from recipes.pocket.prompts import split_prompts
+
+    def doc(i: int) -> dict:
+        blocks = [" ".join(f"w{i}_{b}_{k}" for k in range(40 + (i * 7 + b) % 30)) + "\n" for b in range(6)]
+        return {"path": f"pkg/mod{i}.py", "text": "\n".join(blocks)}
+
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(doc(i)) + "\n" for i in range(12)))
+    n_words = lambda text: len(text.split())  # noqa: E731
+    small, large = (split_prompts(tmp_path, "train", n, n_words) for n in (20, 50))
+    assert len(small) == 20 and len(large) == 50
+    assert {r["id"] for r in small} < {r["id"] for r in large}
+    by_id = {r["id"]: r["prompt"] for r in large}
+    assert all(by_id[r["id"]] == r["prompt"] for r in small)
+    assert all(32 <= n_words(r["prompt"]) <= 96 for r in large)

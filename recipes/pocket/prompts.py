@@ -2,8 +2,8 @@
 
     python recipes/pocket/prompts.py --corpus artifacts/pocket-corpus --out recipes/pocket/prompts
 
-Writes `train.jsonl` (3000 prompts from TRAIN-split files) and `heldout.jsonl` (100 prompts from
-HELD-OUT-split files), records `{"id": "<path>:<line>", "prompt": str}`. A prompt is the text of
+Writes `train.jsonl` (3000 prompts from TRAIN-split files, or `--train-size`) and `heldout.jsonl` (100 prompts
+from HELD-OUT-split files), records `{"id": "<path>:<line>", "prompt": str}`. A prompt is the text of
 whole lines starting at a block start (a file's first line, or a non-blank line after a blank
 one) and is 32-96 tokens long (pocket tokenizer, target length drawn per block from a hash).
 Every file's beginning comes first; the remaining prompts are block starts ordered by a hash of
@@ -66,6 +66,13 @@ def main() -> None:
     parser.add_argument("--corpus", type=Path, required=True)
     parser.add_argument("--tokenizer", default="recipes/pocket/target")
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument(
+        "--train-size",
+        type=int,
+        default=SIZES["train"],
+        help="training prompts; a larger set holds every prompt of a smaller one (data-scaling runs)",
+    )
+    parser.add_argument("--splits", nargs="+", choices=list(SIZES), default=list(SIZES), help="which sets to write")
     args = parser.parse_args()
     tok = AutoTokenizer.from_pretrained(args.tokenizer)
 
@@ -73,7 +80,9 @@ def main() -> None:
         return len(tok(text, add_special_tokens=False)["input_ids"])
 
     args.out.mkdir(parents=True, exist_ok=True)
-    for split, size in SIZES.items():
+    sizes = {**SIZES, "train": args.train_size}
+    for split in args.splits:
+        size = sizes[split]
         records = split_prompts(args.corpus, split, size, n_tokens)
         with open(args.out / f"{split}.jsonl", "w", encoding="utf-8") as f:
             for record in records:
