@@ -100,3 +100,5 @@ def test_a_larger_prompt_set_holds_every_prompt_of_a_smaller_one(tmp_path):
     by_id = {r["id"]: r["prompt"] for r in large}
     assert all(by_id[r["id"]] == r["prompt"] for r in small)
     assert all(32 <= n_words(r["prompt"]) <= 96 for r in large)
+    with pytest.raises(ValueError, match=r"train\.jsonl: only \d+ prompts of 32-96 tokens, 1000 asked for"):
+        split_prompts(tmp_path, "train", 1000, n_words)

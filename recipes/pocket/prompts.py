@@ -13,6 +13,7 @@ their id, so the sets are deterministic and do not depend on the order files are
 import argparse
 import hashlib
 import json
+import sys
 from pathlib import Path
 
 from transformers import AutoTokenizer
@@ -58,6 +59,11 @@ def split_prompts(corpus: Path, split: str, size: int, n_tokens) -> list[dict[st
             records.append({"id": rid, "prompt": prompt})
         if len(records) == size:
             break
+    if len(records) < size:
+        raise ValueError(
+            f"{corpus / f'{split}.jsonl'}: only {len(records)} prompts of {MIN_TOKENS}-{MAX_TOKENS} tokens, "
+            f"{size} asked for"
+        )
     return sorted(records, key=lambda r: stable_hash(r["id"]))
 
 
@@ -83,7 +89,10 @@ def main() -> None:
     sizes = {**SIZES, "train": args.train_size}
     for split in args.splits:
         size = sizes[split]
-        records = split_prompts(args.corpus, split, size, n_tokens)
+        try:
+            records = split_prompts(args.corpus, split, size, n_tokens)
+        except ValueError as e:
+            sys.exit(f"prompts: {e}")
         with open(args.out / f"{split}.jsonl", "w", encoding="utf-8") as f:
             for record in records:
                 f.write(json.dumps(record, ensure_ascii=False) + "\n")
