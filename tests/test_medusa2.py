@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +21,7 @@ import torch.nn.functional as F
 from accelerate.state import AcceleratorState, GradientState
 from peft import PeftModel
 from safetensors.torch import load_file, save_file
+from tiny import free_port
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaMLP
 
@@ -373,12 +373,6 @@ def test_two_stages_train_export_and_decode(in_repo, tmp_path, capsys):
     assert "two-stage head factors computed from the target's hidden states" in capsys.readouterr().out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_deepspeed_zero2_two_processes_match_one(in_repo, tmp_path):
     """Same global batch (1 x 4 rows vs 2 x 2 rows), dropout off: losses and trained tensors agree."""
     from train.loop import train
@@ -388,7 +382,7 @@ def test_deepspeed_zero2_two_processes_match_one(in_repo, tmp_path):
     train(load_recipe(TINY["medusa2"], [f"train.output_dir={one}", "train.batch_size=4", *common]))
     two = tmp_path / "zero2"
     cmd = [
-        sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", str(_free_port()),
+        sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", str(free_port()),
         "--use_deepspeed", "--zero_stage", "2", "--num_processes", "2", "--num_machines", "1",
         "--mixed_precision", "no", "--dynamo_backend", "no",
         "-m", "train", str(TINY["medusa2"]), f"train.output_dir={two}", "train.batch_size=2", *common,

@@ -10,7 +10,6 @@ import json
 import os
 import pickle
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ import torch
 from accelerate.state import AcceleratorState, GradientState
 from accelerate.utils import set_seed
 from safetensors.torch import load_file
+from tiny import free_port
 
 from data.extract import main as extract_main
 from data.loader import BatchLoader
@@ -357,14 +357,8 @@ def test_trackers_log_offline(tracker, where, pattern, features, tmp_path, monke
 # Multi-process runs (2 CPU processes) against the single-process run with the same global batch
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(args: list[str], env: dict[str, str], timeout: int = 240, ok: bool = True) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", str(_free_port()), *args]
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", str(free_port()), *args]
     # ACCELERATE_USE_CPU would turn a DeepSpeed launch into plain DDP (refused): only set where asked.
     full_env = {k: v for k, v in os.environ.items() if k != "ACCELERATE_USE_CPU"} | {"OMP_NUM_THREADS": "1", **env}
     proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)

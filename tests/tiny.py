@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -108,3 +110,11 @@ def drafted_trees(model, proposer, prompt: torch.Tensor, settings) -> tuple[list
     proposer.propose = lambda states: trees.extend(t := propose(states)) or t
     tokens = speculative_generate(model, proposer, prompt, settings).tokens
     return tokens, [t.tokens.tolist() for t in trees]
+
+
+def free_port() -> int:
+    """A free local TCP port for `accelerate launch --main_process_port`: the default 29500, shared by every
+    launching test, can still be held by the previous launch's rendezvous socket."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
