@@ -40,6 +40,11 @@ def main(argv: list[str] | None = None) -> None:
         summary = run(recipe)
     except INPUT_ERRORS as exc:
         sys.exit(f"error: {exc}")
+    finally:  # under `accelerate launch`: a process that exits with its process group alive can abort at shutdown
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
     if summary is not None:
         print(summary_line(summary, output_dir(recipe)))
 
