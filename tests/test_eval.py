@@ -9,13 +9,12 @@ import dataclasses
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
-from tiny import free_port, tiny_llama
+from tiny import accelerate_launch, tiny_llama
 
 from data.extract import main as extract_main
 from data.prepare import prepare_dataset
@@ -180,8 +179,7 @@ def test_eval_two_processes_split_and_gather(tmp_path, target):
     torch.manual_seed(0)
     save_native(tmp_path / "run" / "export", EagleDrafter(EagleConfig(), target.parts([-1])), target)
     recipe = _recipe(tmp_path, "eagle2", {}, {"tree_depth": 2, "tree_top_k": 2, "tree_total_tokens": 4})
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
-    launch += ["--main_process_port", str(free_port())]
+    launch = accelerate_launch("--multi_gpu", "--num_processes", "2")
     env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([*launch, "-m", "eval", recipe], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-8000:]

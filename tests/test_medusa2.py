@@ -11,7 +11,6 @@ import json
 import math
 import os
 import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -21,7 +20,7 @@ import torch.nn.functional as F
 from accelerate.state import AcceleratorState, GradientState
 from peft import PeftModel
 from safetensors.torch import load_file, save_file
-from tiny import free_port
+from tiny import accelerate_launch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaMLP
 
@@ -382,7 +381,7 @@ def test_deepspeed_zero2_two_processes_match_one(in_repo, tmp_path):
     train(load_recipe(TINY["medusa2"], [f"train.output_dir={one}", "train.batch_size=4", *common]))
     two = tmp_path / "zero2"
     cmd = [
-        sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", str(free_port()),
+        *accelerate_launch(),
         "--use_deepspeed", "--zero_stage", "2", "--num_processes", "2", "--num_machines", "1",
         "--mixed_precision", "no", "--dynamo_backend", "no",
         "-m", "train", str(TINY["medusa2"]), f"train.output_dir={two}", "train.batch_size=2", *common,

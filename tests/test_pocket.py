@@ -85,7 +85,8 @@ def test_greedy_continuation_matches_record(tok):
 
 def test_a_larger_prompt_set_holds_every_prompt_of_a_smaller_one(tmp_path):
     """Data-scaling runs build more training prompts (`prompts.py --train-size`); the smaller set must be a subset,
-    so the bundled 3,000 are among them and comparisons across sizes add data rather than swap it."""
+    so the bundled 3,000 are among them and comparisons across sizes add data rather than swap it. Asking for more
+    than the split holds fails naming the file."""
     from recipes.pocket.prompts import split_prompts
 
     def doc(i: int) -> dict:

@@ -10,7 +10,7 @@ import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
-from tiny import free_port
+from tiny import accelerate_launch
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "recipes" / "pocket" / "pretrain.py"
@@ -97,8 +97,7 @@ def test_two_processes_draw_their_own_batches_and_step_the_schedule_once(tmp_pat
     """Under `accelerate launch` every process draws other windows (tokens_seen counts them all), and the
     learning-rate schedule advances once per optimizer step, not once per process."""
     write_corpus(tmp_path)
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
-    launch += ["--main_process_port", str(free_port())]
+    launch = accelerate_launch("--multi_gpu", "--num_processes", "2")
     stats = run_stage(tmp_path, "two", launch=launch)
     assert stats["step"] == 4 and stats["tokens_seen"] == 2 * 4 * 2 * 16
     state = json.loads((tmp_path / "two" / "checkpoint" / "state.json").read_text())

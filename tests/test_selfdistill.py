@@ -4,11 +4,10 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from tiny import free_port, save_chat_target
+from tiny import accelerate_launch, save_chat_target
 from transformers import AutoTokenizer, GenerationConfig
 
 from data.prepare import tokenize_record
@@ -105,8 +104,7 @@ def test_two_processes_write_the_records_of_one(tiny_target, tmp_path):
     """`accelerate launch` with 2 CPU processes: batches split by index, parts merged in prompt order."""
     prompts = write_jsonl(tmp_path / "mixed.jsonl", PLAIN + CHAT)
     one = run(tiny_target, prompts, tmp_path / "one.jsonl", "--batch-size", "2")
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
-    launch += ["--main_process_port", str(free_port())]
+    launch = accelerate_launch("--multi_gpu", "--num_processes", "2")
     args = ["-m", "data.selfdistill", "--target", str(tiny_target), "--prompts", str(prompts)]
     args += ["--out", str(tmp_path / "two.jsonl"), "--max-new-tokens", "6", "--batch-size", "2"]
     env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}

@@ -11,7 +11,6 @@ import os
 import pickle
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,7 @@ import torch
 from accelerate.state import AcceleratorState, GradientState
 from accelerate.utils import set_seed
 from safetensors.torch import load_file
-from tiny import free_port
+from tiny import accelerate_launch
 
 from data.extract import main as extract_main
 from data.loader import BatchLoader
@@ -358,7 +357,7 @@ def test_trackers_log_offline(tracker, where, pattern, features, tmp_path, monke
 
 
 def launch(args: list[str], env: dict[str, str], timeout: int = 240, ok: bool = True) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", str(free_port()), *args]
+    cmd = accelerate_launch(*args)
     # ACCELERATE_USE_CPU would turn a DeepSpeed launch into plain DDP (refused): only set where asked.
     full_env = {k: v for k, v in os.environ.items() if k != "ACCELERATE_USE_CPU"} | {"OMP_NUM_THREADS": "1", **env}
     proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import sys
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -112,9 +113,10 @@ def drafted_trees(model, proposer, prompt: torch.Tensor, settings) -> tuple[list
     return tokens, [t.tokens.tolist() for t in trees]
 
 
-def free_port() -> int:
-    """A free local TCP port for `accelerate launch --main_process_port`: the default 29500, shared by every
-    launching test, can still be held by the previous launch's rendezvous socket."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def accelerate_launch(*args: str) -> list[str]:
+    """`accelerate launch ARGS` on a free local port, so that no two launching tests share accelerate's default
+    29500."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", str(port), *args]

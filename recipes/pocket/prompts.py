@@ -88,9 +88,8 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     sizes = {**SIZES, "train": args.train_size}
     for split in args.splits:
-        size = sizes[split]
         try:
-            records = split_prompts(args.corpus, split, size, n_tokens)
+            records = split_prompts(args.corpus, split, sizes[split], n_tokens)
         except ValueError as e:
             sys.exit(f"prompts: {e}")
         with open(args.out / f"{split}.jsonl", "w", encoding="utf-8") as f:
