@@ -131,7 +131,7 @@ def verify_typical(
     child_logp[:, 0] = 0.0
     dense = tree.dense_mask()
     ok = ~(dense & ~accept[:, None, :]).any(-1)
-    path_logp = (dense.float() * child_logp[:, None, :]).sum(-1)  # (B, N)
+    path_logp = torch.where(dense, child_logp[:, None, :], 0.0).sum(-1)  # (B, N); a -inf off the path adds nothing
     return _longest_accepted(ok, tree, path_logp, dense, target_logits.argmax(-1))
 
 

@@ -142,6 +142,19 @@ def test_typical_prefers_longest_then_likeliest(kind):
     assert (accept_len.tolist(), nodes.tolist(), bonus.tolist()) == ([2], [[0, 2, 4]], [7])
 
 
+@pytest.mark.parametrize("kind", ["reference", "triton"])
+def test_typical_ranks_paths_the_same_beside_a_masked_token(kind):
+    """A drafted token whose target logit is -inf (a masked vocabulary entry) is rejected and must not touch the
+    scores of the paths beside it (0 · -inf is nan, which would make every path tie)."""
+    tree = Tree.from_parents([-1, 0, 0, 0, 1, 2])  # depth-2 paths 0-1-4 and 0-2-5; node 3 drafts a masked token
+    logits = torch.full((1, 6, 8), -10.0)
+    logits[0, 0, 1], logits[0, 0, 2], logits[0, 0, 7] = 1.0, 2.0, float("-inf")
+    logits[0, 1, 4] = logits[0, 2, 5] = 3.0
+    tokens = torch.tensor([[0, 1, 2, 7, 4, 5]])
+    accept_len, nodes, _ = kernels.get_ops(kind).verify_typical(tokens, logits, tree)
+    assert (accept_len.tolist(), nodes.tolist()) == ([2], [[0, 2, 5]])
+
+
 def emitted(tokens, logits, tree, draft_probs, gen, depth=1):
     """Token emitted at `depth` (1 = first) in each of the independent trials (rows), the first drafted token
     accepted (-1 if none) and which rows emitted at that depth."""

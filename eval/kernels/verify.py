@@ -228,6 +228,7 @@ def _sampled_walk_kernel(
                 if tl.load(coins + k) * qx < px:
                     nxt = child
                 else:  # p <- norm(max(p - q, 0)), kept unnormalised
+                    tl.debug_barrier()  # every thread has read res[x] (px) before any overwrites it
                     z_new = tl.zeros([], tl.float32)
                     for start in range(0, V, BLOCK_V):
                         cols = start + tl.arange(0, BLOCK_V)
