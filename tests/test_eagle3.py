@@ -14,7 +14,7 @@ import torch
 from accelerate.state import AcceleratorState, GradientState
 from accelerate.utils import set_seed
 from safetensors.torch import load_file, save_file
-from tiny import drafted_trees, make_batch, make_samples
+from tiny import drafted_trees, make_batch, make_samples, sample_hidden
 from tiny import tiny_llama as tiny_target
 
 from data.extract import main as extract_main
@@ -22,14 +22,14 @@ from data.loader import BatchLoader
 from data.shards import FeatureDataset, frequent_loss_tokens
 from eval.baselines import plain_generate
 from eval.decode import DecodeSettings, speculative_generate
-from eval.proposers import EagleProposer, VocabProjection, build_proposer
-from models.common import TargetParts
+from eval.proposers import DecodeState, EagleProposer, VocabProjection, build_proposer
+from models.common import DraftBatch, TargetParts
 from models.configs import Eagle3Config
 from models.eagle3 import Eagle3Drafter
 from models.io import ExportError, load_draft_vocab, load_drafter
 from models.methods import METHODS
 from models.target import load_target
-from train import TrainingError
+from train import TrainingError, eagle3_layouts
 from train.checkpoint import DRAFTER_FILE, METRICS_FILE, latest_checkpoint
 from train.config import load_recipe, recipe_from_dict
 from train.eagle3_layouts import compare, drafter_logits, eagle3_inputs
@@ -202,6 +202,68 @@ def test_drafting_over_the_own_vocabulary_keeps_greedy_output(setup, tree):
     assert tokens == plain_generate(model, prompt, settings).tokens
     allowed = set(drafter.draft_ids.tolist())
     assert drafted and all(set(t[1:]) <= allowed for t in drafted)
+
+
+@pytest.mark.parametrize("kw", SWITCHES[:2])
+def test_the_proposer_drafts_what_training_unrolls(setup, kw):
+    """A batch of two prompts of different lengths drafted as chains by the evaluation's proposer, over two rounds
+    (the second after each row accepted part of its chain): the logits of every draft step, and so every drafted
+    token, are those of the unrolled step that training computes for it (the chain fed back as the true tokens).
+    Ties the proposer's catch-up, cache cropping and ragged rows to training; greedy losslessness holds whatever
+    is drafted, so it cannot."""
+    model = setup[0]
+    depth = 5
+    drafter = drafter_for(model, **{**kw, "ttt_steps": depth})
+    vocab = VocabProjection.trained(drafter.lm_head, drafter.draft_ids, VOCAB)
+    proposer = EagleProposer(drafter, depth=depth, top_k=1, total_tokens=depth + 1, draft_vocab=vocab)
+    proposer.reset(2)
+    drafted_logits = []  # per drafter call this round: (B, 1, K) at each row's drafting position
+    step = drafter.step
+
+    def recording_step(*args, **kwargs):
+        logits, hidden = step(*args, **kwargs)
+        drafted_logits.append(logits)
+        return logits, hidden
+
+    drafter.step = recording_step
+
+    def hidden(tokens: torch.Tensor) -> torch.Tensor:  # (1, L) -> the target's stored layers (1, L, 3, d)
+        return sample_hidden(model, tokens[0], LAYERS)[None]
+
+    def unrolled_logits(tokens: torch.Tensor, chain: torch.Tensor) -> torch.Tensor:  # -> (depth, K)
+        seq = torch.cat([tokens, chain[None]], dim=1)
+        T = seq.shape[1]
+        ones = torch.ones(1, T)
+        batch = DraftBatch(
+            input_ids=seq,
+            loss_mask=ones,
+            attention_mask=ones.long(),
+            position_ids=torch.arange(T)[None],
+            hidden=hidden(seq),
+        )
+        t = tokens.shape[1] - 2  # the last cached position: its unrolled step j drafts chain[j]
+        return torch.stack([drafter.draft_logits(normed[0, t]) for normed in drafter.unroll(batch)])
+
+    gen = torch.Generator().manual_seed(9)
+    rows = [torch.randint(0, VOCAB, (1, 7), generator=gen), torch.randint(0, VOCAB, (1, 12), generator=gen)]
+    cached = [0, 0]  # target positions whose features the proposer has seen
+    for paths in [[0, 1], [0, 1, 2, 3]], None:  # round 1, then round 2 after these accepted paths (root first)
+        drafted_logits.clear()
+        states = [DecodeState(tokens=t, new_hidden=hidden(t[:, :-1])[:, c:]) for t, c in zip(rows, cached)]
+        chains = [tree.tokens[1:] for tree in proposer.propose(states)]
+        assert len(drafted_logits) == depth  # the catch-up, then one call per further step
+        for b, (tokens, chain) in enumerate(zip(rows, chains)):
+            want = unrolled_logits(tokens, chain)
+            torch.testing.assert_close(
+                torch.stack([logits[b, 0] for logits in drafted_logits]), want, atol=2e-5, rtol=1e-5
+            )
+            assert chain.tolist() == drafter.draft_ids[want.argmax(-1)].tolist()
+        if paths is None:
+            break
+        proposer.commit(paths)
+        cached = [t.shape[1] - 1 for t in rows]
+        roots = torch.tensor([[5], [9]])  # the target's next token after each accepted path
+        rows = [torch.cat([t, c[None, : len(p) - 1], r[None]], dim=1) for t, c, p, r in zip(rows, chains, paths, roots)]
 
 
 def test_eval_draft_vocab_drafts_among_the_most_frequent_of_its_own_tokens(setup):
@@ -418,6 +480,38 @@ def test_sglang_refuses_what_its_eagle3_layer_cannot_hold(features, tmp_path, at
     assert not (tmp_path / "out").exists() and not (tmp_path / "out.tmp").exists()
     out = export(tmp_path / "run", tmp_path / "spec", fmt="speculators")  # speculators / vLLM hold EAGLE-3.1
     assert json.loads((out / "config.json").read_text())["norm_output"] is True
+
+
+@pytest.mark.parametrize("fmt,fc_norm", [("speculators", True), ("sglang", False)])
+def test_fused_layers_listed_out_of_order_are_exported_in_layer_order(fmt, fc_norm, features, tmp_path, at_root,
+                                                                       monkeypatch):  # fmt: skip
+    """Engines capture the auxiliary hidden states in layer order whatever order the config lists: the export sorts
+    the ids and permutes fc's input blocks (and the FC-Norm weights) to match; an export that did not fails its gate."""
+    train(tiny_recipe(features, tmp_path / "run", "train.max_steps=2", "drafter.feature_layers=[3,1,2]",
+                      f"drafter.fc_norm={str(fc_norm).lower()}"))  # fmt: skip
+    _, _, drafter = load_run(tmp_path / "run")
+    out = export(tmp_path / "run", tmp_path / fmt, fmt=fmt)
+    config, tensors = json.loads((out / "config.json").read_text()), load_file(str(out / "model.safetensors"))
+    ids = config["eagle_aux_hidden_state_layer_ids"] if fmt == "speculators" else (
+        config["eagle_config"]["eagle_aux_hidden_state_layer_ids"])  # fmt: skip
+    assert ids == ([1, 2, 3] if fmt == "speculators" else [0, 1, 2])
+    blocks = drafter.fc.weight.detach().view(64, 3, 64)
+    assert torch.equal(tensors["fc.weight"].view(64, 3, 64), blocks[:, [1, 2, 0]])
+    if fc_norm:
+        assert all(
+            torch.equal(tensors[f"fc_norm.{i}.weight"], drafter.fc_norm[j].weight) for i, j in enumerate([1, 2, 0])
+        )
+    monkeypatch.setattr(eagle3_layouts, "in_layer_order", lambda tensors, ids: ids)  # the listed order, unpermuted
+    with pytest.raises(ExportError, match=r"load gate: .*captured in layer order"):
+        export(tmp_path / "run", tmp_path / "unsorted", fmt=fmt)
+
+
+def test_vllm_layouts_refuse_other_than_three_fused_layers(features, tmp_path, at_root):
+    train(tiny_recipe(features, tmp_path / "run", "train.max_steps=2", "drafter.feature_layers=[1,3]"))
+    for fmt in ("speculators", "vllm"):
+        with pytest.raises(ExportError, match=r"^drafter.feature_layers: vLLM's EAGLE-3 fc reads exactly 3 hidden "):
+            export(tmp_path / "run", tmp_path / fmt, fmt=fmt)
+    assert (export(tmp_path / "run", tmp_path / "native") / "config.json").is_file()
 
 
 @pytest.mark.parametrize("fmt", ["speculators", "sglang"])

@@ -49,6 +49,9 @@ def targets():
         "plain": tiny_target(),
         "theta": tiny_target({"rope_type": "default", "rope_theta": 500000.0}),
         "llama3": tiny_target(LLAMA3),
+        "linear": tiny_target({"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}),
+        "linear-theta": tiny_target({"rope_type": "linear", "rope_theta": 500000.0, "factor": 4.0}),
+        "biased": load_target(random_init=dict(TINY, attention_bias=True), dtype="float32"),
         "bf16": load_target(random_init=TINY, dtype="bfloat16"),  # float32 drafters project through a bf16 lm_head
     }
 
@@ -101,7 +104,7 @@ def test_every_engine_format_has_a_gate():
     "fmt,rope,cfg,weights",
     [
         ("eagle", "plain", {}, False),
-        ("eagle", "llama3", {"num_layers": 2}, True),
+        ("eagle", "linear", {"num_layers": 2}, True),
         ("eagle", "theta", {"fc_bias": False}, False),
         ("sglang", "llama3", {}, False),
         ("sglang", "theta", {"fc_bias": False, "num_layers": 2}, False),
@@ -148,25 +151,81 @@ def test_a_missing_rope_theta_is_caught(fmt, targets, recipe, tmp_path):
     assert "config.json has no rope_theta (the consumer uses 10000.0)" in msg and "the target's 500000.0" in msg
 
 
-def test_a_missing_rope_scaling_is_caught(targets, recipe, tmp_path):
-    target = targets["llama3"]
-    drafter = eagle(target)
-    out = write("eagle", tmp_path / "e", recipe, target, drafter)
+@pytest.mark.parametrize("fmt,rope", [("eagle", "linear"), ("vllm", "llama3")])
+def test_a_missing_rope_scaling_is_caught(fmt, rope, targets, recipe, tmp_path):
+    target = targets[rope]
+    drafter = eagle(target, fc_bias=fmt == "eagle")
+    out = write(fmt, tmp_path / fmt, recipe, target, drafter)
     config = json.loads((out / "config.json").read_text())
     del config["rope_scaling"]
     (out / "config.json").write_text(json.dumps(config))
+    msg = one_line_error(f"^{fmt} load gate: .* differ by", fmt, out, recipe, target, drafter)
+    assert f"rope_scaling is None, the target's RoPE type '{rope}'" in msg
+
+
+@pytest.mark.parametrize(
+    "rope,why",
+    [
+        ("llama3", "the target has RoPE type 'llama3'"),
+        ("linear-theta", "the target has scaled RoPE on rope_theta 500000.0"),
+    ],
+)
+def test_safeailab_refuses_rope_it_cannot_build(rope, why, targets, recipe, tmp_path):
+    """SafeAILab's EConfig takes only linear or dynamic scaling, and it builds them on base 10000."""
+    with pytest.raises(ExportError, match=f"SafeAILab EAGLE-1/2 builds .* only, {why}; export --format vllm") as err:
+        write("eagle", tmp_path / "e", recipe, targets[rope], eagle(targets[rope]))
+    assert "\n" not in str(err.value)
+
+
+def test_safeailab_loads_scaling_in_its_two_key_form_only(targets, recipe, tmp_path):
+    """The `rope_scaling` transformers 4 writes (`rope_type` beside `type`) fails SafeAILab's EConfig at load; and
+    SafeAILab builds scaled RoPE on base 10000 whatever `rope_theta` says, which the gate catches too (what the
+    writer refuses to write for such a target)."""
+    target = targets["linear"]
+    drafter = eagle(target)
+    out = write("eagle", tmp_path / "e", recipe, target, drafter)
+    config = json.loads((out / "config.json").read_text())
+    assert config["rope_scaling"] == {"type": "linear", "factor": 4.0}
+    config["rope_scaling"]["rope_type"] = "linear"
+    (out / "config.json").write_text(json.dumps(config))
+    one_line_error("rope_scaling .*: SafeAILab's EConfig refuses it", "eagle", out, recipe, target, drafter)
+
+    target = targets["linear-theta"]
+    drafter = eagle(target)
+    out = tmp_path / "theta"
+    out.mkdir()
+    export_mod._write_eagle(out, target, drafter, False, export_mod.SAFEAILAB_EAGLE, for_safeailab=False)
+    config = json.loads((out / "config.json").read_text())
+    config["rope_scaling"] = {"type": "linear", "factor": 4.0}
+    (out / "config.json").write_text(json.dumps(config))
     msg = one_line_error("^eagle load gate: .* differ by", "eagle", out, recipe, target, drafter)
-    assert "rope_scaling is None, the target's RoPE type 'llama3'" in msg
+    assert "rope_theta 500000.0 is ignored: scaled RoPE is built on base 10000" in msg
+
+
+@pytest.mark.parametrize("fmt,key", [("eagle", "qkv_bias"), ("sglang", "attention_bias"), ("vllm", "attention_bias")])
+def test_a_target_with_attention_biases_exports_a_drafter_without(fmt, key, targets, recipe, tmp_path):
+    """The EAGLE-1/2 layouts copy the target's config; the drafter's layers have no biases, so the export says so:
+    each consumer would otherwise build q/k/v biases the file lacks and keep them at their initial values."""
+    target = targets["biased"]
+    drafter = eagle(target, fc_bias=fmt != "vllm")
+    out = write(fmt, tmp_path / fmt, recipe, target, drafter)
+    config = json.loads((out / "config.json").read_text())
+    assert config["attention_bias"] is False and config["mlp_bias"] is False and "qkv_bias" not in config
+    assert check(fmt, out, recipe, target, drafter) < 1e-4
+    config[key] = True
+    (out / "config.json").write_text(json.dumps(config))
+    msg = one_line_error(f"^{fmt} load gate: .* differ by", fmt, out, recipe, target, drafter)
+    assert "layers.0.self_attn.q_proj.bias missing" in msg
 
 
 def test_an_unknown_rope_type_is_refused_not_guessed(targets, recipe, tmp_path):
     target = targets["plain"]
     drafter = eagle(target)
-    out = write("eagle", tmp_path / "e", recipe, target, drafter)
+    out = write("sglang", tmp_path / "s", recipe, target, drafter)
     config = json.loads((out / "config.json").read_text())
     config["rope_scaling"] = {"type": "yarn", "factor": 4.0}
     (out / "config.json").write_text(json.dumps(config))
-    one_line_error("rope_scaling type 'yarn'", "eagle", out, recipe, target, drafter)
+    one_line_error("rope_scaling type 'yarn'", "sglang", out, recipe, target, drafter)
 
 
 def test_safeailab_without_a_bias_key_builds_a_biased_fc(targets, recipe, tmp_path):

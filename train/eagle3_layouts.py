@@ -55,6 +55,8 @@ WEIGHTS = "model.safetensors"
 SPECULATORS_VERSION = "0.9.0"
 """The speculators release whose loader was checked (`benchmarks/speculators_check.py`)."""
 SGLANG_EAGLE3 = "LlamaForCausalLMEagle3"
+VLLM_FUSED = 3
+"""vLLM's EAGLE-3 fc reads this many auxiliary hidden states (3 × target_hidden_size inputs), as SGLang's does."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -67,7 +69,8 @@ def hf_index(layer: int, num_layers: int) -> int:
 
 
 def aux_layer_ids(feature_layers: list[int], num_layers: int, engine: str) -> list[int]:
-    """The ids `engine` ("vllm" or "sglang") captures `feature_layers` under; ExportError for a layer it cannot.
+    """The ids `engine` ("vllm" or "sglang") captures `feature_layers` under, in the drafter's order; ExportError for a
+    layer it cannot capture or for two that are the same hidden state.
 
     vLLM (and speculators): id i = the input of decoder layer i, HF index i, for i in 0..L-1. SGLang: id i = the
     output of decoder layer i, HF index i+1, for i in 0..L-2 (the last layer's output reaches HF's hidden states only
@@ -82,7 +85,26 @@ def aux_layer_ids(feature_layers: list[int], num_layers: int, engine: str) -> li
                 f"{engine}, which reads indices {lo}..{hi} of a {num_layers}-layer target"
             )
         ids.append(i if engine == "vllm" else i - 1)
+    if len(set(ids)) != len(ids):
+        raise ExportError(
+            f"drafter.feature_layers: {feature_layers} name one hidden state twice; {engine} captures it once"
+        )
     return ids
+
+
+def in_layer_order(tensors: dict[str, torch.Tensor], ids: list[int]) -> list[int]:
+    """Engines capture the auxiliary hidden states in layer order, whatever order the config lists them in: permute
+    `fc.weight`'s input blocks and the `fc_norm.{i}` weights (in place) from the drafter's feature order to ascending
+    ids; -> the sorted ids."""
+    order = sorted(range(len(ids)), key=ids.__getitem__)
+    if order != list(range(len(ids))):
+        w = tensors["fc.weight"]
+        tensors["fc.weight"] = w.view(w.shape[0], len(ids), -1)[:, order].reshape(w.shape)
+        norms = {i: tensors.pop(f"fc_norm.{i}.weight") for i in range(len(ids)) if f"fc_norm.{i}.weight" in tensors}
+        for new, old in enumerate(order):
+            if old in norms:
+                tensors[f"fc_norm.{new}.weight"] = norms[old]
+    return sorted(ids)
 
 
 def layer_config(target_config) -> dict:
@@ -124,8 +146,13 @@ def _tensors(drafter: nn.Module, layer_prefix: str) -> dict[str, torch.Tensor]:
 
 def write_speculators(out: Path, recipe, target, drafter: nn.Module, include_target_weights: bool) -> None:
     cfg, tc = drafter.cfg, target.config
-    ids = aux_layer_ids(cfg.feature_layers, tc.num_hidden_layers, "vllm")
+    if len(cfg.feature_layers) != VLLM_FUSED:
+        raise ExportError(
+            f"drafter.feature_layers: vLLM's EAGLE-3 fc reads exactly {VLLM_FUSED} hidden states, got "
+            f"{cfg.feature_layers}; export --format native"
+        )
     tensors = _tensors(drafter, "layers.0.")
+    ids = in_layer_order(tensors, aux_layer_ids(cfg.feature_layers, tc.num_hidden_layers, "vllm"))
     tensors["embed_tokens.weight"] = drafter.embed_tokens.weight  # exact copy: the package has no other source
     write_safetensors(tensors, out / WEIGHTS)
     config = {
@@ -173,8 +200,8 @@ def write_sglang_eagle3(out: Path, recipe, target, drafter: nn.Module, include_t
             )
     if len(cfg.feature_layers) != 3:
         raise ExportError(f"drafter.feature_layers: sglang fuses exactly 3 hidden states, got {cfg.feature_layers}")
-    ids = aux_layer_ids(cfg.feature_layers, tc.num_hidden_layers, "sglang")
     tensors = _tensors(drafter, "midlayer.")
+    ids = in_layer_order(tensors, aux_layer_ids(cfg.feature_layers, tc.num_hidden_layers, "sglang"))
     if include_target_weights:
         tensors["embed_tokens.weight"] = drafter.embed_tokens.weight
     write_safetensors(tensors, out / WEIGHTS)
@@ -209,11 +236,15 @@ class Eagle3Reader:
     """It loads every tensor in the config's `dtype` as transformers' `from_pretrained(dtype="auto")` does: without
     one, in the dtype of the file's first floating-point tensor (names sorted). The engines run the drafter in
     their serving dtype instead."""
+    fused: int | None = None
+    """How many hidden states its fc reads whatever the config lists (None: as many as the aux ids)."""
 
 
-VLLM_SPECULATORS = Eagle3Reader("vLLM (speculators config)", ("layers.0.", "midlayer."), 0, True, True, True)
+VLLM_SPECULATORS = Eagle3Reader(
+    "vLLM (speculators config)", ("layers.0.", "midlayer."), 0, True, True, True, fused=VLLM_FUSED
+)
 SPECULATORS = Eagle3Reader("speculators Eagle3DraftModel", ("layers.0.",), 0, True, False, True, True)
-SGLANG = Eagle3Reader("SGLang LlamaForCausalLMEagle3", ("midlayer.",), 1, False, False, False)
+SGLANG = Eagle3Reader("SGLang LlamaForCausalLMEagle3", ("midlayer.",), 1, False, False, False, fused=3)
 
 
 def from_pretrained_dtype(config: dict, tensors: dict[str, torch.Tensor], notes: list[str]) -> torch.dtype:
@@ -272,6 +303,14 @@ def eagle3_consumer_logits(
         index = [i + reader.aux_offset for i in ids]
     if any(not 0 <= i <= L for i in index):
         raise ExportError(f"config.json: aux layer ids {ids} are out of range for a {L}-layer target")
+    if sorted(set(index)) != index:  # the target's layer loop captures each listed layer once, in layer order
+        notes.append(f"aux layer ids {ids} are captured in layer order, once each")
+        index = sorted(set(index))
+    if reader.fused is not None and len(index) != reader.fused:
+        raise ExportError(
+            f"config.json: {len(index)} aux layer ids {ids}: {reader.name}'s fc reads exactly {reader.fused} hidden "
+            "states (the first draft step fails)"
+        )
     K = top.get("draft_vocab_size") or layer.get("vocab_size")
     flags = {"fc_norm": False, "norm_output": False, "norm_before_residual": reader.residual_default}
     if reader.reads_flags:

@@ -214,11 +214,13 @@ def write_vllm(out: Path, recipe: Recipe, target: Target, drafter: nn.Module, in
                 "export.format: vllm builds the EAGLE fc without bias and would silently drop fc.bias; train with "
                 "drafter.fc_bias=false, or export --format eagle / sglang (which keep the bias)"
             )
-        return write_eagle(out, recipe, target, drafter, include_target_weights)
+        return _write_eagle(out, target, drafter, include_target_weights, SAFEAILAB_EAGLE, for_safeailab=False)
     write_vllm_medusa(out, recipe, target, drafter)
 
 
-def _write_eagle(out: Path, target: Target, drafter: nn.Module, include_target_weights: bool, arch: str) -> None:
+def _write_eagle(
+    out: Path, target: Target, drafter: nn.Module, include_target_weights: bool, arch: str, for_safeailab: bool = True
+) -> None:
     cfg = drafter.cfg
     if cfg.fc_norm or cfg.post_norm or cfg.feature_layers != [-1]:
         raise ExportError(
@@ -232,19 +234,42 @@ def _write_eagle(out: Path, target: Target, drafter: nn.Module, include_target_w
     if sglang and "fc.bias" not in tensors:  # SGLang's fc always has a bias: load zeros, not its initial values
         tensors["fc.bias"] = torch.zeros(tensors["fc.weight"].shape[0], dtype=tensors["fc.weight"].dtype)
     write_safetensors(tensors, out / ENGINE_WEIGHTS)
-    config = {k: v for k, v in target.config.to_dict().items() if k not in _VOLATILE}
+    config = {k: v for k, v in target.config.to_dict().items() if k not in _VOLATILE | _BIAS_KEYS}
+    # the drafter's layers have no attention or MLP biases, whatever the target's have
     config.update(architectures=[arch], num_hidden_layers=cfg.num_layers, tie_word_embeddings=False)
+    config.update(attention_bias=False, mlp_bias=False)
     config.update(legacy_rope(config))
+    if arch == SAFEAILAB_EAGLE and for_safeailab:  # vLLM reads this layout's config through transformers
+        safeailab_rope(config)
     if not sglang:  # SafeAILab reads `bias` as the fc's; SGLang's Llama layers would read it as attention biases
         config["bias"] = cfg.fc_bias
     (out / "config.json").write_text(json.dumps(config, indent=2, default=str) + "\n")
 
 
 SGLANG_EAGLE = "LlamaForCausalLMEagle"
+SAFEAILAB_EAGLE = "LlamaForCausalLM"
+_BIAS_KEYS = {"bias", "qkv_bias"}
+
+
+def safeailab_rope(config: dict) -> None:
+    """Rewrite `rope_scaling` the one way SafeAILab's EConfig accepts ({"type", "factor"}, linear or dynamic), or
+    refuse what it cannot build: any other scaling, or scaling on a base other than 10000 (it ignores rope_theta
+    when scaling)."""
+    scaling = config.get("rope_scaling")
+    if not scaling:
+        return
+    kind, theta = scaling["type"], config.get("rope_theta", 10000.0)
+    if kind not in ("linear", "dynamic") or theta != 10000.0:
+        why = f"RoPE type {kind!r}" if kind not in ("linear", "dynamic") else f"scaled RoPE on rope_theta {theta}"
+        raise ExportError(
+            f"export.format: SafeAILab EAGLE-1/2 builds linear or dynamic RoPE scaling on base 10000 only, the target "
+            f"has {why}; export --format vllm or sglang"
+        )
+    config["rope_scaling"] = {"type": kind, "factor": float(scaling["factor"])}
 
 
 def write_eagle(out: Path, recipe: Recipe, target: Target, drafter: nn.Module, include_target_weights: bool) -> None:
-    _write_eagle(out, target, drafter, include_target_weights, "LlamaForCausalLM")  # SafeAILab EAGLE
+    _write_eagle(out, target, drafter, include_target_weights, SAFEAILAB_EAGLE)
 
 
 def write_sglang(out: Path, recipe: Recipe, target: Target, drafter: nn.Module, include_target_weights: bool) -> None:

@@ -15,13 +15,15 @@ Consumers reproduced (transformers-4 conventions: `rope_theta` / `rope_scaling`,
 - `medusa`: FasterDecoding Medusa's legacy `MedusaModel.from_pretrained`: `medusa_lm_head.pt` through `torch.load`
   (read here with `weights_only=True`), 5 heads whatever `medusa_num_heads` says, `medusa_num_layers` (default 1)
   copies of ONE shared ResBlock per head (the last `{h}.{l}.linear.*` loaded wins), `load_state_dict(strict=False)`.
-- `eagle`: SafeAILab EAGLE-1/2 (`cnets1.py`, `use_eagle3=False`): fc bias from `bias` (default True), no attention
-  bias, head_dim = hidden_size // num_attention_heads.
-- `sglang`: `LlamaForCausalLMEagle`: fc always with a bias (not checked for presence), `bias` (default False) as the
-  q/k/v/o attention biases, `head_dim` when given.
+- `eagle`: SafeAILab EAGLE-1/2 (`cnets1.py`, `use_eagle3=False`): fc bias from `bias` (default True), q/k/v biases
+  only with a true `qkv_bias`, head_dim = hidden_size // num_attention_heads; its `EConfig` refuses a `rope_scaling`
+  other than exactly {type: linear | dynamic, factor: float > 1}, and it builds scaled RoPE on base 10000.
+- `sglang`: `LlamaForCausalLMEagle`: fc always with a bias (not checked for presence), `attention_bias` or `bias`
+  (default False) as the q/k/v/o attention biases, `head_dim` when given.
 - `vllm`: EAGLE drafters as `EagleLlamaForCausalLM` (fc without bias, an `fc.bias` dropped; `attention_bias` or
-  `bias` as attention biases); Medusa heads as `MedusaModel` (`num_heads` default 5, `num_hidden_layers` default 1,
-  block bias only with `medusa_fc_bias`, `lm_heads.0` for every head with `original_lm_head`).
+  `bias` as attention biases, a `qkv_bias` key overriding q/k/v's); Medusa heads as `MedusaModel` (`num_heads`
+  default 5, `num_hidden_layers` default 1, block bias only with `medusa_fc_bias`, `lm_heads.0` for every head with
+  `original_lm_head`).
 All EAGLE layouts: `layers.{i}.*` for `num_hidden_layers` layers, layer 0 without input_layernorm, no final norm,
 logits through the target's lm_head; RoPE from `rope_theta` (default 10000) and `rope_scaling` (default, linear and
 llama3 are reproduced; another type is refused by the gate rather than guessed).
@@ -187,30 +189,58 @@ def config_value(config: dict, key: str, default: Any, notes: list[str]) -> Any:
 class EagleRules:
     name: str
     fc_bias: Callable[[dict, list], bool]
-    attn_bias: Callable[[dict, list], bool]
+    attn_bias: Callable[[dict, list], tuple[bool, bool]]
+    """(q/k/v biases, o_proj bias) the consumer builds from the config."""
     head_dim: Callable[[dict, list], int]
+    check_config: Callable[[dict], None] = lambda config: None
+    """Raises ExportError for a config the consumer refuses to load."""
+    scaled_rope_reads_theta: bool = True
+    """False: the consumer builds scaled RoPE (a `rope_scaling`) on base 10000, whatever `rope_theta` says."""
 
 
 def _head_dim_given(config: dict, notes: list) -> int:
     return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
 
 
+def _llama_attention_bias(config: dict, notes: list) -> tuple[bool, bool]:
+    """vLLM's Llama layer: `attention_bias` or `bias` for every projection; a `qkv_bias` key overrides q/k/v's."""
+    bias = bool(config.get("attention_bias", False) or config.get("bias", False))
+    return (bool(config["qkv_bias"]) if "qkv_bias" in config else bias), bias
+
+
+def _econfig_check(config: dict) -> None:
+    """SafeAILab's `EConfig` refuses a `rope_scaling` other than exactly {"type": "linear" | "dynamic", "factor":
+    a float > 1}."""
+    scaling = config.get("rope_scaling")
+    if scaling is None:
+        return
+    good = isinstance(scaling, dict) and len(scaling) == 2 and scaling.get("type") in ("linear", "dynamic")
+    factor = scaling.get("factor") if isinstance(scaling, dict) else None
+    if not (good and isinstance(factor, float) and factor > 1.0):
+        raise ExportError(
+            f"config.json: rope_scaling {scaling!r}: SafeAILab's EConfig refuses it (it takes exactly "
+            "{'type': 'linear' or 'dynamic', 'factor': a float > 1}), so the load fails"
+        )
+
+
 SAFEAILAB = EagleRules(
     "SafeAILab EAGLE-1/2",
     fc_bias=lambda c, n: bool(config_value(c, "bias", True, n)),
-    attn_bias=lambda c, n: False,
+    attn_bias=lambda c, n: (bool(c.get("qkv_bias", False)), False),
     head_dim=lambda c, n: c["hidden_size"] // c["num_attention_heads"],
+    check_config=_econfig_check,
+    scaled_rope_reads_theta=False,
 )
 SGLANG = EagleRules(
     "SGLang LlamaForCausalLMEagle",
     fc_bias=lambda c, n: True,
-    attn_bias=lambda c, n: bool(c.get("bias", False)),
+    attn_bias=lambda c, n: (bool(c.get("attention_bias", False) or c.get("bias", False)),) * 2,
     head_dim=_head_dim_given,
 )
 VLLM_EAGLE = EagleRules(
     "vLLM EagleLlamaForCausalLM",
     fc_bias=lambda c, n: False,
-    attn_bias=lambda c, n: bool(c.get("attention_bias", False) or c.get("bias", False)),
+    attn_bias=_llama_attention_bias,
     head_dim=_head_dim_given,
 )
 
@@ -226,11 +256,19 @@ def legacy_rope(config: dict) -> dict:
     return out
 
 
-def rope_cos_sin(config: dict, head_dim: int, positions: torch.Tensor, notes: list) -> tuple[torch.Tensor, ...]:
-    """cos, sin (B, T, hd) as a transformers-4 Llama computes them from `rope_theta` and `rope_scaling`."""
-    theta = float(config_value(config, "rope_theta", 10000.0, notes))
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))  # (hd/2,)
+def rope_cos_sin(
+    config: dict, head_dim: int, positions: torch.Tensor, notes: list, scaled_reads_theta: bool = True
+) -> tuple[torch.Tensor, ...]:
+    """cos, sin (B, T, hd) as a transformers-4 Llama computes them from `rope_theta` and `rope_scaling`
+    (`scaled_reads_theta=False`: scaled RoPE on base 10000, whatever `rope_theta` says, as SafeAILab builds it)."""
     scaling = config.get("rope_scaling")
+    if scaling and not scaled_reads_theta:
+        theta = 10000.0
+        if config.get("rope_theta", theta) != theta:
+            notes.append(f"rope_theta {config['rope_theta']!r} is ignored: scaled RoPE is built on base 10000")
+    else:
+        theta = float(config_value(config, "rope_theta", 10000.0, notes))
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))  # (hd/2,)
     if scaling:
         kind = scaling.get("rope_type", scaling.get("type"))
         if kind == "linear":
@@ -278,6 +316,7 @@ def eagle_consumer_logits(
     """Draft logits (B, T, V) of an EAGLE-1/2 drafter as `rules`' consumer builds it from (config, tensors):
     fc(cat(embed(next_ids), features)) -> Llama layers (layer 0 without input norm) -> target lm_head. Causal."""
     dev = features.device
+    rules.check_config(config)
     for key in ("hidden_size", "num_attention_heads", "intermediate_size"):
         if not isinstance(config.get(key), int):
             raise ExportError(f"{where}: config.json: {key} is {config.get(key)!r}, the consumer needs an integer")
@@ -301,17 +340,18 @@ def eagle_consumer_logits(
     rows = embed[next_ids.to(embed.device)].to(dev, torch.float32)  # (B, T, d): index first, cast only the rows
     h = F.linear(torch.cat([rows, features.float()], dim=-1), fc_w, fc_b)  # (B, T, d)
     B, T, _ = h.shape
-    cos, sin = rope_cos_sin(config, hd, positions, notes)
+    cos, sin = rope_cos_sin(config, hd, positions, notes, rules.scaled_rope_reads_theta)
     cos, sin = cos[:, None], sin[:, None]  # (B, 1, T, hd)
     causal = torch.ones(T, T, dtype=torch.bool, device=dev).tril()
-    attn_bias = rules.attn_bias(config, notes)
+    qkv_bias, o_bias = rules.attn_bias(config, notes)
     for i in range(layers):
         pre = f"layers.{i}."
         x = h if i == 0 else _rms(h, p.get(pre + "input_layernorm.weight", (d,), "ones"), eps)
 
         def proj(name: str, out: int, x: torch.Tensor, inp: int = d, pre: str = pre) -> torch.Tensor:
             w = p.get(f"{pre}self_attn.{name}.weight", (out, inp))
-            b = p.get(f"{pre}self_attn.{name}.bias", (out,)) if attn_bias else None
+            biased = o_bias if name == "o_proj" else qkv_bias
+            b = p.get(f"{pre}self_attn.{name}.bias", (out,)) if biased else None
             return F.linear(x, w, b)
 
         q = proj("q_proj", H * hd, x).view(B, T, H, hd).transpose(1, 2)

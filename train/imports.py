@@ -173,7 +173,8 @@ def import_eagle3(config: dict, tensors: dict[str, torch.Tensor], weights: Path,
     ids = (config.get("eagle_aux_hidden_state_layer_ids") if speculators else None) or (
         config.get("eagle_config") or {}
     ).get("eagle_aux_hidden_state_layer_ids")
-    layers = [i + reader.aux_offset for i in ids] if ids else [2, L // 2, L - 3]
+    # the engines capture each listed layer once, in layer order, and fuse them in that order
+    layers = sorted({i + reader.aux_offset for i in ids}) if ids else [2, L // 2, L - 3]
     flags = {k: bool(config.get(k, False)) for k in ("fc_norm", "norm_output", "norm_before_residual")}
     if not speculators and any(flags.values()):
         raise ExportError(f"{where}: {[k for k, v in flags.items() if v]}: SGLang's EAGLE-3 layout has no such flag")
