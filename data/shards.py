@@ -23,7 +23,7 @@ import json
 import mmap
 import os
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -355,23 +355,31 @@ class FeatureDataset:
         return split_by_id(self.sample_ids, heldout_fraction, seed)
 
 
-def loss_token_counts(dataset: FeatureDataset | Sequence[dict], vocab_size: int | None = None) -> torch.Tensor:
+def loss_token_counts(
+    dataset: FeatureDataset | Sequence[dict], vocab_size: int | None = None, skip_ids: Collection[int | str] = ()
+) -> torch.Tensor:
     """How often each token id is a loss token in a feature dataset's shards (or in token samples with `input_ids`
-    and `loss_mask`): (vocab_size,) int64, or as long as the largest id seen + 1 when `vocab_size` is None; ids >=
-    vocab_size are refused."""
+    and `loss_mask`), leaving out the samples whose id is in `skip_ids` (a run's held-out samples): (vocab_size,)
+    int64, or as long as the largest id seen + 1 when `vocab_size` is None; ids >= vocab_size are refused."""
+    skip = set(skip_ids)
     if isinstance(dataset, FeatureDataset):
         where = str(dataset.directory)
 
         def loss_ids():
             for entry in dataset.shards:
                 with safe_open(str(dataset.directory / entry["file"]), framework="pt") as shard:
-                    yield shard.get_tensor("input_ids").to(torch.int64)[shard.get_tensor("loss_mask") > 0]
+                    scored = shard.get_tensor("loss_mask") > 0
+                    if skip and not skip.isdisjoint(entry["sample_ids"]):
+                        kept = torch.tensor([i not in skip for i in entry["sample_ids"]])
+                        scored &= kept.repeat_interleave(torch.tensor(entry["lengths"]))
+                    yield shard.get_tensor("input_ids").to(torch.int64)[scored]
     else:
         where = "the token samples"
 
         def loss_ids():
             for s in dataset:
-                yield torch.as_tensor(s["input_ids"]).to(torch.int64)[torch.as_tensor(s["loss_mask"]) > 0]
+                if s.get("id") not in skip:
+                    yield torch.as_tensor(s["input_ids"]).to(torch.int64)[torch.as_tensor(s["loss_mask"]) > 0]
 
     counts = torch.zeros(vocab_size or 0, dtype=torch.int64)
     for ids in loss_ids():
@@ -384,12 +392,15 @@ def loss_token_counts(dataset: FeatureDataset | Sequence[dict], vocab_size: int 
     return counts
 
 
-def frequent_loss_tokens(dataset: FeatureDataset | Sequence[dict], size: int) -> torch.Tensor:
+def frequent_loss_tokens(
+    dataset: FeatureDataset | Sequence[dict], size: int, skip_ids: Collection[int | str] = ()
+) -> torch.Tensor:
     """The `size` most frequent loss tokens of a feature dataset's shards (or of token samples with `input_ids` and
-    `loss_mask`, as online training reads them), most frequent first (ties: lower id first): (<= size,) int64.
-    Training's `train.loss_vocab` and `drafter.draft_vocab` and evaluation's `eval.draft_vocab` all use it, so the
-    same size gives the same tokens."""
-    return most_frequent(loss_token_counts(dataset), size)
+    `loss_mask`, as online training reads them), the samples with ids in `skip_ids` left out, most frequent first
+    (ties: lower id first): (<= size,) int64. Training's `train.loss_vocab` and `drafter.draft_vocab` and
+    evaluation's `eval.draft_vocab` all use it, leaving out the run's held-out samples, so the same size gives the
+    same tokens."""
+    return most_frequent(loss_token_counts(dataset, skip_ids=skip_ids), size)
 
 
 def most_frequent(counts: torch.Tensor, size: int) -> torch.Tensor:

@@ -184,7 +184,8 @@ def _export_asked(drafter_dir: str) -> int:
 def draft_vocabulary(recipe: Recipe, drafter_dir: str, size: int) -> torch.Tensor:
     """The `size` most frequent loss tokens of the training data: from the export's own draft vocabulary when it
     has that many tokens, or when it was written asking for at least that many (then the data has no more, and a
-    line says so); else counted in the feature shards of data.features_dir, refusing more than they hold."""
+    line says so); else counted in the feature shards of data.features_dir without the training run's held-out
+    samples (as training and export count), refusing more than they hold."""
     shipped = load_draft_vocab(drafter_dir)
     if shipped is not None and len(shipped) >= size:
         return shipped[:size]
@@ -203,7 +204,9 @@ def draft_vocabulary(recipe: Recipe, drafter_dir: str, size: int) -> torch.Tenso
             f"{recipe.source}: eval.draft_vocab: {size}: {have}o feature shards at data.features_dir ({features}) "
             "to count the training data's tokens in"
         )
-    vocab = frequent_loss_tokens(FeatureDataset(features, verify_checksums=recipe.data.verify_checksums), size)
+    dataset = FeatureDataset(features, verify_checksums=recipe.data.verify_checksums)
+    skip = read_heldout(recipe.train.output_dir) or ()  # training chose its tokens without its held-out samples
+    vocab = frequent_loss_tokens(dataset, size, skip)
     if len(vocab) < size:  # never shrink quietly: the report would describe a vocabulary the run did not use
         raise EvalError(
             f"{recipe.source}: eval.draft_vocab: {size} asked, {len(vocab)} available (the distinct loss tokens of "

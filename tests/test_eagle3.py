@@ -35,6 +35,7 @@ from train.config import load_recipe, recipe_from_dict
 from train.eagle3_layouts import compare, drafter_logits, eagle3_inputs
 from train.export import export, load_run
 from train.gates import check as gate_check
+from train.heldout import read_heldout
 from train.imports import import_eagle3
 from train.imports import main as imports_main
 from train.loop import train
@@ -327,13 +328,16 @@ def tiny_recipe(features: Path, out: Path, *overrides: str):
 
 def test_offline_and_online_runs_choose_the_same_draft_vocabulary_and_train(features, tmp_path, at_root):
     """Offline (feature shards) and online (the target computes hidden states in the loop) runs keep the same draft
-    vocabulary beside their checkpoints, the data's most frequent loss tokens, and both train every tensor."""
+    vocabulary beside their checkpoints, the most frequent loss tokens of the training split (the held-out samples
+    left out), and both train every tensor."""
     common = ["train.max_steps=2", "train.lr=0.01", "train.warmup_steps=0"]
     train(tiny_recipe(features, tmp_path / "off", *common))
     reset_accelerate()
     train(tiny_recipe(features, tmp_path / "on", *common, "train.online=true"))
     vocab = load_draft_vocab(tmp_path / "off")
-    assert torch.equal(vocab, frequent_loss_tokens(FeatureDataset(features), 128))
+    heldout = read_heldout(tmp_path / "off")
+    assert heldout and sorted(read_heldout(tmp_path / "on")) == sorted(heldout)  # the same split
+    assert torch.equal(vocab, frequent_loss_tokens(FeatureDataset(features), 128, skip_ids=heldout))
     assert torch.equal(load_draft_vocab(tmp_path / "on"), vocab)
     for run in ("off", "on"):
         r = load_recipe(tmp_path / run / "recipe.yaml")
@@ -389,7 +393,7 @@ def test_native_export_reloads_to_identical_logits_and_drafts_losslessly(feature
 
 
 def test_a_draft_vocabulary_larger_than_the_data_is_refused_in_one_line(features, tmp_path, at_root):
-    with pytest.raises(TrainingError, match=r"drafter.draft_vocab: 100000 asked, the training data has \d+ distinct"):
+    with pytest.raises(TrainingError, match=r"drafter.draft_vocab: 100000 asked, the training split has \d+ distinct"):
         train(tiny_recipe(features, tmp_path / "run", "train.max_steps=2", "drafter.draft_vocab=100000"))
 
 

@@ -18,7 +18,7 @@ from tiny import accelerate_launch, tiny_llama
 
 from data.extract import main as extract_main
 from data.prepare import prepare_dataset
-from data.shards import FeatureDataset, frequent_loss_tokens
+from data.shards import FeatureDataset, frequent_loss_tokens, loss_token_counts
 from eval import EvalError
 from eval.__main__ import main
 from eval.checks import near_tie
@@ -200,6 +200,11 @@ def test_draft_vocabulary_counts_loss_tokens_of_the_shards(tmp_path, monkeypatch
     counts = torch.bincount(loss_ids)
     assert frequent_loss_tokens(dataset, 10).tolist() == counts.argsort(descending=True, stable=True)[:10].tolist()
     assert len(frequent_loss_tokens(dataset, 10**6)) == int((counts > 0).sum())  # never pads with unseen tokens
+    skipped = {items[0]["id"], items[-1]["id"]}  # a run's held-out samples: left out of the counts
+    kept = torch.cat([item["input_ids"][item["loss_mask"] > 0] for item in items if item["id"] not in skipped])
+    assert torch.equal(
+        loss_token_counts(dataset, vocab_size=8192, skip_ids=skipped), torch.bincount(kept, minlength=8192)
+    )
 
     # Medusa tree calibration reads the training run's held-out split (the shards' token ids, or the prepared
     # data without shards), never the eval prompts; the verifying target computes the hidden states
@@ -234,13 +239,14 @@ def test_draft_vocabulary_counts_loss_tokens_of_the_shards(tmp_path, monkeypatch
 
 def test_draft_vocabulary_prefers_the_exports_own_and_never_shrinks_quietly(tmp_path, monkeypatch, capsys):
     """An export ships the vocabulary it trained with; asking for more than it holds uses all of it with a line
-    when the export itself asked for that many (its data has no more tokens), else counts the shards, and refuses
-    more than they hold."""
+    when the export itself asked for that many (its data has no more tokens), else counts the shards (without the
+    run's held-out samples), and refuses more than they hold."""
     monkeypatch.chdir(Path(__file__).resolve().parents[1])
     features = tmp_path / "features"
     extract_main(["recipes/tiny/eagle2.yaml", f"data.features_dir={features}"])
     available = len(frequent_loss_tokens(FeatureDataset(features), 10**6))
-    recipe = load_recipe("recipes/tiny/eagle2.yaml", [f"data.features_dir={features}"])
+    run = tmp_path / "run"  # no heldout.json yet: every sample counts
+    recipe = load_recipe("recipes/tiny/eagle2.yaml", [f"data.features_dir={features}", f"train.output_dir={run}"])
 
     def export(asked: int, vocab: torch.Tensor) -> str:
         out = tmp_path / f"export-{asked}-{len(vocab)}"
@@ -259,6 +265,9 @@ def test_draft_vocabulary_prefers_the_exports_own_and_never_shrinks_quietly(tmp_
     assert torch.equal(draft_vocabulary(recipe, small, available), shipped)
     with pytest.raises(EvalError, match=f"eval.draft_vocab: {available + 1} asked, {available} available"):
         draft_vocabulary(recipe, small, available + 1)
+    heldout = FeatureDataset(features).sample_ids[:3]  # the run recorded a split: its held-out samples do not count
+    write_heldout(run, heldout)
+    assert torch.equal(draft_vocabulary(recipe, small, 8), frequent_loss_tokens(FeatureDataset(features), 8, heldout))
 
 
 def test_calibration_reads_the_held_out_split_the_run_recorded(tmp_path, monkeypatch, capsys):

@@ -76,6 +76,7 @@ from train.checkpoint import DRAFTER_FILE, RECIPE_FILE, CheckpointError, latest_
 from train.config import Recipe, RecipeError, load_recipe
 from train.gates import FASTERDECODING_HEADS, GATES, MEDUSA_PT, MEDUSA_SAFETENSORS, legacy_rope
 from train.gates import check as gate_check
+from train.heldout import HeldoutError, read_heldout
 
 MEDUSA_WEIGHTS = MEDUSA_SAFETENSORS
 ENGINE_WEIGHTS = "model.safetensors"
@@ -345,7 +346,8 @@ def write_native(
     if (vocab or two_stage) and features_dir and (Path(features_dir) / "manifest.json").is_file():
         # opened (and its shards hashed) and its tokens counted once for both
         features = FeatureDataset(features_dir, verify_checksums=recipe.data.verify_checksums)
-        counts = loss_token_counts(features, vocab_size=target.config.vocab_size)
+        heldout = _heldout(run_dir)  # the tokens training chose from its training split
+        counts = loss_token_counts(features, vocab_size=target.config.vocab_size, skip_ids=heldout)
     if method.own_vocab:
         save_draft_vocab(out, load_draft_vocab(run_dir))
     elif vocab and counts is not None:
@@ -356,6 +358,14 @@ def write_native(
         save_factors(out, drafter, features, recipe.eval.head_rank, counts)
     if method.export_extra:
         drafter.export_extra(out, target, merge_lora=merge_lora)
+
+
+def _heldout(run_dir: str | Path) -> list[int | str]:
+    """The run's held-out sample ids (none for a run that recorded no split)."""
+    try:
+        return read_heldout(run_dir) or []
+    except HeldoutError as exc:
+        raise ExportError(str(exc)) from None
 
 
 def default_out(recipe: Recipe, run_dir: str | Path, fmt: str) -> Path:

@@ -308,15 +308,26 @@ def _tracker_kwargs(recipe: Recipe, accelerator: Accelerator) -> dict:
 # The loop
 
 
-def set_draft_vocab(recipe: Recipe, drafter: torch.nn.Module, samples, accelerator: Accelerator) -> None:
-    """A drafter with its own vocabulary drafts the data's `drafter.draft_vocab` most frequent loss tokens (the same
-    on every process: all of them count the whole dataset); the run directory keeps them (`draft_vocab.safetensors`)
-    for exports and for evaluation of its checkpoints."""
+def heldout_ids(train_loader: BatchLoader, heldout_loader: BatchLoader | None) -> list[int | str]:
+    """The sample ids of the held-out split (what `heldout.json` records)."""
+    if heldout_loader is None:
+        return []
+    samples = train_loader.samples
+    if isinstance(samples, FeatureDataset):
+        return [samples.sample_ids[i] for i in heldout_loader.indices]
+    return [samples[i]["id"] for i in heldout_loader.indices]
+
+
+def set_draft_vocab(recipe: Recipe, drafter: torch.nn.Module, samples, skip_ids, accelerator: Accelerator) -> None:
+    """A drafter with its own vocabulary drafts the `drafter.draft_vocab` most frequent loss tokens of the training
+    split (the held-out samples, `skip_ids`, left out: the held-out metrics then measure tokens chosen without them;
+    the same on every process: all of them count the whole split); the run directory keeps them
+    (`draft_vocab.safetensors`) for exports and for evaluation of its checkpoints."""
     size = recipe.drafter.draft_vocab
-    vocab = frequent_loss_tokens(samples, size)
+    vocab = frequent_loss_tokens(samples, size, skip_ids)
     if len(vocab) < size:
         raise TrainingError(
-            f"{recipe.source}: drafter.draft_vocab: {size} asked, the training data has {len(vocab)} distinct loss "
+            f"{recipe.source}: drafter.draft_vocab: {size} asked, the training split has {len(vocab)} distinct loss "
             f"tokens (lower drafter.draft_vocab to at most {len(vocab)})"
         )
     drafter.set_draft_vocab(vocab.to(accelerator.device), init_head=True)  # a resume then loads the trained head
@@ -334,13 +345,15 @@ def train(recipe: Recipe, stop_after: int | None = None) -> Path:
     set_seed(cfg.seed)
     target = build_target(recipe, accelerator)
     train_loader, heldout_loader = build_loaders(recipe, target, accelerator)
+    skip = heldout_ids(train_loader, heldout_loader)  # token choices are made on the training split only
     parts = target.parts(recipe.data.layers)
     if cfg.loss_vocab:  # offline only (checked at load): the loader's samples are the feature shards
-        parts = parts.restricted(frequent_loss_tokens(train_loader.samples, cfg.loss_vocab).to(accelerator.device))
+        vocab = frequent_loss_tokens(train_loader.samples, cfg.loss_vocab, skip)
+        parts = parts.restricted(vocab.to(accelerator.device))
     method = METHODS[recipe.drafter.method]
     drafter = method.module()(recipe.drafter, parts)
     if method.own_vocab:
-        set_draft_vocab(recipe, drafter, train_loader.samples, accelerator)
+        set_draft_vocab(recipe, drafter, train_loader.samples, skip, accelerator)
     _check_zero3_sharing(accelerator, recipe, target, drafter)
     optimizer = build_optimizer(drafter, cfg)
     scheduler = build_scheduler(optimizer, cfg)
