@@ -29,7 +29,7 @@ from models.eagle3 import Eagle3Drafter
 from models.io import ExportError, load_draft_vocab, load_drafter
 from models.methods import METHODS
 from models.target import load_target
-from train import TrainingError, eagle3_layouts
+from train import TrainingError, eagle3_layouts, loop
 from train.checkpoint import DRAFTER_FILE, METRICS_FILE, latest_checkpoint
 from train.config import load_recipe, recipe_from_dict
 from train.eagle3_layouts import compare, drafter_logits, eagle3_inputs
@@ -359,13 +359,18 @@ def losses(run: Path) -> list[float]:
     return [json.loads(line)["train/loss"] for line in (run / METRICS_FILE).read_text().splitlines()]
 
 
-def test_stop_and_resume_reproduces_the_uninterrupted_run(features, tmp_path, at_root):
+def test_stop_and_resume_reproduces_the_uninterrupted_run(features, tmp_path, at_root, monkeypatch):
+    """... and keeps the draft vocabulary the run recorded, even where counting the data now gives another (new data,
+    another counting rule): the checkpoint's head rows belong to the recorded tokens."""
     common = ["train.max_steps=4", "train.save_every=2", "drafter.input_noise=0.05"]
     train(tiny_recipe(features, tmp_path / "a", *common))
     reset_accelerate()
     assert train(tiny_recipe(features, tmp_path / "b", *common), stop_after=2).name == "step-000002"
     reset_accelerate()
+    recorded = load_draft_vocab(tmp_path / "b")
+    monkeypatch.setattr(loop, "frequent_loss_tokens", lambda *args: torch.arange(1000, 1128))
     train(tiny_recipe(features, tmp_path / "b", *common, "train.resume=auto"))
+    assert torch.equal(load_draft_vocab(tmp_path / "b"), recorded)
     assert losses(tmp_path / "a") == losses(tmp_path / "b")
     a, b = trained(tmp_path / "a"), trained(tmp_path / "b")
     assert all(torch.equal(a[k], b[k]) for k in a)

@@ -35,7 +35,7 @@ from data.loader import BatchLoader
 from data.prepare import prepare_dataset
 from data.shards import FeatureDataset, FeatureMismatchError, frequent_loss_tokens, split_by_id
 from models.common import DraftBatch, packed_additive_mask
-from models.io import save_draft_vocab
+from models.io import DRAFT_VOCAB_FILE, ExportError, load_draft_vocab, save_draft_vocab
 from models.methods import METHODS
 from models.target import Target, load_target
 from train import TrainingError
@@ -318,12 +318,28 @@ def heldout_ids(train_loader: BatchLoader, heldout_loader: BatchLoader | None) -
     return [samples[i]["id"] for i in heldout_loader.indices]
 
 
-def set_draft_vocab(recipe: Recipe, drafter: torch.nn.Module, samples, skip_ids, accelerator: Accelerator) -> None:
+def set_draft_vocab(
+    recipe: Recipe, drafter: torch.nn.Module, samples, skip_ids, accelerator: Accelerator, resuming: bool
+) -> None:
     """A drafter with its own vocabulary drafts the `drafter.draft_vocab` most frequent loss tokens of the training
     split (the held-out samples, `skip_ids`, left out: the held-out metrics then measure tokens chosen without them;
     the same on every process: all of them count the whole split); the run directory keeps them
-    (`draft_vocab.safetensors`) for exports and for evaluation of its checkpoints."""
+    (`draft_vocab.safetensors`) for exports and for evaluation of its checkpoints. A resumed run keeps the
+    vocabulary it recorded, whatever the data or the counting says now."""
     size = recipe.drafter.draft_vocab
+    path = Path(recipe.train.output_dir) / DRAFT_VOCAB_FILE
+    try:
+        recorded = load_draft_vocab(recipe.train.output_dir) if resuming else None
+    except ExportError as exc:
+        raise TrainingError(f"{exc}; restart the run without train.resume") from None
+    if recorded is not None:
+        if len(recorded) != size:
+            raise TrainingError(
+                f"{path}: {len(recorded)} draft tokens, but drafter.draft_vocab is {size}: the run was started with "
+                "another draft vocabulary; resume with that setting or start a new run"
+            )
+        drafter.set_draft_vocab(recorded.to(accelerator.device), init_head=False)  # the checkpoint holds the head
+        return
     vocab = frequent_loss_tokens(samples, size, skip_ids)
     if len(vocab) < size:
         raise TrainingError(
@@ -353,7 +369,7 @@ def train(recipe: Recipe, stop_after: int | None = None) -> Path:
     method = METHODS[recipe.drafter.method]
     drafter = method.module()(recipe.drafter, parts)
     if method.own_vocab:
-        set_draft_vocab(recipe, drafter, train_loader.samples, skip, accelerator)
+        set_draft_vocab(recipe, drafter, train_loader.samples, skip, accelerator, resuming=resume is not None)
     _check_zero3_sharing(accelerator, recipe, target, drafter)
     optimizer = build_optimizer(drafter, cfg)
     scheduler = build_scheduler(optimizer, cfg)
