@@ -30,8 +30,9 @@ left padding changes a row's bf16 numerics, so the batch size is part of the set
 
 Re-running with the same OUT resumes: parts left by an interrupted run are merged first (a truncated
 last line is dropped), batches whose records are all done are skipped; a larger --limit extends OUT
-with the next prompts. Resuming onto other prompts (the file compared by content, not by name), other
-settings or another target is refused.
+with the next prompts, giving the records one run with that limit gives. Resuming onto other prompts (the file
+compared by content, not by name), other settings or another target (its config and tokenizer files, and samples
+of its weight files' bytes) is refused.
 """
 
 from __future__ import annotations
@@ -289,8 +290,24 @@ IDENTITY_FILES = (
 )
 
 
+WEIGHT_SAMPLE_BYTES = 1 << 20
+"""Bytes of a weight file hashed at its start, middle and end: hashing GBs whole is too slow, and a retrained or
+fine-tuned model of the same shapes (the same file sizes) changes every one of them."""
+
+
+def weights_fingerprint(path: Path) -> str:
+    """sha256 over a weight file's size and three samples of its bytes (start, middle, end)."""
+    size = path.stat().st_size
+    digest = hashlib.sha256(str(size).encode())
+    with open(path, "rb") as f:
+        for start in (0, max(0, size // 2 - WEIGHT_SAMPLE_BYTES // 2), max(0, size - WEIGHT_SAMPLE_BYTES)):
+            f.seek(start)
+            digest.update(f.read(WEIGHT_SAMPLE_BYTES))
+    return f"bytes:{size},sampled-sha256:{digest.hexdigest()}"
+
+
 def target_identity(target: str) -> dict[str, Any]:
-    """Path, hashes of the config and tokenizer files, sizes of the weight files (hashing GBs is too slow)."""
+    """Path, hashes of the config and tokenizer files, and of samples of the weight files (`weights_fingerprint`)."""
     path = Path(target)
     if not path.is_dir():
         return {"name": target}
@@ -299,7 +316,7 @@ def target_identity(target: str) -> dict[str, Any]:
         if f.name in IDENTITY_FILES:
             files[f.name] = "sha256:" + hashlib.sha256(f.read_bytes()).hexdigest()
         elif f.suffix in (".safetensors", ".bin"):
-            files[f.name] = f"bytes:{f.stat().st_size}"
+            files[f.name] = weights_fingerprint(f)
     return {"path": str(path.resolve()), "files": files}
 
 
@@ -424,12 +441,14 @@ def main(argv: list[str] | None = None) -> None:
     done = read_done(args.out) if args.out.exists() else set()
 
     # Batches are cut from the whole prompt list, so each record's batch (its padding, hence its bf16 numerics)
-    # is the same whatever the number of processes and however often the run was resumed. Batch k goes to
+    # is the same whatever the number of processes, however often the run was resumed and whatever --limit was
+    # then (the last batch is generated whole and its records past the limit are not written). Batch k goes to
     # process k mod world_size.
-    batches = [records[k : k + args.batch_size] for k in range(0, len(records), args.batch_size)]
+    wanted = {rid for rid, _ in records}
+    batches = [every[k : k + args.batch_size] for k in range(0, len(records), args.batch_size)]
     mine = [b for k, b in enumerate(batches) if k % state.num_processes == state.process_index]
-    todo = [b for b in mine if any(rid not in done for rid, _ in b)]
-    remaining = sum(1 for b in batches for rid, _ in b if rid not in done)
+    todo = [b for b in mine if any(rid in wanted and rid not in done for rid, _ in b)]
+    remaining = sum(1 for rid, _ in records if rid not in done)
     if remaining and todo:
         try:
             tokenizer = AutoTokenizer.from_pretrained(args.target, trust_remote_code=args.trust_remote_code)
@@ -454,7 +473,7 @@ def main(argv: list[str] | None = None) -> None:
         with open(part, "a", encoding="utf-8") as f, tqdm(total=total, desc=desc, unit="rec") as bar:
             for batch in todo:
                 for out in distill_batch(batch, generate):
-                    if str(out["id"]) not in done:
+                    if str(out["id"]) in wanted and str(out["id"]) not in done:
                         f.write(json.dumps(out, ensure_ascii=False) + "\n")
                 f.flush()  # a whole batch at a time: a crash loses at most the batch being written
                 bar.update(len(batch))

@@ -10,6 +10,7 @@ import pytest
 from tiny import accelerate_launch, save_chat_target
 from transformers import AutoTokenizer, GenerationConfig
 
+from data import selfdistill
 from data.prepare import tokenize_record
 from data.selfdistill import SelfDistillError, main
 
@@ -139,12 +140,40 @@ def test_refuses_resume_with_other_settings_or_prompts(tiny_target, tmp_path, ch
         run(tiny_target, prompts, tmp_path / "out.jsonl", "--limit", "2", *change)
 
 
-def test_a_larger_limit_extends_the_run_to_what_one_run_writes(tiny_target, tmp_path):
+def test_a_larger_limit_extends_the_run_to_what_one_run_writes(tiny_target, tmp_path, monkeypatch):
+    """Every record is generated in the batch one run over all the prompts puts it in (its padding, hence its bf16
+    numerics, depend on the batch): a limit inside a batch generates the whole batch and writes the records up to
+    the limit."""
     prompts = write_jsonl(tmp_path / "p.jsonl", PLAIN + CHAT)
+    batches = []
+    distill_batch = selfdistill.distill_batch
+    monkeypatch.setattr(
+        selfdistill, "distill_batch", lambda b, g: batches.append([i for i, _ in b]) or distill_batch(b, g)
+    )
     run(tiny_target, prompts, tmp_path / "once.jsonl", "--limit", "7", "--batch-size", "2")
-    run(tiny_target, prompts, tmp_path / "grown.jsonl", "--limit", "3", "--batch-size", "2")
+    assert batches == [["p0", "p1"], ["p2", "p3"], ["p4", "line6"], ["openai", "sharegpt"]]
+    batches.clear()
+    assert len(run(tiny_target, prompts, tmp_path / "grown.jsonl", "--limit", "3", "--batch-size", "2")) == 3
+    assert batches == [["p0", "p1"], ["p2", "p3"]]  # p3 generated beside p2, as in the one run, and not written
     run(tiny_target, prompts, tmp_path / "grown.jsonl", "--limit", "7", "--batch-size", "2")
     assert (tmp_path / "grown.jsonl").read_text() == (tmp_path / "once.jsonl").read_text()
+
+
+def test_refuses_resume_onto_a_target_with_other_weights_of_the_same_size(tiny_target, tmp_path):
+    prompts = write_jsonl(tmp_path / "p.jsonl", PLAIN)
+    target = tmp_path / "target"
+    shutil.copytree(tiny_target, target)
+    run(target, prompts, tmp_path / "out.jsonl", "--limit", "2")
+    weights = target / "model.safetensors"
+    size = weights.stat().st_size
+    with open(weights, "r+b") as f:  # another model of the same shapes: other weight bytes, the same file size
+        f.seek(size // 2)
+        chunk = f.read(4096)
+        f.seek(size // 2)
+        f.write(bytes(b ^ 0x01 for b in chunk))
+    assert weights.stat().st_size == size
+    with pytest.raises(SelfDistillError, match="another target"):
+        run(target, prompts, tmp_path / "out.jsonl", "--limit", "3")
 
 
 def test_prompts_compared_by_content_not_name(tiny_target, tmp_path):
