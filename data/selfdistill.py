@@ -320,6 +320,26 @@ def target_identity(target: str) -> dict[str, Any]:
     return {"path": str(path.resolve()), "files": files}
 
 
+def same_run(previous: dict[str, Any] | None, meta: dict[str, Any]) -> bool:
+    """Whether OUT's recorded settings and target are this run's. A weight file recorded by its size alone (before
+    samples of its bytes were hashed) matches on its size, so a run started then can still be finished."""
+    if previous is None or previous.get("settings") != meta["settings"]:
+        return False
+    before, now = previous.get("target") or {}, meta["target"]
+    if "files" not in before or "files" not in now:
+        return before == now
+    if {k: v for k, v in before.items() if k != "files"} != {k: v for k, v in now.items() if k != "files"}:
+        return False
+    if before["files"].keys() != now["files"].keys():
+        return False
+    for name, old in before["files"].items():
+        new = now["files"][name]
+        by_size_only = isinstance(old, str) and old.startswith("bytes:") and "," not in old
+        if old != new and not (by_size_only and new.split(",")[0] == old):
+            return False
+    return True
+
+
 def read_done(out: Path) -> set[str]:
     """Ids already in OUT. A last line without its newline (an interrupted write) is cut off the file."""
     if not out.exists():
@@ -429,7 +449,7 @@ def main(argv: list[str] | None = None) -> None:
                 previous = json.loads(meta_path.read_text()) if meta_path.exists() else None
             except (json.JSONDecodeError, UnicodeDecodeError):
                 previous = None  # unreadable: treated as other settings
-            if previous != meta:
+            if not same_run(previous, meta):
                 raise SelfDistillError(
                     f"{args.out} holds records made from other prompts, with other settings or another target "
                     f"(see {meta_path}); refusing to resume: delete it (and its .part files) to start over"

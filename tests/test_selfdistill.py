@@ -174,6 +174,16 @@ def test_refuses_resume_onto_a_target_with_other_weights_of_the_same_size(tiny_t
     assert weights.stat().st_size == size
     with pytest.raises(SelfDistillError, match="another target"):
         run(target, prompts, tmp_path / "out.jsonl", "--limit", "3")
+    # a run whose meta recorded weight files by size alone (earlier versions) still resumes on a same-size file
+    meta_path = tmp_path / "out.jsonl.meta.json"
+    meta = json.loads(meta_path.read_text())
+    meta["target"]["files"]["model.safetensors"] = f"bytes:{size}"
+    meta_path.write_text(json.dumps(meta))
+    assert [r["id"] for r in run(target, prompts, tmp_path / "out.jsonl", "--limit", "3")] == ["p0", "p1", "p2"]
+    meta["target"]["files"]["model.safetensors"] = f"bytes:{size + 1}"
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(SelfDistillError, match="another target"):
+        run(target, prompts, tmp_path / "out.jsonl", "--limit", "4")
 
 
 def test_prompts_compared_by_content_not_name(tiny_target, tmp_path):
