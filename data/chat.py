@@ -112,8 +112,16 @@ def assistant_char_spans(
         turn = upto[len(before) :].rstrip()
         if not turn:
             raise ChatTemplateError(f"assistant turn {i}: the chat template renders nothing for assistant turns")
-        if len(spans) in cut_turns and message["content"] and message["content"] in turn:
-            turn = turn[: turn.index(message["content"]) + len(message["content"])]
+        if len(spans) in cut_turns and message["content"]:
+            # the turn ends with its text, before the end marker; templates that trim (Llama-3's `| trim`) render
+            # the text without its outer whitespace
+            body = next((b for b in (message["content"], message["content"].strip()) if b and b in turn), None)
+            if body is None:
+                raise ChatTemplateError(
+                    f"assistant turn {i} was cut at the length limit, but the template renders it without its text "
+                    f"as given, so where the turn ends cannot be found (rendered: {turn[-80:]!r})"
+                )
+            turn = turn[: turn.index(body) + len(body)]
         spans.append((len(before), len(before) + len(turn)))
     return text, spans
 

@@ -51,7 +51,7 @@ from safetensors import SafetensorError
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LogitsProcessor, LogitsProcessorList
 
-from data.chat import SHAREGPT_ROLES, render_with_turn_ids
+from data.chat import SHAREGPT_ROLES, ChatTemplateError, DataError, render_with_turn_ids
 
 
 class SelfDistillError(ValueError):
@@ -263,7 +263,10 @@ def distill_batch(batch: list[tuple[str, dict[str, Any]]], generate: Generator) 
             # The earlier turns as the target wrote them (its token ids), the template's text around them.
             written = outputs[i]["assistant_ids"]
             cut = frozenset(k for k, r in enumerate(outputs[i]["generation"]["finish_reason"]) if r == "length")
-            ids, _ = render_with_turn_ids(messages, tok, written, cut, generation_prompt=True)
+            try:
+                ids, _ = render_with_turn_ids(messages, tok, written, cut, generation_prompt=True)
+            except (DataError, ChatTemplateError) as exc:  # e.g. a template that refuses this order of roles
+                raise SelfDistillError(f"record {batch[i][0]!r}, assistant turn {r + 1}: {exc}") from None
             inputs.append(ids)
             seeds.append(record_seed(settings.seed, batch[i][0], r))
         for (i, j), seed, (text, reason, ids) in zip(slots, seeds, generate(inputs, seeds)):

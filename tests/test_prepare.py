@@ -16,7 +16,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from data.chat import ChatTemplateError, DataError, normalize_messages, render_with_assistant_mask
+from data.chat import ChatTemplateError, DataError, normalize_messages, render_with_assistant_mask, render_with_turn_ids
 from data.prepare import format_masked, prepare_dataset, template_fingerprint, tokenize_record
 from train.config import DataConfig
 
@@ -233,6 +233,30 @@ def test_cut_off_generations_teach_no_ending(pocket) -> None:
     ids, mask = tokenize_record(chat, pocket, "auto", max_len=1000)
     assert masked_runs(ids, mask, pocket) == ["It is four.<|end|>", "The weather is nice."]
     assert ids == render_with_assistant_mask(CONVERSATION, pocket)[0]  # the same tokens, one mask bit less
+
+
+def test_a_cut_turn_keeps_its_end_marker_under_a_trimming_template() -> None:
+    """Llama-3's template trims each turn's text: a turn cut on a newline is rendered without it. Its span still ends
+    before the end marker, so the marker stays in the conversation (self-distillation's next prompt, and the ids
+    spliced in for the turn) and is not a loss token."""
+    tok = family("llama3")
+    messages = [
+        {"role": "user", "content": "What is two plus two?"},
+        {"role": "assistant", "content": "It is four.\n"},  # cut at the length limit right after a newline
+        {"role": "user", "content": "And the weather?"},
+        {"role": "assistant", "content": "The weather is nice."},
+    ]
+    eot = tok.convert_tokens_to_ids("<|eot_id|>")
+    cut = tok("It is four.\n", add_special_tokens=False)["input_ids"]  # no stop token: the limit cut it
+    stopped = tok("The weather is nice.", add_special_tokens=False)["input_ids"] + [eot]
+    ids, mask = render_with_turn_ids(messages, tok, [cut, stopped], frozenset({0}))
+    assert ids.count(eot) == 4  # both users' turns, the cut turn's (from the template) and the stopped one's
+    assert masked_runs(ids, mask, tok) == ["It is four.\n", "The weather is nice.<|eot_id|>"]
+    prompt, _ = render_with_turn_ids(messages[:3], tok, [cut], frozenset({0}), generation_prompt=True)
+    assert tok.decode(prompt).count("<|eot_id|>") == 3
+    record = {"messages": messages, "generation": {"finish_reason": ["length", "stop"]}}
+    ids, mask = tokenize_record(record, tok, "auto", max_len=1000)  # the text route
+    assert masked_runs(ids, mask, tok) == ["It is four.", "The weather is nice.<|eot_id|>"]
 
 
 def write_jsonl(path: Path, lines: list) -> str:

@@ -186,6 +186,18 @@ def test_refuses_resume_onto_a_target_with_other_weights_of_the_same_size(tiny_t
         run(target, prompts, tmp_path / "out.jsonl", "--limit", "4")
 
 
+def test_a_conversation_the_template_rejects_is_named_in_one_line(tiny_target, tmp_path):
+    target = tmp_path / "target"
+    shutil.copytree(tiny_target, target)
+    template = (target / "chat_template.jinja").read_text()
+    guard = "{% if messages[0]['role'] == 'system' %}{{ raise_exception('no system role') }}{% endif %}"
+    (target / "chat_template.jinja").write_text(guard + template)
+    with pytest.raises(
+        SelfDistillError, match=r"^record 'openai', assistant turn 1: chat template rejected .*no system"
+    ):
+        run(target, write_jsonl(tmp_path / "p.jsonl", CHAT[:1]), tmp_path / "out.jsonl")
+
+
 def test_prompts_compared_by_content_not_name(tiny_target, tmp_path):
     run(tiny_target, write_jsonl(tmp_path / "p.jsonl", PLAIN[:2]), tmp_path / "out.jsonl")
     edited = [dict(PLAIN[0], prompt="something else"), PLAIN[1]]
