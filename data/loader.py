@@ -11,7 +11,8 @@ position ids restarting at 0 per sample). Rows are wrapped around to a multiple 
 [m·B·N, (m+1)·B·N), dealt round-robin to the N processes. Every process gets the same number of
 full batches (DDP ranks stay in step), and the position is counted in rows, so a state saved by N
 processes restores on M with the same global step (batch_size x accum x world_size) and replays
-exactly the same rows per optimizer step.
+exactly the same rows per optimizer step. With `score_fill=False` (held-out evaluation) the rows
+repeated to fill the last step carry no loss tokens, so every sample counts once.
 
 Batches are `DraftBatch` dicts, right-padded to the batch's longest row: attention_mask 0 and
 loss_mask 0 on padding, and padding positions continue the last sample's positions (so they never
@@ -48,6 +49,7 @@ class BatchLoader:
         seed: int = 0,
         rank: int = 0,
         world_size: int = 1,
+        score_fill: bool = True,
     ) -> None:
         if packing and max_len is None:
             raise ValueError("BatchLoader: packing needs max_len")
@@ -59,6 +61,7 @@ class BatchLoader:
             raise ValueError("BatchLoader: no samples")
         self.batch_size, self.accum, self.packing, self.max_len = batch_size, accum, packing, max_len
         self.shuffle, self.seed, self.rank, self.world_size = shuffle, seed, rank, world_size
+        self.score_fill = score_fill  # False: rows repeated to fill the last step carry no loss tokens
         self.features = isinstance(samples, FeatureDataset)
         raw = samples.lengths if self.features else [len(s["input_ids"]) for s in samples]
         self.lengths = {i: min(raw[i], max_len or raw[i]) for i in self.indices}
@@ -77,7 +80,8 @@ class BatchLoader:
         rows = self._pack(order) if self.packing else [[i] for i in order]
         step = self.step_rows
         total = -(-len(rows) // step) * step
-        rows = (rows * (total // len(rows) + 1))[:total]
+        fill = (rows * (total // len(rows) + 1))[len(rows) : total]  # every step full: repeat rows from the start
+        rows = rows + (fill if self.score_fill else [[~i for i in row] for row in fill])  # ~i: i, not scored
         mine = rows[self.rank :: self.world_size]
         plan = [mine[b : b + self.batch_size] for b in range(0, len(mine), self.batch_size)]
         self._plan_cache = (epoch, plan)
@@ -149,9 +153,10 @@ class BatchLoader:
         }
 
     def collate(self, rows: list[list[int]]) -> DraftBatch:
-        """Right-padded (B, T) batch of rows; a row holds one sample, or several when packing."""
+        """Right-padded (B, T) batch of rows; a row holds one sample, or several when packing (a position ~i: sample
+        i with no loss tokens, a repeat that fills the last step of an unscored fill)."""
         B = len(rows)
-        T = max(sum(self.lengths[i] for i in row) for row in rows)
+        T = max(sum(self.lengths[max(i, ~i)] for i in row) for row in rows)
         batch: DraftBatch = {
             "input_ids": torch.zeros(B, T, dtype=torch.int64),
             "loss_mask": torch.zeros(B, T, dtype=torch.float32),
@@ -164,7 +169,9 @@ class BatchLoader:
         for b, row in enumerate(rows):
             t = 0
             for i in row:
-                item, n = self._item(i), self.lengths[i]
+                item, n = self._item(max(i, ~i)), self.lengths[max(i, ~i)]
+                if i < 0:
+                    item["loss_mask"] = torch.zeros_like(item["loss_mask"])
                 for key, value in item.items():
                     batch[key][b, t : t + n] = value
                 batch["attention_mask"][b, t : t + n] = 1

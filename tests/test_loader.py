@@ -169,3 +169,24 @@ def test_a_position_off_the_batch_grid_is_refused() -> None:
     loader = BatchLoader(token_samples(10), batch_size=4, world_size=1)
     with pytest.raises(ValueError, match="not a whole number of batches"):
         loader.load_state_dict({"epoch": 0, "rows": 6})
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_an_unscored_fill_counts_every_sample_once_on_any_number_of_processes(features, packing) -> None:
+    """Held-out evaluation's loader: the rows repeated to fill the last step keep their tokens (every process runs
+    the same number of batches) but carry no loss tokens, so each sample's loss tokens count exactly once."""
+    ds, samples = features
+    want = sum(sum(s["loss_mask"]) for s in samples)
+    for world in (1, 2, 3):
+        scored, tokens = 0.0, 0
+        for rank in range(world):
+            loader = BatchLoader(ds, batch_size=4, shuffle=False, packing=packing, max_len=40, rank=rank,
+                                 world_size=world, score_fill=False)  # fmt: skip
+            for batch in loader.epoch(0):
+                scored += float(batch["loss_mask"].sum())
+                tokens += int(batch["attention_mask"].sum())
+        assert scored == want
+        assert tokens >= sum(len(s["input_ids"]) for s in samples)  # the repeats are there, unscored
+    # the training loader's fill is scored: 11 rows on 2 processes of 4 fill to 16, 5 samples counted twice
+    training = [BatchLoader(ds, batch_size=4, shuffle=False, rank=r, world_size=2) for r in range(2)]
+    assert sum(float(b["loss_mask"].sum()) for loader in training for b in loader.epoch(0)) > want

@@ -31,6 +31,7 @@ from train.__main__ import main as train_main
 from train.checkpoint import DRAFTER_FILE, METRICS_FILE, latest_checkpoint, list_checkpoints
 from train.config import load_recipe
 from train.loop import TrainingError, build_target, target_hidden, train
+from train.optim import WarmupCosine
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = {"eagle2": ROOT / "recipes/tiny/eagle2.yaml", "medusa1": ROOT / "recipes/tiny/medusa1.yaml"}
@@ -252,6 +253,27 @@ def test_resume_refuses_another_recipe(features, tmp_path):
         TrainingError, match=r"global batch of 4 rows .* resuming with 2 \(2 x 1 x 1\): set train.grad_accum"
     ):
         train(resized)
+
+
+def test_resume_follows_a_longer_schedule_and_refuses_other_optimizer_settings(features, tmp_path, capsys):
+    """Training longer (a larger train.max_steps on resume) continues on the new cosine from the saved step; it used to
+    keep the saved schedule and train the extra steps at learning rate 0. Settings the restored optimizer keeps
+    (train.lr, head_lr_mult, weight_decay, betas) or that change the loss (loss_vocab) are refused, not ignored."""
+    run = tmp_path / "run"
+    common = ["train.lr=0.01", "train.warmup_steps=1"]
+    train(recipe("eagle2", features, run, "train.max_steps=2", *common))
+    reset_accelerate()
+    for change in ("train.lr=0.02", "train.head_lr_mult=2", "train.betas=[0.8,0.95]"):
+        key = change.split("=")[0]
+        with pytest.raises(TrainingError, match=f"saved with {key}=.*: the restored optimizer keeps the saved"):
+            train(recipe("eagle2", features, run, "train.max_steps=4", "train.resume=auto", *common, change))
+        reset_accelerate()
+    train(recipe("eagle2", features, run, "train.max_steps=4", "train.resume=auto", *common))
+    assert "from step 2 it follows the recipe's (1 warm-up steps, cosine to 0 at 4)" in capsys.readouterr().out
+    logged = [json.loads(line)["train/lr"] for line in (run / METRICS_FILE).read_text().splitlines()]
+    curve = WarmupCosine(1, 4)
+    torch.testing.assert_close(logged[2:], [0.01 * curve(2), 0.01 * curve(3)])  # steps 3 and 4: 0.0075, 0.0025
+    assert logged[:2] == [0.01 * WarmupCosine(1, 2)(s) for s in range(2)]
 
 
 def test_resume_never_unpickles_anything(features, tmp_path):
@@ -504,3 +526,29 @@ def test_a_deepspeed_or_fsdp_launch_that_came_up_as_plain_ddp_is_refused(config,
     assert f"error: the launch asked for {asked} but accelerate set up MULTI_CPU" in proc.stderr
     assert "Traceback" not in proc.stderr.split("error: the launch")[0][-300:]
     assert not (out / "checkpoints").exists()
+
+
+def test_the_fp16_loss_scale_is_checkpointed_as_json(tmp_path, capsys):
+    """With fp16 mixed precision accelerate keeps a GradScaler (GPU only, so a CPU one stands in): its scale and
+    growth tracker go into the checkpoint's JSON state and come back on resume, so a resumed run skips the same
+    overflowing steps as the uninterrupted one."""
+    from types import SimpleNamespace
+
+    from train.resume import restore_scaler, scaler_state
+
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=3)
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=0.1)
+    for value in (float("inf"), 1.0):  # one overflow (scale halves), one good step (growth tracker 1)
+        scaler.scale((p * value).sum()).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    saved = json.loads(json.dumps(scaler_state(SimpleNamespace(scaler=scaler))))
+    assert saved["scale"] == 512.0 and saved["_growth_tracker"] == 1
+    fresh = SimpleNamespace(scaler=torch.amp.GradScaler("cpu", growth_interval=3), is_main_process=True)
+    restore_scaler(fresh, saved, tmp_path)
+    assert fresh.scaler.state_dict() == scaler.state_dict()
+    restore_scaler(fresh, None, tmp_path)  # a checkpoint without one: said, and the scaler is left as it is
+    assert "holds no fp16 loss scale" in capsys.readouterr().out
+    assert scaler_state(SimpleNamespace(scaler=None)) is None

@@ -42,7 +42,7 @@ from train import TrainingError
 from train.checkpoint import METRICS_FILE, RECIPE_FILE
 from train.config import Recipe
 from train.heldout import write_heldout
-from train.optim import build_optimizer, build_scheduler
+from train.optim import build_optimizer, build_scheduler, reschedule
 from train.resume import checkpoint_to_resume, restore_run, save_run, truncate_metrics
 
 # --------------------------------------------------------------------------------------------
@@ -188,7 +188,9 @@ def build_loaders(recipe: Recipe, target: Target, accelerator: Accelerator) -> t
         seed=cfg.seed,
     )
     train_loader = BatchLoader(samples, train_idx, shuffle=True, **common)
-    heldout_loader = BatchLoader(samples, heldout_idx, shuffle=False, **common) if heldout_idx else None
+    # every held-out sample counts once, whatever the accumulation and the number of processes
+    held = dict(common, accum=1)
+    heldout_loader = BatchLoader(samples, heldout_idx, shuffle=False, score_fill=False, **held) if heldout_idx else None
     return train_loader, heldout_loader
 
 
@@ -379,6 +381,11 @@ def train(recipe: Recipe, stop_after: int | None = None) -> Path:
     if resume is not None:
         saved = restore_run(accelerator, model, optimizer, scheduler, train_loader, resume, cfg.seed)
         step, tokens_seen = saved["step"], saved["tokens_seen"]
+        if reschedule(scheduler, cfg.warmup_steps, cfg.max_steps) and accelerator.is_main_process:
+            print(
+                f"{resume}: its learning-rate schedule had other train.warmup_steps / train.max_steps; from step "
+                f"{step} it follows the recipe's ({cfg.warmup_steps} warm-up steps, cosine to 0 at {cfg.max_steps})"
+            )
     if accelerator.is_main_process:
         out_dir.mkdir(parents=True, exist_ok=True)
         recipe.save(out_dir / RECIPE_FILE)
@@ -394,7 +401,7 @@ def train(recipe: Recipe, stop_after: int | None = None) -> Path:
     try:
         while step < cfg.max_steps:
             t0 = time.perf_counter()
-            lr = scheduler.get_last_lr()[0]
+            lr = cfg.lr * scheduler.lr_lambdas[0](scheduler.last_epoch)  # train.lr as scheduled (heads: x mult)
             if method.step_dependent:  # losses that depend on training progress (Medusa-2's α warm-up)
                 drafter.set_step(step)
             metrics, tokens = stepper.train_step([next(batches) for _ in range(cfg.grad_accum)])

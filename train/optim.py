@@ -55,3 +55,21 @@ class WarmupCosine:
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> LambdaLR:
     return LambdaLR(optimizer, WarmupCosine(cfg.warmup_steps, cfg.max_steps))
+
+
+def reschedule(scheduler: LambdaLR, warmup: int, total: int) -> bool:
+    """Point a restored schedule at these warm-up / total steps (a resumed run whose recipe changed
+    `train.warmup_steps` or `train.max_steps`, e.g. to train longer): the learning rate continues from the saved step
+    on the new curve. Returns whether anything changed."""
+    changed = False
+    for schedule in scheduler.lr_lambdas:
+        if (schedule.warmup, schedule.total) != (warmup, total):
+            schedule.warmup, schedule.total = warmup, total
+            changed = True
+    if changed:
+        step = scheduler.last_epoch
+        groups = scheduler.optimizer.param_groups
+        for group, base, schedule in zip(groups, scheduler.base_lrs, scheduler.lr_lambdas):
+            group["lr"] = base * schedule(step)
+        scheduler._last_lr = [group["lr"] for group in groups]
+    return changed

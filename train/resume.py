@@ -97,6 +97,15 @@ def checkpoint_to_resume(recipe: Recipe, accelerator: Accelerator) -> Path | Non
             "the saved data position only means something in the same batch plan (and the seed also picks the "
             "held-out split)"
         )
+    kept, want = saved.get("optimizer_settings"), optimizer_settings(recipe)  # absent in older checkpoints
+    changed = sorted(k for k in want if kept is not None and kept.get(k) != want[k])
+    if changed:
+        key = changed[0]
+        raise TrainingError(
+            f"{path}: saved with train.{key}={kept.get(key)!r}, {recipe.source} has {want[key]!r}: the restored "
+            "optimizer keeps the saved setting; resume with it, or start a new run in another train.output_dir "
+            "(train.max_steps and train.warmup_steps may change: the schedule follows the recipe)"
+        )
     newer = [p for p in existing if _step_of(p) > saved["step"] and p.resolve() != path.resolve()]
     if newer:
         raise TrainingError(
@@ -120,6 +129,39 @@ def batch_plan(recipe: Recipe, world_size: int) -> dict[str, Any]:
     return {"global_batch": cfg.batch_size * cfg.grad_accum * world_size, "packing": cfg.packing, "seed": cfg.seed}
 
 
+def optimizer_settings(recipe: Recipe) -> dict[str, Any]:
+    """The settings a restored optimizer keeps from its checkpoint (group learning rates, weight decay, betas) or
+    that change what the loss is (`loss_vocab`): a resume refuses other values rather than ignore them."""
+    cfg = recipe.train
+    return {
+        "lr": cfg.lr,
+        "head_lr_mult": cfg.head_lr_mult,
+        "weight_decay": cfg.weight_decay,
+        "betas": list(cfg.betas),
+        "loss_vocab": cfg.loss_vocab,
+    }
+
+
+def scaler_state(accelerator) -> dict[str, Any] | None:
+    """fp16 mixed precision's loss scale and its growth tracker (JSON numbers), or None without a scaler: a resumed
+    run must skip the same overflowing steps as the uninterrupted one."""
+    scaler = getattr(accelerator, "scaler", None)
+    return None if scaler is None else scaler.state_dict()
+
+
+def restore_scaler(accelerator, state: dict[str, Any] | None, path: Path) -> None:
+    scaler = getattr(accelerator, "scaler", None)
+    if scaler is None:
+        return
+    if state:
+        scaler.load_state_dict(state)
+    elif accelerator.is_main_process:
+        print(
+            f"{path}: holds no fp16 loss scale (saved without fp16, or by an older specdraft): starting from the "
+            "initial scale"
+        )
+
+
 def _step_of(checkpoint: Path) -> int:
     return read_state(checkpoint)["step"]
 
@@ -131,6 +173,8 @@ def save_run(accelerator, model, optimizer, scheduler, recipe, step, loader, tok
     state = {
         "recipe_hash": recipe.section_hash("target", "data", "drafter"),
         "batch_plan": batch_plan(recipe, accelerator.num_processes),
+        "optimizer_settings": optimizer_settings(recipe),
+        "grad_scaler": scaler_state(accelerator),
         "data": loader.state_dict(),
         "world_size": accelerator.num_processes,
         "tokens_seen": tokens_seen,
@@ -151,6 +195,7 @@ def restore_run(accelerator, model, optimizer, scheduler, loader, path: Path, se
         restore_state(accelerator, model, optimizer, saved["params"], saved["moments"], saved["groups"])
         scheduler.load_state_dict(saved["scheduler"])
         loader.load_state_dict(saved["state"]["data"])
+        restore_scaler(accelerator, saved["state"].get("grad_scaler"), path)
     except (CheckpointError, ValueError, KeyError, TypeError) as exc:
         raise TrainingError(f"{path}: cannot resume: {exc}") from None
     state = saved["state"]
