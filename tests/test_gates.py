@@ -194,7 +194,7 @@ def test_safeailab_loads_scaling_in_its_two_key_form_only(targets, recipe, tmp_p
     drafter = eagle(target)
     out = tmp_path / "theta"
     out.mkdir()
-    export_mod._write_eagle(out, target, drafter, False, export_mod.SAFEAILAB_EAGLE, for_safeailab=False)
+    export_mod._write_eagle(out, target, drafter, False, "vllm")  # SafeAILab's layout without its RoPE rules
     config = json.loads((out / "config.json").read_text())
     config["rope_scaling"] = {"type": "linear", "factor": 4.0}
     (out / "config.json").write_text(json.dumps(config))

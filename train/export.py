@@ -215,13 +215,13 @@ def write_vllm(out: Path, recipe: Recipe, target: Target, drafter: nn.Module, in
                 "export.format: vllm builds the EAGLE fc without bias and would silently drop fc.bias; train with "
                 "drafter.fc_bias=false, or export --format eagle / sglang (which keep the bias)"
             )
-        return _write_eagle(out, target, drafter, include_target_weights, SAFEAILAB_EAGLE, for_safeailab=False)
+        return _write_eagle(out, target, drafter, include_target_weights, "vllm")
     write_vllm_medusa(out, recipe, target, drafter)
 
 
-def _write_eagle(
-    out: Path, target: Target, drafter: nn.Module, include_target_weights: bool, arch: str, for_safeailab: bool = True
-) -> None:
+def _write_eagle(out: Path, target: Target, drafter: nn.Module, include_target_weights: bool, fmt: str) -> None:
+    """The EAGLE-1/2 layout for `fmt`: "eagle" (SafeAILab), "vllm" (which reads SafeAILab's layout through
+    transformers' config) or "sglang"."""
     cfg = drafter.cfg
     if cfg.fc_norm or cfg.post_norm or cfg.feature_layers != [-1]:
         raise ExportError(
@@ -231,16 +231,17 @@ def _write_eagle(
     tensors = dict(drafter.trainable_state_dict())
     if include_target_weights:  # engines then use this copy instead of the target's embedding
         tensors["embed_tokens.weight"] = drafter.embed_tokens.weight
-    sglang = arch == SGLANG_EAGLE
+    sglang = fmt == "sglang"
     if sglang and "fc.bias" not in tensors:  # SGLang's fc always has a bias: load zeros, not its initial values
         tensors["fc.bias"] = torch.zeros(tensors["fc.weight"].shape[0], dtype=tensors["fc.weight"].dtype)
     write_safetensors(tensors, out / ENGINE_WEIGHTS)
     config = {k: v for k, v in target.config.to_dict().items() if k not in _VOLATILE | _BIAS_KEYS}
     # the drafter's layers have no attention or MLP biases, whatever the target's have
+    arch = SGLANG_EAGLE if sglang else SAFEAILAB_EAGLE
     config.update(architectures=[arch], num_hidden_layers=cfg.num_layers, tie_word_embeddings=False)
     config.update(attention_bias=False, mlp_bias=False)
     config.update(legacy_rope(config))
-    if arch == SAFEAILAB_EAGLE and for_safeailab:  # vLLM reads this layout's config through transformers
+    if fmt == "eagle":
         safeailab_rope(config)
     if not sglang:  # SafeAILab reads `bias` as the fc's; SGLang's Llama layers would read it as attention biases
         config["bias"] = cfg.fc_bias
@@ -270,11 +271,11 @@ def safeailab_rope(config: dict) -> None:
 
 
 def write_eagle(out: Path, recipe: Recipe, target: Target, drafter: nn.Module, include_target_weights: bool) -> None:
-    _write_eagle(out, target, drafter, include_target_weights, SAFEAILAB_EAGLE)
+    _write_eagle(out, target, drafter, include_target_weights, "eagle")
 
 
 def write_sglang(out: Path, recipe: Recipe, target: Target, drafter: nn.Module, include_target_weights: bool) -> None:
-    _write_eagle(out, target, drafter, include_target_weights, SGLANG_EAGLE)
+    _write_eagle(out, target, drafter, include_target_weights, "sglang")
 
 
 ENGINE_FORMATS = {"medusa": write_medusa, "eagle": write_eagle, "sglang": write_sglang, "vllm": write_vllm}
