@@ -211,17 +211,33 @@ def batch_should_stop(
     max_size: int | None = None,
 ) -> bool:
     """Early stop for a batch drafting in lockstep: True when no further draft step (up to `steps_left`) can raise
-    the expected tokens per second of the batch's mean ranking (`can_improve`'s bound, with the rows' mean best
-    frontier path probability `frontier_probs`)."""
+    the expected tokens per second of the batch's mean ranking. `can_improve`'s bound, row by row: each row's new
+    candidates get its own best frontier path probability (`frontier_probs[b]`) and slot into its own ranking, and
+    the mean of those bounds bounds the batch's mean ranking (a bound from the rows' mean frontier does not: a row
+    whose frontier ranks high can gain more than the mean says)."""
     if steps_left <= 0:
         return True
-    n = min(len(r) for r in ranked_rows)
-    mean = [sum(float(r[i]) for r in ranked_rows) / len(ranked_rows) for i in range(n)]
-    limit = n if max_size is None else max(0, min(n, max_size - 1))
-    size, tokens, cost, ratio = _best_size(mean[:limit], costs, draft_steps)
-    current = Selection((), size, tokens, cost, ratio, draft_steps, tuple(mean))
-    frontier = sum(float(p) for p in frontier_probs) / len(frontier_probs)
-    return not can_improve(current, min(frontier, 1.0), new_per_step, costs, steps_left, max_size)
+    if new_per_step < 0:
+        raise ValueError(f"new_per_step must be non-negative, got {new_per_step}")
+    rows = [[float(p) for p in r] for r in ranked_rows]
+    fronts = [min(float(f), 1.0) for f in frontier_probs]
+    if new_per_step == 0 or not any(fronts):
+        return True  # nothing new can be accepted, and more steps only cost
+
+    def mean_ranking(lists: list[list[float]]) -> list[float]:
+        n = min(len(r) for r in lists)
+        mean = [sum(r[i] for r in lists) / len(lists) for i in range(n)]
+        return mean if max_size is None else mean[: max(0, max_size - 1)]
+
+    current = _best_size(mean_ranking(rows), costs, draft_steps)[3]
+    for extra in range(1, steps_left + 1):
+        bounds = []
+        for r, f in zip(rows, fronts):
+            pos = bisect.bisect_left([-p for p in r], -f)
+            bounds.append(r[:pos] + [f] * (extra * new_per_step) + r[pos:])
+        if _best_size(mean_ranking(bounds), costs, draft_steps + extra)[3] > current:
+            return False
+    return True
 
 
 def selection_parents(parents: Sequence[int], nodes: Sequence[int]) -> list[int]:

@@ -63,37 +63,68 @@ def summarize(records: list[dict[str, Any]], meta: dict[str, Any]) -> dict[str, 
     }
 
 
-def _by_tree_size(records: list[dict[str, Any]]) -> dict[str, dict[str, float | None]]:
-    """Rounds pooled by the size of the tree they verified (tree tokens, root included): how many, their τ, and
-    their tokens per second (tokens over the rounds' own seconds, drafting to commit; None without round times)."""
-    sizes: dict[int, list[tuple[int, float | None]]] = {}
+def _batch_groups(records: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """The records of each batch that ran together (`batch`: its first prompt's index); unbatched records alone."""
+    groups: dict[Any, list[dict[str, Any]]] = {}
     for r in records:
-        spec = r["speculative"]
-        times = spec.get("round_s") or [None] * len(spec["accepted"])
-        for n, a, t in zip(spec.get("tree_nodes") or [], spec["accepted"], times):
-            sizes.setdefault(int(n), []).append((a + 1, t))
+        groups.setdefault(("batch", r["batch"]) if "batch" in r else ("prompt", r["index"]), []).append(r)
+    return list(groups.values())
+
+
+def _batch_rounds(rows: list[dict[str, Any]]) -> list[tuple[int, int, int, float | None]]:
+    """The rounds a batch ran: (tree tokens, rows verified, tokens they got, the round's seconds or None). Round k of
+    a batch verifies the trees of the rows still decoding, all of one size, in one forward timed once."""
+    specs = [r["speculative"] for r in rows]
+    out = []
+    for k in range(max(len(x["accepted"]) for x in specs)):
+        live = [x for x in specs if k < len(x["accepted"])]
+        times = live[0].get("round_s") or []
+        sizes = live[0].get("tree_nodes") or []
+        out.append(
+            (
+                int(sizes[k]) if k < len(sizes) else 0,
+                len(live),
+                sum(x["accepted"][k] + 1 for x in live),
+                times[k] if k < len(times) else None,
+            )
+        )
+    return out
+
+
+def _by_tree_size(records: list[dict[str, Any]]) -> dict[str, dict[str, float | None]]:
+    """Rounds pooled by the size of the tree they verified (tree tokens, root included): how many (per row), their
+    τ, and their tokens per second (tokens over the rounds' own seconds, drafting to commit; a batch round's tokens
+    are all its rows', over its one time; None without round times)."""
+    sizes: dict[int, list[tuple[int, int, float | None]]] = {}
+    for rows in _batch_groups(records):
+        for n, live, tokens, seconds in _batch_rounds(rows):
+            sizes.setdefault(n, []).append((live, tokens, seconds))
     out = {}
     for n, rounds in sorted(sizes.items()):
-        tokens = sum(k for k, _ in rounds)
-        timed = all(t is not None for _, t in rounds)
-        seconds = sum(t for _, t in rounds) if timed else 0.0
+        row_rounds = sum(k for k, _, _ in rounds)
+        tokens = sum(t for _, t, _ in rounds)
+        timed = all(t is not None for _, _, t in rounds)
+        seconds = sum(t for _, _, t in rounds) if timed else 0.0
         out[str(n)] = {
-            "rounds": len(rounds),
-            "accept_len": tokens / len(rounds),
+            "rounds": row_rounds,
+            "accept_len": tokens / row_rounds,
             "tokens_per_s": tokens / seconds if timed and seconds > 0 else None,
         }
     return out
 
 
 def _time_per_round(records: list[dict[str, Any]]) -> dict[str, float] | None:
-    """Where a speculative round's time goes (seconds per round, pooled): the verifying target forward, drafting,
-    and the rest of the loop (tree building, acceptance, KV commits); with the plain baseline, the time of one plain
-    token for comparison: a round pays off when (target + draft + loop) < τ × plain."""
+    """Where a speculative round's time goes (seconds per round, pooled; a batch's round counts once, however many
+    rows it verified): the verifying target forward, drafting, and the rest of the loop (tree building, acceptance,
+    KV commits); with the plain baseline, the time of one plain token for comparison: a round pays off when
+    (target + draft + loop) < τ × plain."""
     spec = [r["speculative"] for r in records]
-    rounds = sum(len(x["accepted"]) for x in spec)
-    if not rounds or any("target_s" not in x for x in spec):
+    if not spec or any("target_s" not in x for x in spec):
         return None
-    target, draft, wall = (sum(x[k] for x in spec) / rounds for k in ("target_s", "draft_s", "wall_s"))
+    rounds = sum(max(len(r["speculative"]["accepted"]) for r in rows) for rows in _batch_groups(records))
+    if not rounds:
+        return None
+    target, draft, wall = (sum(x[k] for x in spec) / rounds for k in ("target_s", "draft_s", "wall_s"))  # row shares
     out = {"target_s": target, "draft_s": draft, "loop_s": wall - target - draft}
     plain = [r["plain"] for r in records if "plain" in r and r.get("batch_size", 1) == 1]
     if plain:

@@ -237,7 +237,8 @@ def evaluate_batch(
     records = []
     for row, (prompt, spec) in enumerate(zip(prompts, specs)):
         spec.wall_s, spec.target_s, spec.draft_s = spec.wall_s * share, spec.target_s * share, spec.draft_s * share
-        record = _record(target, prompt, spec) | ({"batch_size": len(prompts)} if ev.batch_size > 1 else {})
+        batched = {"batch_size": len(prompts), "batch": prompts[0]["index"]} if ev.batch_size > 1 else {}
+        record = _record(target, prompt, spec) | batched
         row_settings = dataclasses.replace(settings, seed=seeds[row])
         if plains is not None:
             plain = plains[row].tokens

@@ -1,7 +1,6 @@
 """The whole pipeline for a recipe set: self-distil -> extract -> train -> export -> evaluate, then one table.
 
     python recipes/run.py recipes/smollm2                  # SmolLM2-135M-Instruct: hours on 2 CPU cores
-    python recipes/run.py recipes/pocket                   # the bundled pocket target: ~10 minutes
     python recipes/run.py recipes/smollm2 --ship           # ... and copy the exports into the set (PROVENANCE.json)
     python recipes/run.py recipes/smollm2 --shipped        # only evaluate the drafters shipped in the set
     python recipes/run.py my-recipes/ --methods eagle2 --large-trees
@@ -20,12 +19,15 @@ A recipe set is a directory with `pipeline.yaml` and one training recipe per met
       processes: 2                              # `accelerate launch` processes (CPU: gloo)
     recipes: {eagle2: recipes/smollm2/eagle2.yaml, medusa1: recipes/smollm2/medusa1.yaml}
     shipped: {eagle2: recipes/smollm2/drafters/eagle2}   # optional: committed exports, for --shipped
+    shipped_overrides: {medusa1: [eval.tree=chain]}      # optional: eval overrides for --shipped, per method
     large_trees:                                # optional, for --large-trees: name -> [method, [overrides]]
       eagle2-dynamic-d5-k10-n60: [eagle2, [eval.tree=dynamic, eval.tree_depth=5, eval.tree_top_k=10]]
     extra_evals:                                # optional, for --extra-evals: the same form
       eagle2-mtbench: [eagle2, [eval.prompts=recipes/smollm2/prompts/mtbench.jsonl, eval.max_prompts=80]]
 
-Every step is a subprocess with its log under <first recipe's output parent>/logs/ (or --logs); steps whose output
+(The bundled pocket target has its own driver: `make demo-pocket`, recipes/pocket/demo.py.)
+
+Every step is a subprocess with its log under <first recipe's output parent>/logs/ (or --out); steps whose output
 is complete are skipped, so re-running resumes (training resumes from its last checkpoint). Recipes that name the
 same `data.features_dir` share its features (the first of them extracts them: they must agree on target, data and
 layers); EAGLE-3, which stores other layers, names its own. The table gives, per

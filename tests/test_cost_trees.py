@@ -4,7 +4,15 @@ import random
 
 import pytest
 
-from eval.cost_trees import Costs, batch_tree_size, can_improve, path_probs, select_tree, selection_parents
+from eval.cost_trees import (
+    Costs,
+    batch_should_stop,
+    batch_tree_size,
+    can_improve,
+    path_probs,
+    select_tree,
+    selection_parents,
+)
 from eval.trees import Tree
 
 #          root
@@ -287,3 +295,38 @@ def test_cost_aware_eagle_trees_follow_the_costs_and_keep_greedy_output():
         assert sizes and set(sizes) == {want}
         # each round: one catch-up step, then tree steps until depth 3 or until no deeper tree can pay (steep)
         assert steps.count(False) == tree_steps * steps.count(True)
+
+
+def test_a_batch_stops_drafting_only_when_no_row_can_make_it_pay():
+    """`batch_should_stop` bounds each row by its own frontier: when one row's frontier ranks high in its ranking and
+    another's low, a bound from their mean frontier stopped a batch that one more step would have improved."""
+    costs = Costs.from_points([(1, 1.0), (3, 1.0), (4, 10.0), (5, 20.0)], draft_cost=0.01)
+    rows, fronts = [[0.9, 0.8, 0.7], [0.5, 0.4, 0.3]], [0.9, 0.3]
+    assert not batch_should_stop(rows, fronts, costs, draft_steps=1, new_per_step=1, steps_left=1)
+
+    def mean(lists):
+        return [sum(r[i] for r in lists) / len(lists) for i in range(min(map(len, lists)))]
+
+    stops = set()
+    for seed in range(300):  # whenever it stops, no next step whose new candidates respect the frontiers pays more
+        rng = random.Random(seed)
+        rows = [sorted((rng.random() ** 2 for _ in range(4)), reverse=True) for _ in range(rng.randint(1, 3))]
+        fronts = [rng.uniform(0, r[0]) for r in rows]
+        costs = Costs.from_points([(1, 1.0), (3, 1.0 + rng.uniform(0, 1)), (9, 2 + rng.uniform(0, 4))], draft_cost=0.1)
+        stop = batch_should_stop(rows, fronts, costs, draft_steps=1, new_per_step=2, steps_left=1)
+        stops.add(stop)
+        if stop:
+            now = batch_tree_size_ratio(mean(rows), costs, 1)
+            for _ in range(20):
+                deeper = [sorted(r + [rng.uniform(0, f) for _ in range(2)], reverse=True) for r, f in zip(rows, fronts)]
+                assert batch_tree_size_ratio(mean(deeper), costs, 2) <= now * (1 + 1e-9), seed
+    assert stops == {True, False}
+
+
+def batch_tree_size_ratio(ranked: list[float], costs: Costs, steps: int) -> float:
+    """Expected tokens per second of the best prefix of a (mean) ranking: the quantity the early stop bounds."""
+    best, tokens = 1.0 / costs.round_cost(1, steps), 1.0
+    for k, p in enumerate(ranked, start=1):
+        tokens += p
+        best = max(best, tokens / costs.round_cost(k + 1, steps))
+    return best

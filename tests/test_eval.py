@@ -410,6 +410,24 @@ def test_report_pools_rounds_by_tree_size_and_plots_them(tmp_path):
     assert "τ by tree size" not in to_markdown(summarize(records[1:], REPORT_META))  # one size: no table
 
 
+def test_a_batch_round_is_timed_once_and_its_tokens_pooled():
+    """Two prompts decoded as one batch: each row holds half the batch's times (its share) and the batch's round
+    times. Seconds per round divide the batch's time by its rounds (3: the longer row's), not by both rows' (4) and
+    not per row; tokens per second in the rounds of a tree size are both rows' tokens over the batch's one time."""
+    records = [_record(0, [3, 1, 0], [True] * 3, True), _record(1, [2], [True], True)]
+    for r in records:
+        r |= {"batch_size": 2, "batch": 0}
+        r["speculative"] |= {"wall_s": 0.5, "target_s": 0.35, "draft_s": 0.1}  # shares of 1.0, 0.7, 0.2
+    records[0]["speculative"] |= {"tree_nodes": [8, 4, 4], "round_s": [0.5, 0.25, 0.25]}
+    records[1]["speculative"] |= {"tree_nodes": [8], "round_s": [0.5]}
+    s = summarize(records, REPORT_META)
+    assert s["time_per_round"] == pytest.approx({"target_s": 0.7 / 3, "draft_s": 0.2 / 3, "loop_s": 0.1 / 3})
+    assert s["by_tree_size"] == {
+        "4": {"rounds": 2, "accept_len": 1.5, "tokens_per_s": 6.0},
+        "8": {"rounds": 2, "accept_len": 3.5, "tokens_per_s": 14.0},  # 7 tokens of both rows in one 0.5 s round
+    }
+
+
 def test_prompt_records_carry_their_group(tmp_path, target):
     path = tmp_path / "p.jsonl"
     path.write_text('{"category": "math", "messages": [{"role": "user", "content": "1+1?"}]}\n{"prompt": "x"}\n')
