@@ -161,9 +161,13 @@ def test_eval_batch_rechecks_a_differing_batched_plain_row_alone(tmp_path, targe
     save_native(tmp_path / "run" / "export", EagleDrafter(EagleConfig(), target.parts([-1])), target)
     batched = cli.plain_generate_batch
 
+    timed = []
+
     def off_by_one(*args, **kwargs):
         results = batched(*args, **kwargs)
         results[0].tokens[0] = (results[0].tokens[0] + 1) % TARGET["vocab_size"]  # a flipped near-tie, simulated
+        del results[0].tokens[-2:]  # ... that also ended it sooner
+        timed.append(len(results[0].tokens))
         return results
 
     monkeypatch.setattr(cli, "plain_generate_batch", off_by_one)
@@ -172,6 +176,8 @@ def test_eval_batch_rechecks_a_differing_batched_plain_row_alone(tmp_path, targe
     report = json.loads((tmp_path / "run" / "eval" / "report.json").read_text())
     assert report["lossless_prompts"] == "3/3"
     assert [("lossless_baseline" in r) for r in report["per_prompt"]] == [True, False, False]
+    # the plain speed stays the batch's own (its tokens over its time), not the solo run's tokens over batch time
+    assert report["per_prompt"][0]["plain"]["new_tokens"] == timed[-1]  # (the first call is the warm-up)
 
 
 def test_eval_two_processes_split_and_gather(tmp_path, target):
