@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, GenerationConfig
 from transformers.cache_utils import DynamicLayer
 
 from eval.decode import DecodeSettings, GenerationResult, cache_arg, check_prompts, clock, select_cache_rows
@@ -117,14 +117,19 @@ def prompt_lookup_generate(model, ids: torch.Tensor, settings: DecodeSettings) -
     if not settings.greedy:
         kwargs = {"do_sample": True, "temperature": settings.temperature, "top_p": settings.top_p, "top_k": 0}
         torch.manual_seed(settings.seed)
-    start = clock(ids.device)
-    out = model.generate(
-        input_ids=ids,
-        attention_mask=torch.ones_like(ids),
+    # only these settings: nothing of the model's own generation_config (a repetition penalty, a minimum length,
+    # other stop tokens) may make it decode under other rules than plain and speculative decoding
+    config = GenerationConfig(
         max_new_tokens=settings.max_new_tokens,
         eos_token_id=settings.eos_token_ids or None,
         pad_token_id=(settings.eos_token_ids or [0])[0],
         prompt_lookup_num_tokens=PROMPT_LOOKUP_TOKENS,
         **kwargs,
     )
+    own, model.generation_config = model.generation_config, GenerationConfig()  # generate fills unset fields from it
+    try:
+        start = clock(ids.device)
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config)
+    finally:
+        model.generation_config = own
     return out[0, ids.shape[1] :].tolist(), clock(ids.device) - start

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from eval import reference
-from eval.baselines import plain_generate, plain_generate_batch
+from eval.baselines import plain_generate, plain_generate_batch, prompt_lookup_generate
 from eval.checks import PerRow, RowProposer, ScriptedProposer, spread_layers
 from eval.decode import DecodeSettings, round_stats, speculative_generate, speculative_generate_batch
 from eval.kernels import get_ops
@@ -92,6 +92,18 @@ def test_greedy_stops_at_eos(target):
     out = speculative_generate(target.model, stub, PROMPT, settings)
     assert out.tokens == plain.tokens[: plain.tokens.index(eos) + 1]
     assert out.tokens == plain_generate(target.model, PROMPT, settings).tokens
+
+
+def test_prompt_lookup_decodes_by_the_same_rules_whatever_the_models_generation_config():
+    """The prompt-lookup baseline runs transformers' `generate`, which would apply the model's own generation_config
+    (here a repetition penalty and a minimum length): it must decode what plain greedy decoding decodes."""
+    target = tiny_target("llama", seed=3)
+    settings = DecodeSettings(max_new_tokens=20)
+    plain = plain_generate(target.model, PROMPT, settings).tokens
+    target.model.generation_config.repetition_penalty = 3.0
+    target.model.generation_config.min_new_tokens = 20
+    tokens, _ = prompt_lookup_generate(target.model, PROMPT, settings)
+    assert tokens == plain
 
 
 def _eagle(target, seed=0):
