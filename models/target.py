@@ -191,7 +191,8 @@ class Target:
                 handle.remove()
         if len(wanted) == 1:  # EAGLE-1/2 and Medusa: a view, no copy
             return captured[wanted[0]].unsqueeze(2)  # (B, T, 1, d)
-        return torch.stack([captured[i] for i in wanted], dim=2)  # (B, T, n, d)
+        home = captured[wanted[-1]].device  # a device_map target's layers sit on several GPUs: gather on one
+        return torch.stack([captured[i].to(home) for i in wanted], dim=2)  # (B, T, n, d)
 
 
 def _check_architecture(model: PreTrainedModel) -> None:
