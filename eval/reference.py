@@ -126,7 +126,7 @@ def verify_typical(
     parents = tree.parents.clamp(min=0)
     rows = torch.arange(bsz, device=logp.device)[:, None]
     child_logp = logp[rows, parents, tree_tokens.clamp(min=0)]  # (B, N): log p(token) at the parent
-    accept = child_logp > log_thr.gather(1, parents)
+    accept = (child_logp > log_thr.gather(1, parents)) & (tree_tokens >= 0)  # a node without a token (-1): never
     accept[:, 0] = True
     child_logp[:, 0] = 0.0
     dense = tree.dense_mask()

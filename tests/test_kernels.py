@@ -31,6 +31,23 @@ def test_tree_attention_matches_twin(p, n, dtype, tol):
         torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("d,dk,dv", [(80, 80, 80), (96, 96, 96), (300, 300, 300), (64, 64, 32)])
+def test_tree_attention_takes_one_head_dim_up_to_256(d, dk, dv):
+    """Head dims that are not powers of two are masked (80, 96); a wider head than one tile (300) or values narrower
+    than keys (MLA-style) are refused with a line saying so, never computed from part of the head."""
+    gen = torch.Generator().manual_seed(d)
+    tree = random_tree(5, gen)
+    rnd = lambda *shape: torch.randn(*shape, generator=gen)
+    q, kp, vp, kt, vt = rnd(1, 2, 5, d), rnd(1, 1, 7, dk), rnd(1, 1, 7, dv), rnd(1, 1, 5, dk), rnd(1, 1, 5, dv)
+    if d <= 256 and dk == dv == d:
+        want = reference.tree_attention(q, kp, vp, kt, vt, tree.mask_bits[None], d**-0.5)
+        got = kernels.tree_attention(q, kp, vp, kt, vt, tree.mask_bits[None], d**-0.5)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    else:
+        with pytest.raises(ValueError, match="one head dim up to 256"):
+            kernels.tree_attention(q, kp, vp, kt, vt, tree.mask_bits[None], d**-0.5)
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 2e-3)])
 def test_tree_attention_ragged_prefix_matches_twin_and_ignores_stale_rows(dtype, tol):
     """Row b sees only its first prefix_lens[b] prefix keys: the kernel equals the twin (with and without split-KV,
@@ -426,3 +443,33 @@ def test_kernels_compile_for_nvidia(tmp_path):
     env["PYTHONPATH"] = f"{root}{os.pathsep}{env.get('PYTHONPATH', '')}"
     proc = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT], env=env, capture_output=True, text=True, cwd=root)
     assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("kind", ["reference", "triton"])
+def test_a_coin_next_to_one_never_draws_a_token_of_probability_zero(kind):
+    """The inverse-CDF draw compares against u × total; summed in another order than the running sum, the total can
+    exceed the sum's last value by a few ulps, and a coin within a few ulps of 1 then found no index (the kernel took
+    the last one, whatever its mass). Here top-p removes the last token: the draw must not pick it."""
+    vocab = 64
+    tree = Tree.from_parents([-1, 0])
+    for seed in (60, 93, 110):  # cases where the two sums end a few ulps apart
+        gen = torch.Generator().manual_seed(seed)
+        logits = 3 * torch.randn(1, 1, vocab, generator=gen)
+        logits[..., -1] = -30.0
+        logits = logits.expand(1, 2, vocab).contiguous()
+        tokens = torch.tensor([[0, int(logits[0, 0].argmin())]])  # a child of probability 0 after top-p
+        coins = torch.zeros(1, 2, 2)
+        coins[:, :, 0] = torch.nextafter(torch.tensor(1.0), torch.tensor(0.0))
+        p = reference.target_probs(logits, 1.0, 0.95)
+        accept_len, _, bonus = kernels.get_ops(kind).verify_sampled(tokens, logits, tree, coins, None, 1.0, 0.95)
+        assert accept_len.tolist() == [0] and p[0, 0, bonus[0]] > 0, (seed, bonus.tolist())
+
+
+@pytest.mark.parametrize("kind", ["reference", "triton"])
+def test_typical_never_accepts_a_node_without_a_token(kind):
+    tree = Tree.from_parents([-1, 0, 0])
+    logits = torch.zeros(1, 3, 8)
+    logits[0, 0, 0] = 5.0  # token 0 is the target's overwhelming choice at the root
+    tokens = torch.tensor([[0, -1, 3]])  # node 1 has no token (-1, e.g. an unfilled static tree): it is not token 0
+    accept_len, nodes, _ = kernels.get_ops(kind).verify_typical(tokens, logits, tree)
+    assert accept_len.tolist() == [0] and nodes.tolist()[0][0] == 0

@@ -148,6 +148,10 @@ def _num_splits(q: torch.Tensor, programs: int, p: int, block_p: int) -> int:
     return max(1, min(triton.cdiv(2 * sms, programs), triton.cdiv(p, 4 * block_p), 16))
 
 
+MAX_HEAD_DIM = 256
+"""The widest head the kernel holds in one tile (BLOCK_D)."""
+
+
 @on_first_device
 def tree_attention(
     q: torch.Tensor,
@@ -165,14 +169,22 @@ def tree_attention(
     bsz, h, n, d = q.shape
     hkv, p = k_tree.shape[1], k_prefix.shape[2]
     group = h // hkv
+    if d > MAX_HEAD_DIM or {x.shape[-1] for x in (k_prefix, v_prefix, k_tree, v_tree)} != {d}:
+        raise ValueError(
+            f"tree_attention kernel: head dims q {d}, k {k_tree.shape[-1]}, v {v_tree.shape[-1]}: it takes one head "
+            f"dim up to {MAX_HEAD_DIM} for queries, keys and values (use eval.kernels: reference)"
+        )
     q, k_prefix, v_prefix, k_tree, v_tree = (
         x if x.stride(-1) == 1 else x.contiguous() for x in (q, k_prefix, v_prefix, k_tree, v_tree)
     )
     mask_bits = mask_bits.expand(bsz, *mask_bits.shape[-2:]).to(torch.int32)
     if mask_bits.stride(-1) != 1:
         mask_bits = mask_bits.contiguous()
-    cast_f32 = INTERPRET or q.dtype == torch.float32
-    block_d = pow2(d, 16, 256)
+    # tl.dot takes two operands of one 16-bit type, else everything is computed in fp32
+    cast_f32 = (
+        INTERPRET or q.dtype == torch.float32 or len({x.dtype for x in (q, k_prefix, v_prefix, k_tree, v_tree)}) > 1
+    )
+    block_d = pow2(d, 16, MAX_HEAD_DIM)
     block_m = pow2(group * n, 16, 32 if INTERPRET else 64)
     block_p = 16 if INTERPRET else (32 if cast_f32 and block_d > 64 else 64)
     block_n = 16 if INTERPRET else 32

@@ -78,9 +78,10 @@ def _longest_path_kernel(
     tok = tl.load(TOKENS + b * s_tok + i, i_ok, 0)
     depth = tl.load(DEPTH + b * s_dep + i, i_ok, 0)
     if TYPICAL:
-        z = tl.load(LOGITS + b.to(tl.int64) * s_lb + par * s_ln + tok, i_ok, 0.0).to(tl.float32) * inv_temp
-        lp = z - tl.load(LSE + b * N + par, i_ok, 0.0)
-        passed = lp > tl.load(LOG_THR + b * N + par, i_ok, 0.0)
+        known = tok >= 0  # a node without a token (-1) is never accepted
+        z = tl.load(LOGITS + b.to(tl.int64) * s_lb + par * s_ln + tl.maximum(tok, 0), i_ok, 0.0).to(tl.float32)
+        lp = z * inv_temp - tl.load(LSE + b * N + par, i_ok, 0.0)
+        passed = (lp > tl.load(LOG_THR + b * N + par, i_ok, 0.0)) & known
         lp = tl.where(i == 0, 0.0, lp)
     else:
         passed = tok == tl.load(ARGMAX + b * N + par, i_ok, 0)
@@ -177,19 +178,23 @@ def _row_total(ROW, V, BLOCK_V: tl.constexpr):
 
 @triton.jit
 def _draw(ROW, total, u, V, BLOCK_V: tl.constexpr):
-    """Inverse-CDF draw from an unnormalised row: the first index whose running sum exceeds u * total (the last
-    index if rounding leaves none), as `eval.reference.sample_from`."""
+    """Inverse-CDF draw from an unnormalised row: the first index whose running sum exceeds u * total, as
+    `eval.reference.sample_from`. If rounding leaves none (the running sum, added in another order than `total`,
+    can end a few ulps below it when u is within a few ulps of 1), the last index with mass: never a token of
+    probability 0."""
     target = u * total
     carry = tl.zeros([], tl.float32)
     found = tl.full([], V, tl.int32)
+    last = tl.zeros([], tl.int32)
     for start in range(0, V, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
         x = tl.load(ROW + cols, cols < V, 0.0)
         cdf = tl.cumsum(x, 0) + carry
         first = tl.min(tl.where((cdf > target) & (cols < V), cols, V), 0)
         found = tl.minimum(found, first)
+        last = tl.maximum(last, tl.max(tl.where((x > 0) & (cols < V), cols, 0), 0))
         carry += tl.sum(x, 0)
-    return tl.minimum(found, V - 1).to(tl.int64)
+    return tl.where(found < V, found, last).to(tl.int64)
 
 
 @triton.jit
