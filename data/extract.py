@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import hashlib
+import itertools
 import json
 import os
 import sys
@@ -116,6 +117,27 @@ def length_batches(lengths: list[int], batch_tokens: int) -> list[tuple[int, int
     return batches
 
 
+class ExtractError(ValueError):
+    """Features that cannot be stored as asked; the message names the setting and the sample."""
+
+
+def _check_finite(stored: torch.Tensor, samples: list[TokenSample], storage_dtype: torch.dtype) -> None:
+    """Refuse a batch whose stored hidden states hold inf or nan (float16 overflows above 65504), naming a sample."""
+    finite = torch.isfinite(stored).all(-1)  # (tokens,)
+    if bool(finite.all()):
+        return
+    bad = int((~finite).nonzero()[0])
+    sample = next(
+        s for s, stop in zip(samples, itertools.accumulate(len(s["input_ids"]) for s in samples)) if bad < stop
+    )
+    hint = " (float16 overflows where the target's activations exceed 65504: use bfloat16)" if (
+        storage_dtype == torch.float16) else ""  # fmt: skip
+    raise ExtractError(
+        f"data.storage_dtype: sample {sample['id']} has non-finite hidden states in "
+        f"{str(storage_dtype).removeprefix('torch.')}{hint}"
+    )
+
+
 def extract_shard(
     target: Target,
     samples: list[TokenSample],
@@ -130,7 +152,7 @@ def extract_shard(
     hidden = torch.empty(sum(lengths), n_values, dtype=storage_dtype)  # filled batch by batch
     offset = 0
     for start, end in length_batches(lengths, batch_tokens):
-        T = lengths[end - 1]
+        T, batch_start = lengths[end - 1], offset
         ids = torch.zeros(end - start, T, dtype=torch.long)  # right padding (pad id irrelevant: causal + mask)
         mask = torch.zeros(end - start, T, dtype=torch.long)
         for row, s in enumerate(samples[start:end]):
@@ -148,6 +170,7 @@ def extract_shard(
             for row, n in enumerate(lengths[start:end]):
                 hidden[offset : offset + n].copy_(h[row, :n])
                 offset += n
+        _check_finite(hidden[batch_start:offset], samples[start:end], storage_dtype)
         on_batch(end - start, sum(lengths[start:end]))
     input_ids = torch.tensor([t for s in samples for t in s["input_ids"]], dtype=torch.int32)
     loss_mask = torch.tensor([m for s in samples for m in s["loss_mask"]], dtype=torch.uint8)
@@ -340,5 +363,5 @@ if __name__ == "__main__":
 
     try:
         main()
-    except (RecipeError, DataError, ChatTemplateError, FeatureMismatchError, TargetError) as exc:
+    except (RecipeError, DataError, ChatTemplateError, FeatureMismatchError, TargetError, ExtractError) as exc:
         sys.exit(f"error: {exc}")

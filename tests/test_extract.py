@@ -20,7 +20,7 @@ import torch
 import yaml
 from accelerate.state import AcceleratorState, GradientState
 
-from data.extract import STOP_AFTER_ENV, length_batches, main, plan_shards
+from data.extract import STOP_AFTER_ENV, ExtractError, length_batches, main, plan_shards
 from data.prepare import prepare_dataset
 from data.shards import MANIFEST, FeatureDataset, FeatureMismatchError
 from models.target import load_target
@@ -263,6 +263,17 @@ def test_layer_out_of_range_fails_before_work(recipe_path: Path, tmp_path: Path)
     with pytest.raises(RecipeError, match=r"data.layers\[0\]: layer 4 out of range for a 3-layer target"):
         run_inprocess(recipe_path, tmp_path / "never", *path_target, "data.layers=[4,-1]")
     assert not (tmp_path / "never").exists()
+
+
+def test_features_that_overflow_float16_are_refused_naming_the_sample(recipe_path, tmp_path, monkeypatch) -> None:
+    """A target whose activations exceed float16's range (65504) would store inf silently; extraction stops instead,
+    naming the setting, a sample and the way out (`python -m data.extract` prints it as one `error:` line)."""
+    from models.target import Target
+
+    hidden_states = Target.hidden_states
+    monkeypatch.setattr(Target, "hidden_states", lambda self, *a, **k: hidden_states(self, *a, **k) * 1e6)
+    with pytest.raises(ExtractError, match=r"data.storage_dtype: sample \S+ has non-finite .* float16 .* use bfloat16"):
+        run_inprocess(recipe_path, tmp_path / "f16", "data.storage_dtype=float16")
 
 
 def test_two_processes_write_disjoint_shards_equal_to_one(recipe_path: Path, reference: Path) -> None:
