@@ -157,6 +157,47 @@ def test_dynamic_tree_matches_brute_force():
     assert calls[0] == ([3], [-1], 0) and calls[1][1] == [0, 0] and calls[1][2] == 1
 
 
+def test_dynamic_tree_cuts_the_frontier_like_brute_force_eagle2():
+    """Deeper than the test above: from depth 2 on only the top_k best of the top_k × top_k new candidates are
+    expanded (the frontier cut), with a drafter whose distribution depends on the depth; the kept nodes, their
+    ancestor masks and depths match a brute-force EAGLE-2 over 60 random cases."""
+    vocab, top_k, depth = 7, 3, 4
+    for seed in range(60):
+        gen = torch.Generator().manual_seed(seed)
+        total = int(torch.randint(2, 30, (), generator=gen))
+        table = torch.log_softmax(torch.randn(vocab, vocab, generator=gen) * 2, -1).double()
+
+        def log_probs(token: int, step: int, table: torch.Tensor = table) -> torch.Tensor:
+            return table[(token + step) % vocab]
+
+        tree = dynamic_tree(
+            lambda tokens, rows, step: torch.stack([log_probs(int(t), step) for t in tokens]), 2, depth, top_k, total
+        )
+        frontier, candidates = [((2,), 0.0)], []
+        for step in range(depth):
+            new = []
+            for path, score in frontier:
+                values, tokens = log_probs(path[-1], step).topk(top_k)
+                new += [(path + (int(t),), score + float(v)) for v, t in zip(values, tokens)]
+            candidates += new
+            frontier = sorted(new, key=lambda c: -c[1])[:top_k]
+        want = sorted(path for path, _ in sorted(candidates, key=lambda c: -c[1])[: total - 1])
+        got, dense = [], tree.dense_mask()
+        for i in range(1, tree.num_nodes):
+            path, j = [], i
+            while j >= 0:
+                path.append(int(tree.tokens[j]))
+                j = int(tree.parents[j])
+            got.append(tuple(reversed(path)))
+        assert sorted(got) == want, seed
+        for i in range(tree.num_nodes):
+            ancestors, j = set(), i
+            while j >= 0:
+                ancestors.add(j)
+                j = int(tree.parents[j])
+            assert set(dense[i].nonzero().flatten().tolist()) == ancestors and int(tree.depth[i]) == len(ancestors) - 1
+
+
 def test_stack_trees_and_batched_positions():
     a, b = Tree.from_parents(HAND_PARENTS), Tree.from_parents([-1, 0, 1, 2, 3, 4, 5, 6])
     stacked = stack_trees([a, b])
