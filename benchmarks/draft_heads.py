@@ -54,7 +54,7 @@ def main() -> None:
     fit_idx, test_idx = split(features, run_dir)
     fit, counts, _ = shard_fit_data(features, drafter, target.config.vocab_size, fit_idx)
     test = [{**s, "loss_mask": s["loss_mask"] > 0} for s in (features[i] for i in test_idx)]
-    worst = 1.0
+    recalls = []  # one per head: no head, or a head with no held-out position (nan), cannot pass
     print(f"{run_dir}: {recipe.drafter.method}, rank {args.rank}, {args.candidates} candidates, "
           f"{len(fit)} fitting samples, {len(test)} held-out")  # fmt: skip
     for head in drafter.draft_heads():
@@ -65,10 +65,10 @@ def main() -> None:
         top4 = (h @ weight.T).topk(4, dim=-1).indices  # (N, 4)
         found = (two(h)[0][:, :, None] == top4[:, None, :]).any(1)  # (N, 4): each top token among the candidates
         top1, all4 = found[:, 0].float().mean().item(), found.float().mean().item()
-        worst = min(worst, top1)
+        recalls.append(top1 if top1 == top1 else 0.0)
         print(f"  {head.name}: {len(h)} positions, top-1 recall {top1:.4f}, top-4 recall {all4:.4f}, "
               f"FLOPs {two.flops_ratio():.3f} of the full head")  # fmt: skip
-    print(f"draft_heads/top1_recall: {worst:.4f} (goal >= 0.98)")
+    print(f"draft_heads/top1_recall: {min(recalls, default=0.0):.4f} (goal >= 0.98)")
 
 
 if __name__ == "__main__":

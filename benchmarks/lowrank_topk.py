@@ -37,6 +37,7 @@ sort of every tile).
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 
@@ -142,12 +143,13 @@ def main() -> None:
 
     print(f"random data: u, A standard normal, {args.positions} rows, C {c}; recall of the plain top-C")
     u = torch.randn(args.positions, R, generator=g)
-    random_results = recall_table(u, a, c, None)
+    recall_table(u, a, c, None)
 
     real = real_head(args.positions)
-    if real is None:
-        print(f"real head: {TARGET.relative_to(ROOT)} absent, skipped")
-        value, source = random_results[(*DEFAULT, True)][1], "random data, the plain screen's top-1"
+    if real is None:  # on random data the plain screen's own top-1 is always kept: no measure of the goal
+        print(f"real head: {TARGET.relative_to(ROOT)} absent (make smollm2); the goal is measured on it")
+        print("lowrank_topk/top1_recall: n/a (goal >= 0.98)")
+        sys.exit(1)
     else:
         u, a, full_top1, what = real
         print(f"real head: {what}, C {c}")

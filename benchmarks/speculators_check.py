@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import tempfile
@@ -153,7 +154,10 @@ def consume(out: Path) -> float:
                 diff = (captured[j][0, :n] - inputs[f"reference_{j}"][0, :n]).abs().max().item()
                 same = (captured[j][0, :n].argmax(-1) == inputs[f"reference_{j}"][0, :n].argmax(-1)).float().mean()
                 print(f"{how:16s} step {j}: max |logit diff| {diff:.2e}, same top-1 at {same.item():.3f} of {n}")
-                worst = max(worst, diff)
+                worst = max(worst, diff if math.isfinite(diff) else math.inf)  # nan logits fail
+    if steps == 0:  # nothing compared cannot pass
+        print("no reference_<step> logits in the prepared inputs")
+        worst = math.inf
     print(f"speculators/max_abs_logit_diff: {worst:.2e} (goal <= {GOAL})")
     return worst
 

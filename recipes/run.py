@@ -30,8 +30,11 @@ A recipe set is a directory with `pipeline.yaml` and one training recipe per met
 Every step is a subprocess with its log under <first recipe's output parent>/logs/ (or --out); steps whose output
 is complete are skipped, so re-running resumes (training resumes from its last checkpoint). Recipes that name the
 same `data.features_dir` share its features (the first of them extracts them: they must agree on target, data and
-layers); EAGLE-3, which stores other layers, names its own. The table gives, per
-method, τ, tokens/s and speedups over plain decoding (`eval.baselines`) and prompt lookup.
+layers); EAGLE-3, which stores other layers, names its own. Self-distillation and extraction always run: they
+keep what is complete and refuse outputs made with other settings; training is skipped once its export holds the
+recipe's `train.max_steps` (a larger one resumes it); an evaluation once its report is newer than the drafter and
+the recipe. The table gives, per method, τ, acceptance by depth, tokens/s and the speedup over plain decoding (each
+evaluation's own), with rows for plain decoding and prompt lookup from the first evaluation.
 """
 
 from __future__ import annotations
@@ -112,6 +115,28 @@ def load_pipeline(directory: Path) -> dict[str, Any]:
     return spec
 
 
+def trained(run_dir: Path, max_steps: int) -> bool:
+    """Whether the run reached `max_steps` and its export is newer than its last checkpoint (a larger
+    train.max_steps resumes training; a newer checkpoint is exported again)."""
+    export = run_dir / "export" / "config.json"
+    steps = trained_steps(run_dir)
+    if not export.is_file() or steps is None:
+        return False
+    last = run_dir / "checkpoints" / f"step-{steps:06d}"
+    return steps >= max_steps and export.stat().st_mtime >= last.stat().st_mtime
+
+
+def trained_steps(run_dir: Path) -> int | None:
+    """The step of the run's newest checkpoint (what its export holds), None without one."""
+    checkpoints = sorted((run_dir / "checkpoints").glob("step-*"))
+    return int(checkpoints[-1].name.removeprefix("step-")) if checkpoints else None
+
+
+def eval_dir_of(conf: dict[str, Any]) -> Path:
+    """A recipe's `eval.output_dir`, or eval's default `<train.output_dir>/eval`."""
+    return Path((conf.get("eval") or {}).get("output_dir") or Path(conf["train"]["output_dir"]) / "eval")
+
+
 def records_in(path: Path) -> int:
     return sum(1 for line in path.read_text().splitlines() if line.strip()) if path.is_file() else 0
 
@@ -149,7 +174,9 @@ def ship(spec: dict[str, Any], method: str, recipe: dict[str, Any], directory: P
     run_dir = ROOT / recipe["train"]["output_dir"]
     dest = ROOT / spec["shipped"][method]
     banner(f"ship {method}: {run_dir / 'export'} -> {spec['shipped'][method]}")
-    dest.mkdir(parents=True, exist_ok=True)
+    if dest.is_dir():  # files of an earlier ship must not be listed with this one
+        shutil.rmtree(dest)
+    dest.mkdir(parents=True)
     for f in (run_dir / "export").iterdir():
         if f.is_file():
             shutil.copyfile(f, dest / f.name)
@@ -169,12 +196,24 @@ def ship(spec: dict[str, Any], method: str, recipe: dict[str, Any], directory: P
         "selfdistill": json.loads(meta.read_text())["settings"] | {"records": records_in(ROOT / distill["out"])}
         if meta.is_file()
         else None,
-        "training": {"steps": recipe["train"]["max_steps"], "batch_size": recipe["train"]["batch_size"]},
+        "training": {"steps": trained_steps(run_dir), "batch_size": recipe["train"]["batch_size"]},
         "commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip(),
         "files_sha256": files,
     }
     (dest / "PROVENANCE.json").write_text(json.dumps(provenance, indent=2) + "\n")
     print(f"  {len(files)} files, {sum((dest / f).stat().st_size for f in files) / 1e6:.1f} MB", flush=True)
+
+
+SETTINGS = {"temperature": "temperature", "batch_size": "batch", "num_prompts": "prompts", "max_new_tokens": "tokens"}
+"""Report fields the table's heading states (from the first report); a row that differs says so."""
+
+
+def heading(first: dict[str, Any]) -> str:
+    decoding = "greedy" if not first.get("temperature") else f"sampled at temperature {first['temperature']}"
+    return (
+        f"{first['num_prompts']} held-out prompts, up to {first['max_new_tokens']} new tokens each, {decoding}, "
+        f"batch {first.get('batch_size') or 1}; vs plain: each evaluation's own plain decoding"
+    )
 
 
 def table(reports: dict[str, dict[str, Any]]) -> str:
@@ -190,10 +229,12 @@ def table(reports: dict[str, dict[str, Any]]) -> str:
     for name, r in reports.items():
         speed = r["tokens_per_s"]["speculative"]
         vs = r["speedup_vs_plain"]
+        other = {k: r.get(k) for k in SETTINGS if r.get(k) != first.get(k)}  # a row decoded otherwise than the heading
+        note = f" ({', '.join(f'{SETTINGS[k]} {v}' for k, v in other.items())})" if other else ""
         rows.append(
             [
-                f"{name}: {r['tree']}",
-                f"{r['accept_len']:.2f}",
+                f"{name}: {r['tree']}{note}",
+                "n/a" if r["accept_len"] is None else f"{r['accept_len']:.2f}",
                 " / ".join("-" if a is None else f"{a:.2f}" for a in r["accept_rate_by_depth"][:5]) or "-",
                 f"{speed:.1f}",
                 "n/a" if vs is None else f"{vs:.2f}×",
@@ -251,27 +292,25 @@ def main() -> None:
         distill = spec.get("selfdistill")
         if distill is not None:
             banner(f"self-distillation: the target answers {distill['prompts']} ({distill.get('limit', 'all')})")
-            out = ROOT / distill["out"]
-            if records_in(out) >= int(distill.get("limit", 0)) > 0 and not list(out.parent.glob(out.name + ".part*")):
-                skip(distill["out"])
-            else:
-                run_step("selfdistill", selfdistill_cmd(distill, spec["target"]), log_dir, distill_env)
+            # always run: it writes only the records still missing, and refuses a file made with other prompts,
+            # settings or another target (a count of records would not see those)
+            run_step("selfdistill", selfdistill_cmd(distill, spec["target"]), log_dir, distill_env)
 
         by_dir: dict[str, str] = {}  # features_dir -> the first method whose recipe names it extracts them for all
         for method, conf in confs.items():
-            by_dir.setdefault(conf["data"]["features_dir"], method)
+            if (conf.get("data") or {}).get("features_dir"):  # none: the recipe trains online
+                by_dir.setdefault(conf["data"]["features_dir"], method)
         for i, (features_dir, method) in enumerate(by_dir.items()):
             banner(f"feature extraction into {features_dir} ({recipes[method]})")
-            if (ROOT / features_dir / "manifest.json").is_file():
-                skip(features_dir)
-            else:
-                step = "extract" if i == 0 else f"extract-{method}"
-                run_step(step, [py, "-m", "data.extract", recipes[method]], log_dir, train_env)
+            # always run: complete shards are kept, and shards of other data (a larger self-distillation, another
+            # target) are refused rather than trained on
+            step = "extract" if i == 0 else f"extract-{method}"
+            run_step(step, [py, "-m", "data.extract", recipes[method]], log_dir, train_env)
 
         for method, recipe in recipes.items():
             banner(f"train + export {method} ({recipe})")
             run_dir = confs[method]["train"]["output_dir"]
-            if (ROOT / run_dir / "export" / "config.json").is_file():
+            if trained(ROOT / run_dir, int(confs[method]["train"].get("max_steps", 100))):
                 skip(f"{run_dir}/export")
                 continue
             run_step(f"train-{method}", [py, "-m", "train", recipe, "train.resume=auto"], log_dir, train_env)
@@ -289,12 +328,12 @@ def main() -> None:
     reports: dict[str, dict[str, Any]] = {}
     for i, (name, (method, overrides)) in enumerate(evals.items()):
         recipe, conf = recipes[method], confs[method]
-        eval_dir = Path(args.out / name) if args.out else Path(conf["eval"]["output_dir"]).parent / f"eval-{name}"
+        eval_dir = Path(args.out / name) if args.out else eval_dir_of(conf).parent / f"eval-{name}"
         if name == method and args.out is None:
-            eval_dir = Path(conf["eval"]["output_dir"])
+            eval_dir = eval_dir_of(conf)
         keys = [f"eval.output_dir={eval_dir}"]
-        if i > 0:  # the baselines are measured once, with the first evaluation (an evaluation's overrides may say more)
-            keys.append("eval.baselines=[plain]")
+        if i > 0:  # prompt lookup is measured once, with the first evaluation; plain decoding by every evaluation,
+            keys.append("eval.baselines=[plain]")  # which its "vs plain" compares with (its overrides may say more)
         if args.shipped:  # without the training data: e.g. no Medusa tree calibration on its held-out samples
             keys.append(f"eval.drafter={spec['shipped'][method]}")
             keys += (spec.get("shipped_overrides") or {}).get(method, [])
@@ -304,7 +343,8 @@ def main() -> None:
         banner(f"eval {name}: speculative vs plain decoding on held-out prompts")
         report = ROOT / eval_dir / "report.json"
         drafter = ROOT / (spec["shipped"][method] if args.shipped else Path(conf["train"]["output_dir"]) / "export")
-        fresh = report.is_file() and report.stat().st_mtime > (drafter / "config.json").stat().st_mtime
+        newest_input = max((drafter / "config.json").stat().st_mtime, (ROOT / recipe).stat().st_mtime)
+        fresh = report.is_file() and report.stat().st_mtime > newest_input  # an edited recipe is evaluated again
         if fresh and json.loads(report.read_text()).get("overrides") == keys:
             skip(f"{eval_dir}/report.json")
         else:
@@ -314,9 +354,7 @@ def main() -> None:
             report.write_text(json.dumps(summary | {"overrides": keys}, indent=1) + "\n")
         reports[name] = json.loads(report.read_text())
 
-    first_report = next(iter(reports.values()))
-    n, tokens = first_report["num_prompts"], first_report["max_new_tokens"]
-    banner(f"{directory.name}: {n} held-out prompts, up to {tokens} new tokens each, greedy, batch 1")
+    banner(f"{directory.name}: {heading(next(iter(reports.values())))}")
     print(table(reports))
     print(f"\nReports: <eval dir>/report.md (+ report.png). Total {time.perf_counter() - start:.0f}s.")
 

@@ -126,7 +126,21 @@ def test_the_driver_runs_every_step_then_resumes_by_skipping_them(recipe_set):
             assert hashlib.sha256((shipped / name).read_bytes()).hexdigest() == digest
 
     again = run(str(recipe_set)).stdout
-    assert again.count("skipped:") == 10  # target, self-distillation, 2 feature sets, 3 exports, 3 reports
+    assert again.count("skipped:") == 7  # target, 3 exports, 3 reports
+    assert "8 records (0 new)" in again  # self-distillation and extraction run, and find nothing to do
+
+    # a larger train.max_steps resumes training, exports again and evaluates again; --ship replaces the shipped files
+    path = recipe_set / "eagle2.yaml"
+    conf = yaml.safe_load(path.read_text())
+    conf["train"]["max_steps"] = 4
+    path.write_text(yaml.safe_dump(conf))
+    (recipe_set / "shipped" / "eagle2" / "stale.bin").write_bytes(b"from an earlier ship")
+    longer = run(str(recipe_set), "--methods", "eagle2", "--ship").stdout
+    assert "skipped:" not in longer.split("train + export eagle2")[1].split("eval eagle2")[0]
+    assert (out / "eagle2" / "checkpoints" / "step-000004").is_dir()
+    assert "eval/report.json is complete" not in longer
+    provenance = json.loads((recipe_set / "shipped" / "eagle2" / "PROVENANCE.json").read_text())
+    assert provenance["training"]["steps"] == 4 and not (recipe_set / "shipped" / "eagle2" / "stale.bin").exists()
 
 
 def test_shipped_evaluates_given_exports_without_training(recipe_set, tmp_path):
