@@ -2,7 +2,8 @@
 
     python recipes/pocket/demo.py [--target recipes/pocket/target] [--out artifacts/demo] [--threads 1]
 
-Steps, each a subprocess with its log under OUT/logs/, skipped when its output is complete (re-run to resume):
+Steps, each a subprocess with its log under OUT/logs/ (re-run to resume: self-distillation and extraction keep what is
+complete and refuse outputs of other settings; training and evaluation are skipped once done with these recipes):
   1. self-distil: the pocket target continues training prompts greedily   (python -m data.selfdistill)
   2. extract: the target's last hidden state over those samples            (python -m data.extract)
   3. train + export an EAGLE-2 drafter and Medusa-1 heads                  (python -m train, python -m train.export)
@@ -27,7 +28,7 @@ import time
 from pathlib import Path
 
 from eval.report import lossless_mark, markdown_table
-from recipes.run import banner, clear_report, run_step, skip
+from recipes.run import banner, clear_report, read_recipe, run_step, skip, trained
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -55,10 +56,6 @@ def followup_setup(name: str, args: argparse.Namespace, needed: list[Path]) -> t
     log_dir = ROOT / args.out / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     return {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false"}, log_dir
-
-
-def selfdistill_done(out: Path, n: int) -> bool:
-    return out.is_file() and sum(1 for line in out.read_text().splitlines() if line.strip()) >= n
 
 
 def main() -> None:
@@ -95,25 +92,20 @@ def main() -> None:
 
     start = time.perf_counter()
     banner(f"1/4 self-distillation: the target continues {args.prompts} training prompts ({SELFDISTILL_TOKENS} tokens)")
-    distilled = out_abs / "selfdistill.jsonl"
-    if selfdistill_done(distilled, args.prompts):
-        skip(f"{out}/selfdistill.jsonl")
-    else:
-        cmd = [py, "-m", "data.selfdistill", "--target", str(target), "--prompts", "recipes/pocket/prompts/train.jsonl"]
-        cmd += ["--out", str(out / "selfdistill.jsonl"), "--limit", str(args.prompts), "--seed", "0"]
-        cmd += ["--max-new-tokens", str(SELFDISTILL_TOKENS), "--batch-size", "32", "--dtype", "float32"]
-        run_step("selfdistill", cmd, log_dir, env)
+    # Self-distillation and extraction always run: they keep what is complete and refuse outputs made with other
+    # prompts, settings or another target (more prompts extend the answers, and the features follow).
+    cmd = [py, "-m", "data.selfdistill", "--target", str(target), "--prompts", "recipes/pocket/prompts/train.jsonl"]
+    cmd += ["--out", str(out / "selfdistill.jsonl"), "--limit", str(args.prompts), "--seed", "0"]
+    cmd += ["--max-new-tokens", str(SELFDISTILL_TOKENS), "--batch-size", "32", "--dtype", "float32"]
+    run_step("selfdistill", cmd, log_dir, env)
 
     banner("2/4 feature extraction (shared by both drafters: same target, data and layers)")
-    if (out_abs / "features" / "manifest.json").is_file():
-        skip(f"{out}/features")
-    else:
-        run_step("extract", [py, "-m", "data.extract", RECIPES["eagle2"], *overrides("eagle2")], log_dir, train_env)
+    run_step("extract", [py, "-m", "data.extract", RECIPES["eagle2"], *overrides("eagle2")], log_dir, train_env)
 
     for method, recipe in RECIPES.items():
         banner(f"3/4 train + export {method} ({recipe})")
         run_dir = out / method
-        if (ROOT / run_dir / "export" / "config.json").is_file():
+        if trained(ROOT / run_dir, int(read_recipe(recipe)["train"]["max_steps"])):
             skip(f"{run_dir}/export")
             continue
         resume = ["train.resume=auto"]  # continues an interrupted run from its last checkpoint
@@ -123,7 +115,8 @@ def main() -> None:
     for method, recipe in RECIPES.items():
         banner(f"4/4 eval {method}: plain vs speculative vs prompt lookup on held-out prompts")
         report, export = out_abs / method / "eval" / "report.json", out_abs / method / "export" / "config.json"
-        if report.is_file() and report.stat().st_mtime > export.stat().st_mtime:  # newer than the drafter
+        newest_input = max(export.stat().st_mtime, (ROOT / recipe).stat().st_mtime)
+        if report.is_file() and report.stat().st_mtime > newest_input:  # newer than the drafter and the recipe
             skip(f"{out}/{method}/eval/report.json")
             continue
         clear_report(out_abs / method / "eval")
