@@ -225,7 +225,8 @@ def table(reports: dict[str, dict[str, Any]]) -> str:
     rows = [["plain decoding", "-", "-", f"{plain:.1f}" if plain else "n/a", "1.00×", "-"]]
     lookup = first["tokens_per_s"].get("prompt_lookup")
     if lookup:
-        rows.append(["prompt lookup (transformers)", "-", "-", f"{lookup:.1f}", f"{lookup / plain:.2f}×", "-"])
+        ratio = f"{lookup / plain:.2f}×" if plain else "n/a"
+        rows.append(["prompt lookup (transformers)", "-", "-", f"{lookup:.1f}", ratio, "-"])
     for name, r in reports.items():
         speed = r["tokens_per_s"]["speculative"]
         vs = r["speedup_vs_plain"]

@@ -58,6 +58,11 @@ def followup_setup(name: str, args: argparse.Namespace, needed: list[Path]) -> t
     return {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false"}, log_dir
 
 
+def times(value: float | None, suffix: str = "×") -> str:
+    """A report figure for the table; "n/a" where the recipe's baselines did not measure it."""
+    return "n/a" if value is None else f"{value:.2f}{suffix}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", default=DEFAULT_TARGET, help="pocket target directory (HF format)")
@@ -128,9 +133,9 @@ def main() -> None:
             [
                 method,
                 r["tree"],
-                f"{r['accept_len']:.2f}",
-                f"{r['speedup_vs_plain']:.2f}×",
-                f"{r['speedup_vs_prompt_lookup']:.2f}×",
+                times(r["accept_len"], ""),
+                times(r["speedup_vs_plain"]),
+                times(r["speedup_vs_prompt_lookup"]),
                 f"{lossless_mark(r['lossless'])} ({r['lossless_prompts']})",
             ]
         )
@@ -140,8 +145,8 @@ def main() -> None:
     header = ["method", "tree", "τ", "speedup vs plain", "vs prompt lookup", "lossless"]
     print(markdown_table(header, rows))
     print(
-        f"\nplain decoding {any_report['tokens_per_s']['plain']:.1f} tok/s; transformers prompt lookup "
-        f"{any_report['prompt_lookup_vs_plain']:.2f}× plain. Reports: {out}/<method>/eval/report.md (+ .png). "
+        f"\nplain decoding {times(any_report['tokens_per_s']['plain'], ' tok/s')}; transformers prompt lookup "
+        f"{times(any_report.get('prompt_lookup_vs_plain'))} plain. Reports: {out}/<method>/eval/report.md (+ .png). "
         f"Total {time.perf_counter() - start:.0f}s."
     )
 
