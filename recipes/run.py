@@ -27,8 +27,8 @@ A recipe set is a directory with `pipeline.yaml` and one training recipe per met
 
 (The bundled pocket target has its own driver: `make demo-pocket`, recipes/pocket/demo.py.)
 
-Every step is a subprocess with its log under <first recipe's output parent>/logs/ (or --out); steps whose output
-is complete are skipped, so re-running resumes (training resumes from its last checkpoint). Recipes that name the
+Every step is a subprocess with its log under <first recipe's output parent>/logs/ (or --out); re-running resumes
+(training from its last checkpoint) and redoes what is stale (below). Recipes that name the
 same `data.features_dir` share its features (the first of them extracts them: they must agree on target, data and
 layers); EAGLE-3, which stores other layers, names its own. Self-distillation and extraction always run: they
 keep what is complete and refuse outputs made with other settings; training is skipped once its export holds the
