@@ -33,6 +33,11 @@ from data.shards import FeatureDataset
 from models.common import DraftBatch
 
 
+def _sample(position: int) -> int:
+    """The sample a plan position names: i, or i for ~i (a repeat of i that carries no loss tokens)."""
+    return position if position >= 0 else ~position
+
+
 class BatchLoader:
     """Deterministic, rank-sharded, resumable batches over `samples[indices]` (see module docstring)."""
 
@@ -156,7 +161,7 @@ class BatchLoader:
         """Right-padded (B, T) batch of rows; a row holds one sample, or several when packing (a position ~i: sample
         i with no loss tokens, a repeat that fills the last step of an unscored fill)."""
         B = len(rows)
-        T = max(sum(self.lengths[max(i, ~i)] for i in row) for row in rows)
+        T = max(sum(self.lengths[_sample(i)] for i in row) for row in rows)
         batch: DraftBatch = {
             "input_ids": torch.zeros(B, T, dtype=torch.int64),
             "loss_mask": torch.zeros(B, T, dtype=torch.float32),
@@ -169,7 +174,7 @@ class BatchLoader:
         for b, row in enumerate(rows):
             t = 0
             for i in row:
-                item, n = self._item(max(i, ~i)), self.lengths[max(i, ~i)]
+                item, n = self._item(_sample(i)), self.lengths[_sample(i)]
                 if i < 0:
                     item["loss_mask"] = torch.zeros_like(item["loss_mask"])
                 for key, value in item.items():

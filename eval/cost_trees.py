@@ -195,10 +195,22 @@ def batch_tree_size(
     _check_steps(draft_steps)
     if not ranked_rows:
         raise ValueError("ranked_rows: need at least one row")
+    return _best_size(_mean_ranking(ranked_rows, max_size), costs, draft_steps)[0]
+
+
+def _mean_ranking(ranked_rows: Sequence[Sequence[float]], max_size: int | None) -> list[float]:
+    """The rows' rankings averaged position by position (as long as the shortest), capped to `max_size - 1`
+    candidates."""
     n = min(len(r) for r in ranked_rows)
     mean = [sum(float(r[i]) for r in ranked_rows) / len(ranked_rows) for i in range(n)]
-    limit = n if max_size is None else max(0, min(n, max_size - 1))
-    return _best_size(mean[:limit], costs, draft_steps)[0]
+    return mean if max_size is None else mean[: max(0, max_size - 1)]
+
+
+def _optimistic(ranked: list[float], frontier_prob: float, count: int) -> list[float]:
+    """`ranked` with `count` more candidates of path probability `frontier_prob`, slotted where it ranks: the best a
+    deeper draft can add below a frontier of that probability."""
+    pos = bisect.bisect_left([-p for p in ranked], -frontier_prob)
+    return ranked[:pos] + [frontier_prob] * count + ranked[pos:]
 
 
 def batch_should_stop(
@@ -223,19 +235,10 @@ def batch_should_stop(
     fronts = [min(float(f), 1.0) for f in frontier_probs]
     if new_per_step == 0 or not any(fronts):
         return True  # nothing new can be accepted, and more steps only cost
-
-    def mean_ranking(lists: list[list[float]]) -> list[float]:
-        n = min(len(r) for r in lists)
-        mean = [sum(r[i] for r in lists) / len(lists) for i in range(n)]
-        return mean if max_size is None else mean[: max(0, max_size - 1)]
-
-    current = _best_size(mean_ranking(rows), costs, draft_steps)[3]
+    current = _best_size(_mean_ranking(rows, max_size), costs, draft_steps)[3]
     for extra in range(1, steps_left + 1):
-        bounds = []
-        for r, f in zip(rows, fronts):
-            pos = bisect.bisect_left([-p for p in r], -f)
-            bounds.append(r[:pos] + [f] * (extra * new_per_step) + r[pos:])
-        if _best_size(mean_ranking(bounds), costs, draft_steps + extra)[3] > current:
+        bounds = [_optimistic(r, f, extra * new_per_step) for r, f in zip(rows, fronts)]
+        if _best_size(_mean_ranking(bounds, max_size), costs, draft_steps + extra)[3] > current:
             return False
     return True
 
@@ -280,9 +283,7 @@ def can_improve(
         return False  # nothing new can be accepted, and more steps only cost
     ranked = list(current.ranked)
     for extra in range(1, max_extra_steps + 1):
-        # The optimistic candidates slot in where frontier_prob ranks among the existing ones.
-        pos = bisect.bisect_left([-p for p in ranked], -frontier_prob)
-        bound = ranked[:pos] + [frontier_prob] * (extra * new_per_step) + ranked[pos:]
+        bound = _optimistic(ranked, frontier_prob, extra * new_per_step)
         if max_size is not None:
             bound = bound[: max_size - 1]
         if _best_size(bound, costs, current.draft_steps + extra)[3] > current.ratio:

@@ -53,6 +53,7 @@ from typing import Any
 import yaml
 
 from eval import REPORT_FILES
+from train.checkpoint import latest_checkpoint, read_state
 
 ROOT = Path(__file__).resolve().parents[1]
 PIPELINE = "pipeline.yaml"
@@ -118,18 +119,16 @@ def load_pipeline(directory: Path) -> dict[str, Any]:
 def trained(run_dir: Path, max_steps: int) -> bool:
     """Whether the run reached `max_steps` and its export is newer than its last checkpoint (a larger
     train.max_steps resumes training; a newer checkpoint is exported again)."""
-    export = run_dir / "export" / "config.json"
-    steps = trained_steps(run_dir)
-    if not export.is_file() or steps is None:
+    export, last = run_dir / "export" / "config.json", latest_checkpoint(run_dir)
+    if not export.is_file() or last is None:
         return False
-    last = run_dir / "checkpoints" / f"step-{steps:06d}"
-    return steps >= max_steps and export.stat().st_mtime >= last.stat().st_mtime
+    return read_state(last)["step"] >= max_steps and export.stat().st_mtime >= last.stat().st_mtime
 
 
 def trained_steps(run_dir: Path) -> int | None:
     """The step of the run's newest checkpoint (what its export holds), None without one."""
-    checkpoints = sorted((run_dir / "checkpoints").glob("step-*"))
-    return int(checkpoints[-1].name.removeprefix("step-")) if checkpoints else None
+    last = latest_checkpoint(run_dir)
+    return None if last is None else read_state(last)["step"]
 
 
 def eval_dir_of(conf: dict[str, Any]) -> Path:

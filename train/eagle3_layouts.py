@@ -55,8 +55,8 @@ WEIGHTS = "model.safetensors"
 SPECULATORS_VERSION = "0.9.0"
 """The speculators release whose loader was checked (`benchmarks/speculators_check.py`)."""
 SGLANG_EAGLE3 = "LlamaForCausalLMEagle3"
-VLLM_FUSED = 3
-"""vLLM's EAGLE-3 fc reads this many auxiliary hidden states (3 × target_hidden_size inputs), as SGLang's does."""
+ENGINE_FUSED = 3
+"""vLLM's and SGLang's EAGLE-3 fc read this many auxiliary hidden states (3 × target_hidden_size inputs)."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -146,9 +146,9 @@ def _tensors(drafter: nn.Module, layer_prefix: str) -> dict[str, torch.Tensor]:
 
 def write_speculators(out: Path, recipe, target, drafter: nn.Module, include_target_weights: bool) -> None:
     cfg, tc = drafter.cfg, target.config
-    if len(cfg.feature_layers) != VLLM_FUSED:
+    if len(cfg.feature_layers) != ENGINE_FUSED:
         raise ExportError(
-            f"drafter.feature_layers: vLLM's EAGLE-3 fc reads exactly {VLLM_FUSED} hidden states, got "
+            f"drafter.feature_layers: vLLM's EAGLE-3 fc reads exactly {ENGINE_FUSED} hidden states, got "
             f"{cfg.feature_layers}; export --format native"
         )
     tensors = _tensors(drafter, "layers.0.")
@@ -198,8 +198,10 @@ def write_sglang_eagle3(out: Path, recipe, target, drafter: nn.Module, include_t
                 f"export.format: sglang's EAGLE-3 layer has no {flag} (drafter.{flag} is true); export --format "
                 "speculators (read by vLLM) or train with it false"
             )
-    if len(cfg.feature_layers) != 3:
-        raise ExportError(f"drafter.feature_layers: sglang fuses exactly 3 hidden states, got {cfg.feature_layers}")
+    if len(cfg.feature_layers) != ENGINE_FUSED:
+        raise ExportError(
+            f"drafter.feature_layers: sglang fuses exactly {ENGINE_FUSED} hidden states, got {cfg.feature_layers}"
+        )
     tensors = _tensors(drafter, "midlayer.")
     ids = in_layer_order(tensors, aux_layer_ids(cfg.feature_layers, tc.num_hidden_layers, "sglang"))
     if include_target_weights:
@@ -241,10 +243,10 @@ class Eagle3Reader:
 
 
 VLLM_SPECULATORS = Eagle3Reader(
-    "vLLM (speculators config)", ("layers.0.", "midlayer."), 0, True, True, True, fused=VLLM_FUSED
+    "vLLM (speculators config)", ("layers.0.", "midlayer."), 0, True, True, True, fused=ENGINE_FUSED
 )
 SPECULATORS = Eagle3Reader("speculators Eagle3DraftModel", ("layers.0.",), 0, True, False, True, True)
-SGLANG = Eagle3Reader("SGLang LlamaForCausalLMEagle3", ("midlayer.",), 1, False, False, False, fused=3)
+SGLANG = Eagle3Reader("SGLang LlamaForCausalLMEagle3", ("midlayer.",), 1, False, False, False, fused=ENGINE_FUSED)
 
 
 def from_pretrained_dtype(config: dict, tensors: dict[str, torch.Tensor], notes: list[str]) -> torch.dtype:

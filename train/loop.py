@@ -147,6 +147,13 @@ def _features_problem(message: str, source: str) -> str:
     return f"{message} (re-extract with `python -m data.extract {source}`)"
 
 
+def sample_ids(samples, positions) -> list[int | str]:
+    """The data ids of these positions of feature shards or token samples."""
+    if isinstance(samples, FeatureDataset):
+        return [samples.sample_ids[i] for i in positions]
+    return [samples[i]["id"] for i in positions]
+
+
 def build_loaders(recipe: Recipe, target: Target, accelerator: Accelerator) -> tuple[BatchLoader, BatchLoader | None]:
     """(train loader, held-out loader or None): feature shards checked against the target, or token data (online)."""
     data, cfg = recipe.data, recipe.train
@@ -177,7 +184,7 @@ def build_loaders(recipe: Recipe, target: Target, accelerator: Accelerator) -> t
             raise TrainingError(f"{recipe.source}: data.features_dir: {problems[0]}")
         train_idx, heldout_idx = samples.split(data.heldout_fraction, cfg.seed)
     if accelerator.is_main_process:  # evaluation calibrates on these samples, never on training ones
-        write_heldout(cfg.output_dir, [samples[i]["id"] if cfg.online else samples.sample_ids[i] for i in heldout_idx])
+        write_heldout(cfg.output_dir, sample_ids(samples, heldout_idx))
     common = dict(
         batch_size=cfg.batch_size,
         accum=cfg.grad_accum,
@@ -310,16 +317,6 @@ def _tracker_kwargs(recipe: Recipe, accelerator: Accelerator) -> dict:
 # The loop
 
 
-def heldout_ids(train_loader: BatchLoader, heldout_loader: BatchLoader | None) -> list[int | str]:
-    """The sample ids of the held-out split (what `heldout.json` records)."""
-    if heldout_loader is None:
-        return []
-    samples = train_loader.samples
-    if isinstance(samples, FeatureDataset):
-        return [samples.sample_ids[i] for i in heldout_loader.indices]
-    return [samples[i]["id"] for i in heldout_loader.indices]
-
-
 def set_draft_vocab(
     recipe: Recipe, drafter: torch.nn.Module, samples, skip_ids, accelerator: Accelerator, resuming: bool
 ) -> None:
@@ -363,7 +360,7 @@ def train(recipe: Recipe, stop_after: int | None = None) -> Path:
     set_seed(cfg.seed)
     target = build_target(recipe, accelerator)
     train_loader, heldout_loader = build_loaders(recipe, target, accelerator)
-    skip = heldout_ids(train_loader, heldout_loader)  # token choices are made on the training split only
+    skip = sample_ids(train_loader.samples, heldout_loader.indices if heldout_loader else [])  # training split only
     parts = target.parts(recipe.data.layers)
     if cfg.loss_vocab:  # offline only (checked at load): the loader's samples are the feature shards
         vocab = frequent_loss_tokens(train_loader.samples, cfg.loss_vocab, skip)
