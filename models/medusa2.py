@@ -154,7 +154,7 @@ class Medusa2Model(nn.Module):
         """Interoperable files next to the native export: `heads/` (a Medusa-1 native export, loadable with
         `models.io.load_drafter`), `adapter/` (peft: adapter_config.json + adapter_model.safetensors) and,
         with `merge_lora`, `merged/` (the target with the adapters merged in, HF safetensors)."""
-        from models.io import save_native
+        from models.io import add_legacy_rope, save_native
 
         out = Path(out_dir)
         save_native(out / HEADS_DIR, self.heads, target)
@@ -162,6 +162,7 @@ class Medusa2Model(nn.Module):
         if merge_lora:
             merged = self.merged_model()
             merged.save_pretrained(str(out / MERGED_DIR), safe_serialization=True)
+            add_legacy_rope(out / MERGED_DIR)  # for serving stacks on transformers 4
             if target.tokenizer is not None:
                 target.tokenizer.save_pretrained(str(out / MERGED_DIR))
 

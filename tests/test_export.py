@@ -280,6 +280,11 @@ def test_eagle_formats_round_trip(fmt, arch, runs, tmp_path):
     } <= set(theirs)
     assert not any("input_layernorm" in k or k.startswith(("norm.", "fc_norm", "embed_tokens")) for k in theirs)
     assert theirs["fc.weight"].shape == (64, 128)  # cat(embedding(x_{t+1}), f_t) -> d
+    if fmt == "eagle":  # SafeAILab's PyPI release reads only pytorch_model.bin: the same tensors, tensors only
+        pt = torch.load(out / "pytorch_model.bin", weights_only=True)
+        assert type(pt) is dict and pt.keys() == theirs.keys() and all(torch.equal(pt[k], theirs[k]) for k in pt)
+    else:
+        assert not (out / "pytorch_model.bin").exists()
     recipe, target, trained = load_run(runs["eagle2-plain"])
     fresh = METHODS["eagle2"].module()(recipe.drafter, target.parts(recipe.data.layers)).eval()
     missing, unexpected = fresh.load_state_dict(theirs, strict=False)

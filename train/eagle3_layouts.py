@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.io import ExportError, load_drafter, read_safetensors, write_safetensors
+from models.io import ExportError, legacy_rope, load_drafter, read_safetensors, write_safetensors
 from train.gates import (
     GATE_BATCH,
     GATE_LEN,
@@ -45,7 +45,6 @@ from train.gates import (
     _rms,
     _rotate,
     config_value,
-    legacy_rope,
     read_json,
     register,
     rope_cos_sin,

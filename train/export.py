@@ -29,7 +29,10 @@ Engine formats, each a `config.json` + safetensors file:
   `rope_scaling` for scaled RoPE) beside `rope_parameters`, since transformers-4-based consumers read only those
   and fall back to base 10000. SGLang's fc always has a bias and its Llama layers read a `bias` key as attention
   biases, so the `sglang` layout writes no `bias` key and an `fc.bias` of zeros for a drafter trained without
-  one. These layouts have no FC-Norm, post-norm or multi-layer fusion, so only drafters trained with
+  one. `eagle` also writes the same tensors as `pytorch_model.bin` (tensors only), the one file SafeAILab's PyPI
+  release (`eagle-llm` 1.2.1) reads; that release loads strictly, so give it `--include-target-weights`, and it
+  builds RoPE on base 10000 whatever `rope_theta` says (a note is printed for other bases). These layouts have no
+  FC-Norm, post-norm or multi-layer fusion, so only drafters trained with
   `fc_norm: false`, `post_norm: false` and `feature_layers: [-1]` export to them; the others are refused rather
   than exported silently wrong.
 - `vllm`: Medusa heads as vLLM's `MedusaModel` (`model_type: medusa`, `blocks.{h}.layers.{l}.*`,
@@ -61,6 +64,7 @@ from data.shards import FeatureDataset, FeatureMismatchError, loss_token_counts,
 from models.io import (
     DRAFT_VOCAB_FILE,
     ExportError,
+    legacy_rope,
     load_draft_vocab,
     read_safetensors,
     save_draft_vocab,
@@ -74,7 +78,7 @@ from models.target import Target, TargetError, load_target
 from train import eagle3_layouts
 from train.checkpoint import DRAFTER_FILE, RECIPE_FILE, CheckpointError, latest_checkpoint, read_state
 from train.config import Recipe, RecipeError, load_recipe
-from train.gates import FASTERDECODING_HEADS, GATES, MEDUSA_PT, MEDUSA_SAFETENSORS, legacy_rope
+from train.gates import EAGLE_PT, FASTERDECODING_HEADS, GATES, MEDUSA_PT, MEDUSA_SAFETENSORS
 from train.gates import check as gate_check
 from train.heldout import HeldoutError, read_heldout
 
@@ -235,6 +239,8 @@ def _write_eagle(out: Path, target: Target, drafter: nn.Module, include_target_w
     if sglang and "fc.bias" not in tensors:  # SGLang's fc always has a bias: load zeros, not its initial values
         tensors["fc.bias"] = torch.zeros(tensors["fc.weight"].shape[0], dtype=tensors["fc.weight"].dtype)
     write_safetensors(tensors, out / ENGINE_WEIGHTS)
+    if fmt == "eagle":  # SafeAILab's PyPI release (eagle-llm 1.2.1) reads only this file
+        write_pt(tensors, out / EAGLE_PT)
     config = {k: v for k, v in target.config.to_dict().items() if k not in _VOLATILE | _BIAS_KEYS}
     # the drafter's layers have no attention or MLP biases, whatever the target's have
     arch = SGLANG_EAGLE if sglang else SAFEAILAB_EAGLE
@@ -243,6 +249,12 @@ def _write_eagle(out: Path, target: Target, drafter: nn.Module, include_target_w
     config.update(legacy_rope(config))
     if fmt == "eagle":
         safeailab_rope(config)
+        if config.get("rope_theta", 10000.0) != 10000.0:
+            print(
+                f"note: rope_theta {config['rope_theta']}: SafeAILab's current code reads it; its PyPI release "
+                "(eagle-llm 1.2.1) builds RoPE on base 10000 whatever the config says and drafts wrong logits",
+                file=sys.stderr,
+            )
     if not sglang:  # SafeAILab reads `bias` as the fc's; SGLang's Llama layers would read it as attention biases
         config["bias"] = cfg.fc_bias
     (out / "config.json").write_text(json.dumps(config, indent=2, default=str) + "\n")

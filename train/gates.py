@@ -15,7 +15,8 @@ Consumers reproduced (transformers-4 conventions: `rope_theta` / `rope_scaling`,
 - `medusa`: FasterDecoding Medusa's legacy `MedusaModel.from_pretrained`: `medusa_lm_head.pt` through `torch.load`
   (read here with `weights_only=True`), 5 heads whatever `medusa_num_heads` says, `medusa_num_layers` (default 1)
   copies of ONE shared ResBlock per head (the last `{h}.{l}.linear.*` loaded wins), `load_state_dict(strict=False)`.
-- `eagle`: SafeAILab EAGLE-1/2 (`cnets1.py`, `use_eagle3=False`): fc bias from `bias` (default True), q/k/v biases
+- `eagle`: SafeAILab EAGLE-1/2 (`cnets1.py`, `use_eagle3=False`; `pytorch_model.bin` must hold the safetensors
+  file's tensors, for the PyPI release that reads only it): fc bias from `bias` (default True), q/k/v biases
   only with a true `qkv_bias`, head_dim = hidden_size // num_attention_heads; its `EConfig` refuses a `rope_scaling`
   other than exactly {type: linear | dynamic, factor: float > 1}, and it builds scaled RoPE on base 10000.
 - `sglang`: `LlamaForCausalLMEagle`: fc always with a bias (not checked for presence), `attention_bias` or `bias`
@@ -52,6 +53,7 @@ from models.io import ExportError, load_drafter, read_json, read_safetensors
 from models.methods import METHODS
 
 MEDUSA_PT = "medusa_lm_head.pt"
+EAGLE_PT = "pytorch_model.bin"
 MEDUSA_SAFETENSORS = "medusa_lm_head.safetensors"
 ENGINE_WEIGHTS = "model.safetensors"
 FASTERDECODING_HEADS = 5
@@ -133,6 +135,13 @@ def check(fmt: str, out_dir: str | Path, recipe, target, drafter: nn.Module) -> 
 
 # --------------------------------------------------------------------------------------------
 # Reading an export as a consumer does
+
+
+def same_tensors(out_dir: Path, safetensors_name: str, pt_name: str, fmt: str) -> None:
+    """An export's safetensors file and its `.pt` copy (for loaders that read only that) hold the same tensors."""
+    a, b = read_safetensors(out_dir / safetensors_name), read_pt(out_dir / pt_name)
+    if a.keys() != b.keys() or any(not torch.equal(a[k], b[k]) for k in a):
+        raise ExportError(f"{fmt} load gate: {safetensors_name} and {pt_name} hold different tensors")
 
 
 def read_pt(path: Path) -> dict[str, torch.Tensor]:
@@ -243,17 +252,6 @@ VLLM_EAGLE = EagleRules(
     attn_bias=_llama_attention_bias,
     head_dim=_head_dim_given,
 )
-
-
-def legacy_rope(config: dict) -> dict:
-    """`rope_theta` (and a legacy `rope_scaling` for scaled RoPE) beside transformers-5's `rope_parameters`:
-    consumers built on transformers 4 read those and silently fall back to base 10000 without them."""
-    rope = config.get("rope_parameters") or {}
-    out = {"rope_theta": rope["rope_theta"]} if "rope_theta" in rope else {}
-    kind = rope.get("rope_type", "default")
-    if kind != "default":
-        out["rope_scaling"] = {"rope_type": kind, "type": kind, **{k: v for k, v in rope.items() if k != "rope_theta"}}
-    return out
 
 
 def rope_cos_sin(
@@ -471,9 +469,7 @@ def medusa_fd_logits(
 def medusa_gate(out_dir: Path, recipe, target, drafter: nn.Module) -> GateResult:
     config = read_json(out_dir / "config.json")
     tensors = read_pt(out_dir / MEDUSA_PT)  # what the loader reads; the safetensors copy must hold the same
-    copy = read_safetensors(out_dir / MEDUSA_SAFETENSORS)
-    if copy.keys() != tensors.keys() or any(not torch.equal(copy[k], tensors[k]) for k in copy):
-        raise ExportError(f"medusa load gate: {MEDUSA_SAFETENSORS} and {MEDUSA_PT} hold different tensors")
+    same_tensors(out_dir, MEDUSA_SAFETENSORS, MEDUSA_PT, "medusa")
     notes: list[str] = []
     if drafter.cfg.num_heads != FASTERDECODING_HEADS:
         notes.append(
@@ -526,6 +522,7 @@ def vllm_gate(out_dir: Path, recipe, target, drafter: nn.Module) -> GateResult:
 
 @register("eagle")
 def safeailab_gate(out_dir: Path, recipe, target, drafter: nn.Module) -> GateResult:
+    same_tensors(out_dir, ENGINE_WEIGHTS, EAGLE_PT, "eagle")  # the PyPI release reads only the .bin
     return eagle_gate(out_dir, target, drafter, SAFEAILAB)
 
 

@@ -1,0 +1,192 @@
+"""The real consumers on PyPI of the `eagle` and `medusa` exports load them and must give our draft logits.
+
+    make check-consumers            # builds .venv-consumers and runs the cases below
+    .venv/bin/python benchmarks/consumers_check.py prepare OUT [--rope-theta THETA]
+    .venv-consumers/bin/python benchmarks/consumers_check.py consume OUT
+
+The consumers: SafeAILab's `eagle-llm` 1.2.1 (the EAGLE release on PyPI) and FasterDecoding's `medusa-llm` 0.1
+(the Medusa release on PyPI). Both are built on transformers 4 (their Llama code reads `rope_scaling["type"]`,
+which transformers 5 configs no longer carry), so they run in their own virtual environment with transformers
+4.36 and without their pinned extras (web UI, fschat), which loading and drafting do not use.
+
+`prepare` (project environment) builds a tiny random Llama target (`--rope-theta` sets its RoPE base), saves it
+as an HF model directory OUT/target (the consumers load their base model from there), trains two drafters on it
+for a few steps from the tiny recipes (EAGLE-2 without FC-Norm / post-norm, since the EAGLE-1/2 layout holds
+neither; Medusa-1 with 5 heads of 1 layer, what FasterDecoding's loader builds), exports them with
+`--format eagle --include-target-weights` (the 1.2.1 loader is strict and needs the embedding in the file) and
+`--format medusa`, and writes OUT/inputs.safetensors: one random token sequence, the target's last hidden states
+on it, and our drafters' logits (`eagle_reference`: the EAGLE drafter on the target's features and the next
+tokens; `medusa_reference`: the Medusa heads on the last hidden states).
+
+`consume` (the consumers' environment) imports nothing from this project. It loads the exports through the
+consumers' own entry points, `EaModel.from_pretrained(base_model_path=OUT/target, ea_model_path=...)` (which reads
+`config.json` and `pytorch_model.bin` and loads the drafter strictly) and `MedusaModel.from_pretrained(...)`
+(which reads `medusa_lm_head.pt` and the base model named by `base_model_name_or_path`), then runs their drafter
+(`ea_layer` on the same features and next tokens, logits through their base model's lm_head), their
+`MedusaModel.forward` on the token sequence (their base model computes the hidden states) and their loaded heads on
+our hidden states, and compares. Ends with `consumers/max_abs_logit_diff: <x> (goal <= 0.0001)`.
+
+Both releases predate `rope_theta`: their Llama code builds RoPE on base 10000 whatever the config says (SafeAILab's
+current code on GitHub reads it). `--rope-theta 500000` shows what that costs: the heads still match on our hidden
+states, but the EAGLE drafter and Medusa's base model compute other logits (`make check-consumers` expects that
+case to fail).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+GOAL = 1e-4
+SEQ_LEN = 24
+MEDUSA_HEADS = 5  # what FasterDecoding's loader builds
+
+
+def prepare(out: Path, rope_theta: float | None) -> None:
+    sys.path.insert(0, str(ROOT))  # run as a script from the repository root's environment
+    import torch
+    from safetensors.torch import save_file
+
+    from data.extract import main as extract_main
+    from models.io import add_legacy_rope
+    from models.target import load_target
+    from train.config import load_recipe
+    from train.export import export, load_run
+    from train.loop import train
+
+    os.chdir(ROOT)
+    out.mkdir(parents=True, exist_ok=True)
+    target_dir = out / "target"
+    if not (target_dir / "config.json").is_file():
+        spec = load_recipe(str(ROOT / "recipes/tiny/eagle2.yaml")).target
+        config = dict(spec.random_init)
+        if rope_theta is not None:
+            config["rope_parameters"] = {"rope_type": "default", "rope_theta": rope_theta}
+        target = load_target(random_init=config, tokenizer=spec.tokenizer, dtype="float32", seed=spec.seed)
+        target.model.save_pretrained(target_dir)
+        add_legacy_rope(target_dir)  # as `models.fetch` writes a real target: `rope_theta` for transformers 4
+        target.tokenizer.save_pretrained(target_dir)
+        # transformers 5 names the fast tokenizer `TokenizersBackend`; the consumers' transformers 4 reads the same
+        # tokenizer.json as `PreTrainedTokenizerFast` (they load it, drafting does not use it)
+        tok_config = target_dir / "tokenizer_config.json"
+        tok = json.loads(tok_config.read_text())
+        tok_config.write_text(json.dumps({**tok, "tokenizer_class": "PreTrainedTokenizerFast"}, indent=2))
+
+    common = [
+        f"target.path={target_dir}",
+        "target.random_init=null",
+        "target.tokenizer=null",
+        "logging.tracker=none",
+        "train.max_steps=6",
+        "train.eval_every=0",
+    ]
+    cases = {
+        "eagle": ("recipes/tiny/eagle2.yaml", ["drafter.fc_norm=false", "drafter.post_norm=false"]),
+        "medusa": ("recipes/tiny/medusa1.yaml", [f"drafter.num_heads={MEDUSA_HEADS}", "drafter.num_layers=1"]),
+    }
+    drafters = {}
+    for fmt, (recipe, extra) in cases.items():
+        run, features = out / fmt / "run", out / fmt / "features"
+        overrides = [*common, *extra, f"data.features_dir={features}"]
+        if not (features / "manifest.json").is_file():
+            extract_main([str(ROOT / recipe), *overrides])
+        if not (run / "recipe.yaml").is_file():
+            train(load_recipe(str(ROOT / recipe), [*overrides, f"train.output_dir={run}"]))
+        export(run, out / fmt / "export", fmt=fmt, include_target_weights=fmt == "eagle")
+        _, target, drafter = load_run(run)
+        drafters[fmt] = drafter.float().eval()
+
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, target.config.vocab_size, (1, SEQ_LEN), generator=gen)
+    with torch.no_grad():
+        hidden = target.hidden_states(ids, torch.ones_like(ids), layers=[-1])[:, :, 0].float()  # (1, T, d)
+        eagle = drafters["eagle"]
+        next_ids = torch.cat([ids[:, 1:], ids[:, -1:]], dim=1)  # x_{t+1} beside f_t, as EAGLE reads them
+        batch = {
+            "hidden": hidden[:, :, None],
+            "input_ids": ids,
+            "position_ids": torch.arange(SEQ_LEN)[None],
+            "attention_mask": torch.ones(1, SEQ_LEN, dtype=torch.long),
+            "loss_mask": torch.ones(1, SEQ_LEN),
+        }
+        eagle_reference = eagle.logits(eagle.predict_features(batch))
+        medusa_reference = drafters["medusa"].head_logits(hidden)  # (heads, 1, T, V)
+    tensors = {
+        "input_ids": ids,
+        "next_ids": next_ids,
+        "hidden": hidden.contiguous(),
+        "eagle_reference": eagle_reference.float().contiguous(),
+        "medusa_reference": medusa_reference.float().contiguous(),
+    }
+    save_file(tensors, str(out / "inputs.safetensors"))
+    theta = rope_theta if rope_theta is not None else "default"
+    print(f"prepared {out}: target rope_theta {theta}, eagle and medusa exports, T={SEQ_LEN}")
+
+
+def consume(out: Path) -> float:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    import torch
+    import transformers
+    from eagle.model.ea_model import EaModel
+    from medusa.model.medusa_model import MedusaModel
+    from safetensors.torch import load_file
+
+    inputs = load_file(str(out / "inputs.safetensors"))
+    target = out / "target"
+    print(f"transformers {transformers.__version__}; target {target}")
+    results: dict[str, float] = {}
+
+    def compare(name: str, theirs: torch.Tensor, ours: torch.Tensor) -> None:
+        diff = (theirs.float() - ours).abs().max().item()
+        same = (theirs.argmax(-1) == ours.argmax(-1)).float().mean().item()
+        print(f"{name:34s} max |logit diff| {diff:.2e}, same top-1 at {same:.3f} of {ours[..., 0].numel()} positions")
+        results[name] = diff if math.isfinite(diff) else math.inf  # nan logits fail
+
+    # SafeAILab eagle-llm 1.2.1: its from_pretrained, then its drafter on our features and the next tokens
+    model = EaModel.from_pretrained(
+        base_model_path=str(target), ea_model_path=str(out / "eagle" / "export"), torch_dtype=torch.float32
+    ).eval()
+    with torch.no_grad():
+        h = model.ea_layer(hidden_states=inputs["hidden"], input_ids=inputs["next_ids"])
+        compare("eagle-llm EaModel.ea_layer", model.base_model.lm_head(h), inputs["eagle_reference"])
+
+    # FasterDecoding medusa-llm 0.1: its from_pretrained and forward (its base model computes the hidden states)
+    model = MedusaModel.from_pretrained(str(out / "medusa" / "export"), torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(input_ids=inputs["input_ids"])  # (heads, 1, T, V)
+    reference = inputs["medusa_reference"]
+    if logits.shape != reference.shape:
+        print(f"medusa-llm MedusaModel.forward: logits {tuple(logits.shape)}, ours {tuple(reference.shape)}")
+        results["medusa"] = math.inf
+    else:
+        for k in range(reference.shape[0]):
+            compare(f"medusa-llm MedusaModel.forward head {k}", logits[k], reference[k])
+        with torch.no_grad():  # the loaded heads alone, on our target's hidden states
+            for k in range(reference.shape[0]):
+                compare(f"medusa-llm medusa_head[{k}]", model.medusa_head[k](inputs["hidden"]), reference[k])
+
+    worst = max(results.values()) if results else math.inf  # nothing compared cannot pass
+    print(f"consumers/max_abs_logit_diff: {worst:.2e} (goal <= {GOAL})")
+    return worst
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("stage", choices=["prepare", "consume"])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--rope-theta", type=float, default=None, help="prepare: the tiny target's RoPE base")
+    args = parser.parse_args(argv)
+    if args.stage == "prepare":
+        prepare(args.out.resolve(), args.rope_theta)
+    else:
+        sys.exit(0 if consume(args.out.resolve()) <= GOAL else 1)
+
+
+if __name__ == "__main__":
+    main()
