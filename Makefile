@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test lint format demo demo-pocket smollm2 check-speculators check-consumers clean
+.PHONY: install test lint format demo demo-pocket smollm2 check-speculators check-consumers check-sglang clean
 
 install: $(STAMP)
 
@@ -71,6 +71,21 @@ check-consumers: install
 	$(CONS_VENV)/bin/python benchmarks/consumers_check.py consume runs/consumers-check
 	$(BIN)/python benchmarks/consumers_check.py prepare runs/consumers-check-theta --rope-theta 500000
 	! $(CONS_VENV)/bin/python benchmarks/consumers_check.py consume runs/consumers-check-theta
+
+# SGLang's own EAGLE-2 / EAGLE-3 model code on `--format sglang` exports: the sglang 0.5.23 wheel without its
+# dependencies (it pins a CUDA torch and GPU kernels), CPU torch and what its model code imports (about 2.5 GB).
+SGL_VENV := .venv-sglang
+SGL_DEPS := numpy orjson psutil pybase64 requests packaging pillow starlette msgspec 'transformers==5.19.0' \
+	safetensors triton pyzmq IPython aiohttp 'apache-tvm-ffi==0.1.11' dill 'sentencepiece==0.2.1' \
+	'compressed-tensors==0.18.0' gguf 'openai==2.8.0' partial-json-parser
+check-sglang: install
+	test -x $(SGL_VENV)/bin/python || $(PY) -m venv $(SGL_VENV)
+	$(SGL_VENV)/bin/pip install -q torch==2.13.0
+	$(SGL_VENV)/bin/pip install -q --no-deps sglang==0.5.23
+	$(SGL_VENV)/bin/pip install -q torch==2.13.0 $(SGL_DEPS)
+	rm -rf runs/sglang-check
+	$(BIN)/python benchmarks/sglang_check.py prepare runs/sglang-check
+	SGLANG_USE_CPU_ENGINE=1 $(SGL_VENV)/bin/python benchmarks/sglang_check.py consume runs/sglang-check
 
 clean:
 	rm -rf runs artifacts/demo

@@ -47,23 +47,15 @@ SEQ_LEN = 24
 MEDUSA_HEADS = 5  # what FasterDecoding's loader builds
 
 
-def prepare(out: Path, rope_theta: float | None) -> None:
-    sys.path.insert(0, str(ROOT))  # run as a script from the repository root's environment
-    import torch
-    from safetensors.torch import save_file
-
-    from data.extract import main as extract_main
+def tiny_target(out: Path, recipe: str, rope_theta: float | None = None) -> Path:
+    """OUT/target: the tiny recipe's random Llama saved as an HF directory a transformers-4 consumer reads."""
     from models.io import add_legacy_rope
     from models.target import load_target
     from train.config import load_recipe
-    from train.export import export, load_run
-    from train.loop import train
 
-    os.chdir(ROOT)
-    out.mkdir(parents=True, exist_ok=True)
     target_dir = out / "target"
     if not (target_dir / "config.json").is_file():
-        spec = load_recipe(str(ROOT / "recipes/tiny/eagle2.yaml")).target
+        spec = load_recipe(str(ROOT / recipe)).target
         config = dict(spec.random_init)
         if rope_theta is not None:
             config["rope_parameters"] = {"rope_type": "default", "rope_theta": rope_theta}
@@ -71,41 +63,61 @@ def prepare(out: Path, rope_theta: float | None) -> None:
         target.model.save_pretrained(target_dir)
         add_legacy_rope(target_dir)  # as `models.fetch` writes a real target: `rope_theta` for transformers 4
         target.tokenizer.save_pretrained(target_dir)
-        # transformers 5 names the fast tokenizer `TokenizersBackend`; the consumers' transformers 4 reads the same
-        # tokenizer.json as `PreTrainedTokenizerFast` (they load it, drafting does not use it)
+        # transformers 5 names the fast tokenizer `TokenizersBackend`; transformers 4 reads the same tokenizer.json
+        # as `PreTrainedTokenizerFast` (the consumers load it; drafting does not use it)
         tok_config = target_dir / "tokenizer_config.json"
         tok = json.loads(tok_config.read_text())
         tok_config.write_text(json.dumps({**tok, "tokenizer_class": "PreTrainedTokenizerFast"}, indent=2))
+    return target_dir
 
-    common = [
+
+def train_and_export(out: Path, target_dir: Path, recipe: str, extra: list[str], fmt: str, **export_args):
+    """Train `recipe` for a few steps on the saved target under OUT, export it as `fmt` to OUT/export; returns the
+    run's (target, drafter in float32, eval mode)."""
+    from data.extract import main as extract_main
+    from train.config import load_recipe
+    from train.export import export, load_run
+    from train.loop import train
+
+    run, features = out / "run", out / "features"
+    overrides = [
         f"target.path={target_dir}",
         "target.random_init=null",
         "target.tokenizer=null",
         "logging.tracker=none",
         "train.max_steps=6",
         "train.eval_every=0",
+        f"data.features_dir={features}",
+        *extra,
     ]
-    cases = {
-        "eagle": ("recipes/tiny/eagle2.yaml", ["drafter.fc_norm=false", "drafter.post_norm=false"]),
-        "medusa": ("recipes/tiny/medusa1.yaml", [f"drafter.num_heads={MEDUSA_HEADS}", "drafter.num_layers=1"]),
-    }
-    drafters = {}
-    for fmt, (recipe, extra) in cases.items():
-        run, features = out / fmt / "run", out / fmt / "features"
-        overrides = [*common, *extra, f"data.features_dir={features}"]
-        if not (features / "manifest.json").is_file():
-            extract_main([str(ROOT / recipe), *overrides])
-        if not (run / "recipe.yaml").is_file():
-            train(load_recipe(str(ROOT / recipe), [*overrides, f"train.output_dir={run}"]))
-        export(run, out / fmt / "export", fmt=fmt, include_target_weights=fmt == "eagle")
-        _, target, drafter = load_run(run)
-        drafters[fmt] = drafter.float().eval()
+    if not (features / "manifest.json").is_file():
+        extract_main([str(ROOT / recipe), *overrides])
+    if not (run / "recipe.yaml").is_file():
+        train(load_recipe(str(ROOT / recipe), [*overrides, f"train.output_dir={run}"]))
+    export(run, out / "export", fmt=fmt, **export_args)
+    _, target, drafter = load_run(run)
+    return target, drafter.float().eval()
+
+
+def prepare(out: Path, rope_theta: float | None) -> None:
+    sys.path.insert(0, str(ROOT))  # run as a script from the repository root's environment
+    import torch
+    from safetensors.torch import save_file
+
+    os.chdir(ROOT)
+    out.mkdir(parents=True, exist_ok=True)
+    target_dir = tiny_target(out, "recipes/tiny/eagle2.yaml", rope_theta)
+    eagle_extra = ["drafter.fc_norm=false", "drafter.post_norm=false"]
+    medusa_extra = [f"drafter.num_heads={MEDUSA_HEADS}", "drafter.num_layers=1"]
+    target, eagle = train_and_export(
+        out / "eagle", target_dir, "recipes/tiny/eagle2.yaml", eagle_extra, "eagle", include_target_weights=True
+    )
+    _, medusa = train_and_export(out / "medusa", target_dir, "recipes/tiny/medusa1.yaml", medusa_extra, "medusa")
 
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, target.config.vocab_size, (1, SEQ_LEN), generator=gen)
     with torch.no_grad():
         hidden = target.hidden_states(ids, torch.ones_like(ids), layers=[-1])[:, :, 0].float()  # (1, T, d)
-        eagle = drafters["eagle"]
         next_ids = torch.cat([ids[:, 1:], ids[:, -1:]], dim=1)  # x_{t+1} beside f_t, as EAGLE reads them
         batch = {
             "hidden": hidden[:, :, None],
@@ -115,7 +127,7 @@ def prepare(out: Path, rope_theta: float | None) -> None:
             "loss_mask": torch.ones(1, SEQ_LEN),
         }
         eagle_reference = eagle.logits(eagle.predict_features(batch))
-        medusa_reference = drafters["medusa"].head_logits(hidden)  # (heads, 1, T, V)
+        medusa_reference = medusa.head_logits(hidden)  # (heads, 1, T, V)
     tensors = {
         "input_ids": ids,
         "next_ids": next_ids,
