@@ -137,11 +137,13 @@ def check(fmt: str, out_dir: str | Path, recipe, target, drafter: nn.Module) -> 
 # Reading an export as a consumer does
 
 
-def same_tensors(out_dir: Path, safetensors_name: str, pt_name: str, fmt: str) -> None:
-    """An export's safetensors file and its `.pt` copy (for loaders that read only that) hold the same tensors."""
+def same_tensors(out_dir: Path, safetensors_name: str, pt_name: str, fmt: str) -> dict[str, torch.Tensor]:
+    """An export's safetensors file and its `.pt` copy (for loaders that read only that) hold the same tensors;
+    returns them (each file read once)."""
     a, b = read_safetensors(out_dir / safetensors_name), read_pt(out_dir / pt_name)
     if a.keys() != b.keys() or any(not torch.equal(a[k], b[k]) for k in a):
         raise ExportError(f"{fmt} load gate: {safetensors_name} and {pt_name} hold different tensors")
+    return b
 
 
 def read_pt(path: Path) -> dict[str, torch.Tensor]:
@@ -404,13 +406,16 @@ def rope_hints(config: dict, target_config) -> list[str]:
     return hints
 
 
-def eagle_gate(out_dir: Path, target, drafter: nn.Module, rules: EagleRules) -> GateResult:
+def eagle_gate(
+    out_dir: Path, target, drafter: nn.Module, rules: EagleRules, tensors: dict[str, torch.Tensor] | None = None
+) -> GateResult:
+    """`tensors`: the export's weights when the caller has read them already."""
     if drafter.cfg.feature_layers != [-1]:
         raise ExportError(
             f"{rules.name} reads the last hidden state only; drafter.feature_layers is {drafter.cfg.feature_layers}"
         )
     config = read_json(out_dir / "config.json")
-    tensors = read_safetensors(out_dir / ENGINE_WEIGHTS)
+    tensors = read_safetensors(out_dir / ENGINE_WEIGHTS) if tensors is None else tensors
     batch, features, next_ids = eagle_inputs(drafter, target.config.vocab_size)
     notes = rope_hints(config, target.config)
     consumer = eagle_consumer_logits(
@@ -468,8 +473,7 @@ def medusa_fd_logits(
 @register("medusa")
 def medusa_gate(out_dir: Path, recipe, target, drafter: nn.Module) -> GateResult:
     config = read_json(out_dir / "config.json")
-    tensors = read_pt(out_dir / MEDUSA_PT)  # what the loader reads; the safetensors copy must hold the same
-    same_tensors(out_dir, MEDUSA_SAFETENSORS, MEDUSA_PT, "medusa")
+    tensors = same_tensors(out_dir, MEDUSA_SAFETENSORS, MEDUSA_PT, "medusa")  # the loader reads the .pt
     notes: list[str] = []
     if drafter.cfg.num_heads != FASTERDECODING_HEADS:
         notes.append(
@@ -522,8 +526,8 @@ def vllm_gate(out_dir: Path, recipe, target, drafter: nn.Module) -> GateResult:
 
 @register("eagle")
 def safeailab_gate(out_dir: Path, recipe, target, drafter: nn.Module) -> GateResult:
-    same_tensors(out_dir, ENGINE_WEIGHTS, EAGLE_PT, "eagle")  # the PyPI release reads only the .bin
-    return eagle_gate(out_dir, target, drafter, SAFEAILAB)
+    tensors = same_tensors(out_dir, ENGINE_WEIGHTS, EAGLE_PT, "eagle")  # the PyPI release reads only the .bin
+    return eagle_gate(out_dir, target, drafter, SAFEAILAB, tensors)
 
 
 @register("sglang")
