@@ -40,6 +40,10 @@ import math
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from logit_diffs import LogitDiffs
 
 ROOT = Path(__file__).resolve().parents[1]
 GOAL = 1e-4
@@ -99,6 +103,21 @@ def train_and_export(out: Path, target_dir: Path, recipe: str, extra: list[str],
     return target, drafter.float().eval()
 
 
+def drafter_batch(drafter, ids, hidden, layers: list[int]) -> dict:
+    """One unpadded sequence as the drafter's training batch: `hidden` (1, T, n, d) holds the target's hidden
+    states at `layers`, picked in the drafter's stored order."""
+    import torch
+
+    T = ids.shape[1]
+    return {
+        "hidden": hidden[:, :, [layers.index(layer) for layer in drafter.stored_layers]],
+        "input_ids": ids,
+        "position_ids": torch.arange(T)[None],
+        "attention_mask": torch.ones(1, T, dtype=torch.long),
+        "loss_mask": torch.ones(1, T),
+    }
+
+
 def prepare(out: Path, rope_theta: float | None) -> None:
     sys.path.insert(0, str(ROOT))  # run as a script from the repository root's environment
     import torch
@@ -119,13 +138,7 @@ def prepare(out: Path, rope_theta: float | None) -> None:
     with torch.no_grad():
         hidden = target.hidden_states(ids, torch.ones_like(ids), layers=[-1])[:, :, 0].float()  # (1, T, d)
         next_ids = torch.cat([ids[:, 1:], ids[:, -1:]], dim=1)  # x_{t+1} beside f_t, as EAGLE reads them
-        batch = {
-            "hidden": hidden[:, :, None],
-            "input_ids": ids,
-            "position_ids": torch.arange(SEQ_LEN)[None],
-            "attention_mask": torch.ones(1, SEQ_LEN, dtype=torch.long),
-            "loss_mask": torch.ones(1, SEQ_LEN),
-        }
+        batch = drafter_batch(eagle, ids, hidden[:, :, None], [-1])
         eagle_reference = eagle.logits(eagle.predict_features(batch))
         medusa_reference = medusa.head_logits(hidden)  # (heads, 1, T, V)
     tensors = {
@@ -140,26 +153,21 @@ def prepare(out: Path, rope_theta: float | None) -> None:
     print(f"prepared {out}: target rope_theta {theta}, eagle and medusa exports, T={SEQ_LEN}")
 
 
-def consume(out: Path) -> dict[str, float]:
-    """Max |logit difference| per comparison (inf where something failed)."""
+def consume(out: Path) -> LogitDiffs:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     import torch
     import transformers
     from eagle.model.ea_model import EaModel
+    from logit_diffs import LogitDiffs  # beside this script, on sys.path when it runs as one
     from medusa.model.medusa_model import MedusaModel
     from safetensors.torch import load_file
 
     inputs = load_file(str(out / "inputs.safetensors"))
     target = out / "target"
     print(f"transformers {transformers.__version__}; target {target}")
-    results: dict[str, float] = {}
-
-    def compare(name: str, theirs: torch.Tensor, ours: torch.Tensor) -> None:
-        diff = (theirs.float() - ours).abs().max().item()
-        same = (theirs.argmax(-1) == ours.argmax(-1)).float().mean().item()
-        print(f"{name:34s} max |logit diff| {diff:.2e}, same top-1 at {same:.3f} of {ours[..., 0].numel()} positions")
-        results[name] = diff if math.isfinite(diff) else math.inf  # nan logits fail
+    diffs = LogitDiffs(width=34)
+    compare = diffs.compare
 
     # SafeAILab eagle-llm 1.2.1: its from_pretrained, then its drafter on our features and the next tokens
     model = EaModel.from_pretrained(
@@ -176,7 +184,7 @@ def consume(out: Path) -> dict[str, float]:
     reference = inputs["medusa_reference"]
     if logits.shape != reference.shape:
         print(f"medusa-llm MedusaModel.forward: logits {tuple(logits.shape)}, ours {tuple(reference.shape)}")
-        results["medusa"] = math.inf
+        diffs.fail("medusa")
     else:
         for k in range(reference.shape[0]):
             compare(f"medusa-llm MedusaModel.forward head {k}", logits[k], reference[k])
@@ -184,20 +192,16 @@ def consume(out: Path) -> dict[str, float]:
             for k in range(reference.shape[0]):
                 compare(f"medusa-llm medusa_head[{k}]", model.medusa_head[k](inputs["hidden"]), reference[k])
 
-    return results
+    return diffs
 
 
-def verdict(results: dict[str, float], rope_base_10000: bool) -> bool:
+def verdict(diffs: LogitDiffs, rope_base_10000: bool) -> bool:
     """The goal line. Normally every comparison must pass. With `rope_base_10000` (a target whose `rope_theta` is
     not 10000) the releases must show what their RoPE costs: the Medusa heads still match on our hidden states (the
     export is right), but the EAGLE drafter and Medusa's forward through its own base model do not."""
-    if not results:  # nothing compared cannot pass
-        print(f"consumers/max_abs_logit_diff: inf (goal <= {GOAL})")
-        return False
-    if not rope_base_10000:
-        worst = max(results.values())
-        print(f"consumers/max_abs_logit_diff: {worst:.2e} (goal <= {GOAL})")
-        return worst <= GOAL
+    results = diffs.results
+    if not results or not rope_base_10000:  # nothing compared cannot pass
+        return diffs.goal_line("consumers/max_abs_logit_diff", GOAL) <= GOAL
     heads = [v for k, v in results.items() if "medusa_head[" in k]
     rope = [v for k, v in results.items() if "medusa_head[" not in k]
     confirmed = bool(heads) and max(heads) <= GOAL and bool(rope) and min(rope) > GOAL

@@ -48,7 +48,7 @@ def prepare(out: Path) -> None:
     import torch
     from safetensors.torch import save_file
 
-    from benchmarks.consumers_check import tiny_target, train_and_export
+    from benchmarks.consumers_check import drafter_batch, tiny_target, train_and_export
 
     os.chdir(ROOT)
     out.mkdir(parents=True, exist_ok=True)
@@ -67,13 +67,7 @@ def prepare(out: Path) -> None:
     positions = torch.arange(SEQ_LEN)[None]
 
     def batch(drafter):
-        return {
-            "hidden": hidden[:, :, [layers.index(layer) for layer in drafter.stored_layers]],
-            "input_ids": ids,
-            "position_ids": positions,
-            "attention_mask": torch.ones(1, SEQ_LEN, dtype=torch.long),
-            "loss_mask": torch.ones(1, SEQ_LEN),
-        }
+        return drafter_batch(drafter, ids, hidden, layers)
 
     with torch.no_grad():
         eagle2_reference = eagle2.logits(eagle2.predict_features(batch(eagle2)))
@@ -184,6 +178,7 @@ def consume(out: Path) -> float:
     install_stand_ins()
     import sglang
     import torch
+    from logit_diffs import LogitDiffs  # beside this script, on sys.path when it runs as one
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
@@ -199,13 +194,7 @@ def consume(out: Path) -> float:
     embed = target["model.embed_tokens.weight"]
     head = target.get("lm_head.weight", embed)
     print(f"sglang {sglang.__version__}: {out}")
-    results: dict[str, float] = {}
-
-    def compare(name: str, theirs: torch.Tensor, ours: torch.Tensor) -> None:
-        diff = (theirs.float() - ours).abs().max().item()
-        same = (theirs.argmax(-1) == ours.argmax(-1)).float().mean().item()
-        print(f"{name:28s} max |logit diff| {diff:.2e}, same top-1 at {same:.3f} of {ours.shape[0]} positions")
-        results[name] = diff if math.isfinite(diff) else math.inf  # nan logits fail
+    diffs = LogitDiffs()
 
     for method, shared in (
         ("eagle2", ("model.embed_tokens.weight", "lm_head.weight")),
@@ -227,7 +216,7 @@ def consume(out: Path) -> float:
         )
         if missing:
             print(f"{method}: SGLang's load_weights left {missing} unloaded")
-            results[f"{method} coverage"] = math.inf
+            diffs.fail(f"{method} coverage")
         if method == "eagle2":  # the EAGLE worker shares the target's embedding and lm_head
             model.set_embed_and_head(embed, head)
             hidden, ids = inputs["eagle2_hidden"], inputs["next_ids"]
@@ -238,7 +227,7 @@ def consume(out: Path) -> float:
             same_ids = hot is not None and torch.equal(hot.long(), inputs["eagle3_draft_ids"].long())
             print(f"eagle3: hot_token_id from d2t {'gives' if same_ids else 'DOES NOT give'} our draft-to-target ids")
             if not same_ids:
-                results["eagle3 hot_token_id"] = math.inf
+                diffs.fail("eagle3 hot_token_id")
         backend = CausalAttention()
         batch = Batch(
             forward_mode=ForwardMode.EXTEND,
@@ -253,15 +242,13 @@ def consume(out: Path) -> float:
             h = model.model(ids, inputs["positions"], batch)
             h = h[0] if isinstance(h, tuple) else h  # EAGLE-3: (states to logits, [aux])
             logits = torch.nn.functional.linear(h, model.lm_head.weight)
-        compare(f"{method} SGLang model.model", logits, inputs[f"{method}_reference"])
+        diffs.compare(f"{method} SGLang model.model", logits, inputs[f"{method}_reference"])
 
     calls = stand_in_calls()
     print(f"calls into the stand-in modules ({', '.join(sorted(STAND_INS)) or 'none imported'}): {calls or 'none'}")
     if calls:
-        results["stand-ins"] = math.inf
-    worst = max(results.values()) if results else math.inf  # nothing compared cannot pass
-    print(f"sglang/max_abs_logit_diff: {worst:.2e} (goal <= {GOAL})")
-    return worst
+        diffs.fail("stand-ins")
+    return diffs.goal_line("sglang/max_abs_logit_diff", GOAL)
 
 
 def main(argv: list[str] | None = None) -> None:

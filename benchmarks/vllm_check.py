@@ -57,7 +57,7 @@ def prepare(out: Path, method: str, run: Path | None, overrides: list[str]) -> N
     import torch
     from safetensors.torch import save_file
 
-    from benchmarks.consumers_check import tiny_target, train_and_export
+    from benchmarks.consumers_check import drafter_batch, tiny_target, train_and_export
     from train.export import export, load_run
 
     os.chdir(ROOT)
@@ -78,13 +78,7 @@ def prepare(out: Path, method: str, run: Path | None, overrides: list[str]) -> N
     layers = sorted({*fused, -1})
     with torch.no_grad():
         hidden = target.hidden_states(ids, torch.ones_like(ids), layers=layers).float()  # (1, T, n, d)
-        batch = {
-            "hidden": hidden[:, :, [layers.index(layer) for layer in drafter.stored_layers]],
-            "input_ids": ids,
-            "position_ids": torch.arange(SEQ_LEN)[None],
-            "attention_mask": torch.ones(1, SEQ_LEN, dtype=torch.long),
-            "loss_mask": torch.ones(1, SEQ_LEN),
-        }
+        batch = drafter_batch(drafter, ids, hidden, layers)
         if method == "eagle3":  # step 0, on the target's features, over the draft vocabulary
             reference = drafter.draft_logits(drafter.unroll(batch)[0])[0]
         elif method == "eagle2":
@@ -125,6 +119,7 @@ def consume(out: Path) -> float:
     import torch
     import torch.nn.functional as F
     import vllm
+    from logit_diffs import LogitDiffs  # beside this script, on sys.path when it runs as one
     from safetensors.torch import load_file
     from vllm.config import set_current_vllm_config
     from vllm.distributed.parallel_state import ensure_model_parallel_initialized, init_distributed_environment
@@ -137,7 +132,7 @@ def consume(out: Path) -> float:
     inputs = load_file(str(out / "inputs.safetensors"))
     weights = load_file(str(export / "model.safetensors"))
     target = load_file(str(Path(case["target"]) / "model.safetensors"))
-    results: dict[str, float] = {}
+    diffs = LogitDiffs()
 
     vllm_config = vllm_config_for(case, export)
     spec = vllm_config.speculative_config
@@ -182,7 +177,7 @@ def consume(out: Path) -> float:
     print(f"{type(model).__module__}.{type(model).__name__}: {len(params) - len(unloaded)} of {len(params)} loaded")
     if unloaded:
         print(f"vLLM's load_weights left {unloaded} unloaded")
-        results["coverage"] = math.inf
+        diffs.fail("coverage")
 
     def causal_attention(self, query, key, value, output_shape=None, **kwargs):
         T = query.shape[0]
@@ -209,7 +204,7 @@ def consume(out: Path) -> float:
             outside = torch.ones(full.shape[-1], dtype=torch.bool)
             outside[ours] = False
             if not same_ids or not torch.isneginf(full[:, outside]).all():
-                results["draft ids"] = math.inf
+                diffs.fail("draft ids")
             compared.append(("logits_processor", model.logits_processor(model.lm_head, h)[:n], reference[:n]))
             compared.append(("compute_logits at draft ids", full[:n, ours], reference[:n]))
         elif method == "eagle2":
@@ -220,15 +215,10 @@ def consume(out: Path) -> float:
                 compared.append((f"compute_logits head {k}", logits, reference[k]))
             if len(compared) != reference.shape[0]:
                 print(f"vLLM built {len(compared)} heads, the drafter has {reference.shape[0]}")
-                results["heads"] = math.inf
+                diffs.fail("heads")
     for name, theirs, ours in compared:
-        diff = (theirs - ours).abs().max().item()
-        same = (theirs.argmax(-1) == ours.argmax(-1)).float().mean().item()
-        print(f"{name:28s} max |logit diff| {diff:.2e}, same top-1 at {same:.3f} of {ours.shape[0]} positions")
-        results[name] = diff if math.isfinite(diff) else math.inf  # nan logits fail
-    worst = max(results.values()) if results else math.inf  # nothing compared cannot pass
-    print(f"vllm/max_abs_logit_diff: {worst:.2e} (goal <= {GOAL})")
-    return worst
+        diffs.compare(name, theirs, ours)
+    return diffs.goal_line("vllm/max_abs_logit_diff", GOAL)
 
 
 def main(argv: list[str] | None = None) -> None:
