@@ -5,6 +5,7 @@ pytest tests/test_recipes.py
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -46,6 +47,37 @@ def test_header_is_the_command_that_runs_it(path):
 def test_accelerate_config_loads(path):
     config = load_config_from_file(str(path))
     assert config.num_processes >= 1
+
+
+# The 7-8B EAGLE-3 recipes: the published setup, and the same data and steps as the EAGLE-2 recipe they sit beside
+EAGLE3_8B = sorted((ROOT / "recipes/eagle3").glob("*.yaml"))
+HUB_LAYERS = {"meta-llama/Llama-3.1-8B-Instruct": 32, "Qwen/Qwen2.5-7B-Instruct": 28}  # num_hidden_layers
+
+
+@pytest.mark.parametrize("path", EAGLE3_8B, ids=lambda p: p.name)
+def test_eagle3_recipes_follow_the_published_setup_at_eagle2_budget(path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    recipe = load_recipe(path.relative_to(ROOT))
+    d = recipe.drafter
+    assert (d.method, d.ttt_steps, d.step_decay, d.draft_vocab) == ("eagle3", 7, 0.8, 32000)
+    assert d.fc_norm and d.norm_output and recipe.train.online
+    layers = HUB_LAYERS[recipe.target.path]
+    assert (
+        d.feature_layers
+        == d.resolved_layers(layers)
+        == dataclasses.replace(d, feature_layers=[]).resolved_layers(layers)
+    )
+    assert recipe.data.layers == [*d.feature_layers, -1]
+    eagle2 = load_recipe(f"recipes/eagle2/{path.name}")
+    assert eagle2.target.path == recipe.target.path
+    same = ("hf_dataset", "hf_split", "format", "max_len", "heldout_fraction")
+    assert [getattr(recipe.data, k) for k in same] == [getattr(eagle2.data, k) for k in same]
+    budget = ("max_steps", "batch_size", "grad_accum", "packing")
+    assert [getattr(recipe.train, k) for k in budget] == [getattr(eagle2.train, k) for k in budget]
+
+
+def test_eagle3_recipes_are_found():
+    assert {p.name for p in EAGLE3_8B} == {"llama3.1-8b-instruct.yaml", "qwen2.5-7b-instruct.yaml"}
 
 
 # --------------------------------------------------------------------------------------------
