@@ -62,11 +62,7 @@ def test_eagle3_recipes_follow_the_published_setup_at_eagle2_budget(path, monkey
     assert (d.method, d.ttt_steps, d.step_decay, d.draft_vocab) == ("eagle3", 7, 0.8, 32000)
     assert d.fc_norm and d.norm_output and recipe.train.online
     layers = HUB_LAYERS[recipe.target.path]
-    assert (
-        d.feature_layers
-        == d.resolved_layers(layers)
-        == dataclasses.replace(d, feature_layers=[]).resolved_layers(layers)
-    )
+    assert d.feature_layers == dataclasses.replace(d, feature_layers=[]).resolved_layers(layers)  # low / mid / high
     assert recipe.data.layers == [*d.feature_layers, -1]
     eagle2 = load_recipe(f"recipes/eagle2/{path.name}")
     assert eagle2.target.path == recipe.target.path
