@@ -159,7 +159,14 @@ def staged_directory(out: str | Path) -> Iterator[Path]:
 def read_config(export_dir: str | Path) -> dict[str, Any]:
     path = Path(export_dir) / CONFIG_FILE
     if not Path(export_dir).is_dir():
-        raise ExportError(f"{export_dir}: no such drafter export directory (write one with `python -m train.export`)")
+        engine = sorted(p.name for p in Path(export_dir).parent.glob(f"{Path(export_dir).name}-*") if p.is_dir())
+        hint = (
+            f"; beside it only engine layouts ({', '.join(engine)}): write the native one with "
+            f"`python -m train.export {Path(export_dir).parent} --format native`"
+            if engine
+            else " (write one with `python -m train.export`)"
+        )
+        raise ExportError(f"{export_dir}: no such drafter export directory{hint}")
     if not path.is_file():
         raise ExportError(f"{export_dir}: no {CONFIG_FILE} (not a drafter export: see `python -m train.export`)")
     config = read_json(path)

@@ -20,7 +20,15 @@ from data.loader import BatchLoader
 from data.shards import FeatureDataset, frequent_loss_tokens
 from eval import EvalError
 from eval.run import draft_vocabulary
-from models.io import CONFIG_FILE, WEIGHTS_FILE, ExportError, load_draft_vocab, load_drafter, save_native
+from models.io import (
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    ExportError,
+    load_draft_vocab,
+    load_drafter,
+    read_config,
+    save_native,
+)
 from models.methods import METHODS
 from models.target import load_target
 from train.config import load_recipe
@@ -322,7 +330,14 @@ def test_engine_formats_refuse_what_they_cannot_hold(runs, tmp_path):
 def test_each_format_has_its_own_directory_and_a_re_export_replaces_it(runs, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(runs["eagle2-vllm"], run)
-    native, vllm = export(run), export(run, fmt="vllm")
+    vllm = export(run, fmt="vllm")
+    with pytest.raises(ExportError) as info:  # evaluation reads the native export: the error says how to write it
+        read_config(run / "export")
+    assert str(info.value) == (
+        f"{run / 'export'}: no such drafter export directory; beside it only engine layouts (export-vllm): write the "
+        f"native one with `python -m train.export {run} --format native`"
+    )
+    native = export(run)
     assert (native, vllm) == (run / "export", run / "export-vllm")
     assert json.loads((native / "config.json").read_text())["format"] != json.loads(
         (vllm / "config.json").read_text()
