@@ -38,7 +38,7 @@ from train.gates import check as gate_check
 from train.heldout import read_heldout
 from train.imports import import_eagle3
 from train.imports import main as imports_main
-from train.loop import train
+from train.loop import MIN_IN_VOCAB, draft_vocab_warning, train
 
 torch.set_num_threads(1)
 LAYERS = [0, 1, -1]  # stored hidden states: embeddings, layer 1's input, the last one
@@ -326,12 +326,16 @@ def tiny_recipe(features: Path, out: Path, *overrides: str):
     return load_recipe(RECIPE, [f"data.features_dir={features}", f"train.output_dir={out}", *QUIET, *overrides])
 
 
-def test_offline_and_online_runs_choose_the_same_draft_vocabulary_and_train(features, tmp_path, at_root):
+def test_offline_and_online_runs_choose_the_same_draft_vocabulary_and_train(features, tmp_path, at_root, capsys):
     """Offline (feature shards) and online (the target computes hidden states in the loop) runs keep the same draft
     vocabulary beside their checkpoints, the most frequent loss tokens of the training split (the held-out samples
-    left out), and both train every tensor."""
+    left out), and both train every tensor. A random target's top-1 tokens mostly fall outside the data's frequent
+    tokens: the run says so once, at its held-out evaluation."""
     common = ["train.max_steps=2", "train.lr=0.01", "train.warmup_steps=0"]
     train(tiny_recipe(features, tmp_path / "off", *common))
+    printed = capsys.readouterr().out
+    assert printed.count("of held-out loss positions have the target's top-1 token inside the draft vocabulary") == 1
+    assert "(drafter.draft_vocab=128); the others give no loss" in printed
     reset_accelerate()
     train(tiny_recipe(features, tmp_path / "on", *common, "train.online=true"))
     vocab = load_draft_vocab(tmp_path / "off")
@@ -555,3 +559,10 @@ def test_import_command_round_trips_an_exported_checkpoint(run, tmp_path, at_roo
     with pytest.raises(SystemExit, match="model.safetensors: not a readable safetensors file"):
         imports_main([str(out), "--format", "speculators", "--target", str(RECIPE), "--out", str(tmp_path / "bad")])
     assert not (tmp_path / "bad").exists() and not (tmp_path / "bad.tmp").exists()
+
+
+def test_draft_vocab_warning_only_below_the_threshold():
+    recipe = load_recipe(RECIPE)
+    assert draft_vocab_warning(MIN_IN_VOCAB, recipe) is None and draft_vocab_warning(0.97, recipe) is None
+    warning = draft_vocab_warning(0.42, recipe)
+    assert warning.startswith(f"warning: {RECIPE}: only 42% of held-out loss positions") and "\n" not in warning

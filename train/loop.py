@@ -351,6 +351,21 @@ def set_draft_vocab(
         save_draft_vocab(recipe.train.output_dir, vocab)
 
 
+MIN_IN_VOCAB = 0.9
+
+
+def draft_vocab_warning(in_vocab: float, recipe: Recipe) -> str | None:
+    """A drafter with its own vocabulary learns only where the target's top-1 token is inside it; a warning when the
+    held-out split shows that too few loss positions are (the rest give no loss), None otherwise."""
+    if in_vocab >= MIN_IN_VOCAB:
+        return None
+    return (
+        f"warning: {recipe.source}: only {in_vocab:.0%} of held-out loss positions have the target's top-1 token "
+        f"inside the draft vocabulary (drafter.draft_vocab={recipe.drafter.draft_vocab}); the others give no loss. "
+        "Raise drafter.draft_vocab, or train on the target's own answers (python -m data.selfdistill)"
+    )
+
+
 def train(recipe: Recipe, stop_after: int | None = None) -> Path:
     """Train `recipe`'s drafter; return the newest checkpoint. `stop_after`: checkpoint after that step and return."""
     cfg = recipe.train
@@ -374,7 +389,7 @@ def train(recipe: Recipe, stop_after: int | None = None) -> Path:
     scheduler = build_scheduler(optimizer, cfg)
     model, optimizer = accelerator.prepare(drafter, optimizer)
 
-    step, tokens_seen = 0, 0.0
+    step, tokens_seen, warned = 0, 0.0, False
     if resume is not None:
         saved = restore_run(accelerator, model, optimizer, scheduler, train_loader, resume, cfg.seed)
         step, tokens_seen = saved["step"], saved["tokens_seen"]
@@ -424,6 +439,10 @@ def train(recipe: Recipe, stop_after: int | None = None) -> Path:
                 log.update({f"eval/{k}": v for k, v in held.items()})
                 if accelerator.is_main_process:
                     tqdm.write(f"step {step}: held-out " + "  ".join(f"{k} {v:.4f}" for k, v in sorted(held.items())))
+                    warning = draft_vocab_warning(held["in_vocab"], recipe) if "in_vocab" in held else None
+                    if warning and not warned:
+                        tqdm.write(warning)
+                        warned = True
             if accelerator.is_main_process:
                 with open(out_dir / METRICS_FILE, "a") as f:
                     f.write(json.dumps({"step": step, **log}) + "\n")
