@@ -167,7 +167,6 @@ def consume(out: Path) -> LogitDiffs:
     target = out / "target"
     print(f"transformers {transformers.__version__}; target {target}")
     diffs = LogitDiffs(width=34)
-    compare = diffs.compare
 
     # SafeAILab eagle-llm 1.2.1: its from_pretrained, then its drafter on our features and the next tokens
     model = EaModel.from_pretrained(
@@ -175,7 +174,7 @@ def consume(out: Path) -> LogitDiffs:
     ).eval()
     with torch.no_grad():
         h = model.ea_layer(hidden_states=inputs["hidden"], input_ids=inputs["next_ids"])
-        compare("eagle-llm EaModel.ea_layer", model.base_model.lm_head(h), inputs["eagle_reference"])
+        diffs.compare("eagle-llm EaModel.ea_layer", model.base_model.lm_head(h), inputs["eagle_reference"])
 
     # FasterDecoding medusa-llm 0.1: its from_pretrained and forward (its base model computes the hidden states)
     model = MedusaModel.from_pretrained(str(out / "medusa" / "export"), torch_dtype=torch.float32).eval()
@@ -187,10 +186,10 @@ def consume(out: Path) -> LogitDiffs:
         diffs.fail("medusa")
     else:
         for k in range(reference.shape[0]):
-            compare(f"medusa-llm MedusaModel.forward head {k}", logits[k], reference[k])
+            diffs.compare(f"medusa-llm MedusaModel.forward head {k}", logits[k], reference[k])
         with torch.no_grad():  # the loaded heads alone, on our target's hidden states
             for k in range(reference.shape[0]):
-                compare(f"medusa-llm medusa_head[{k}]", model.medusa_head[k](inputs["hidden"]), reference[k])
+                diffs.compare(f"medusa-llm medusa_head[{k}]", model.medusa_head[k](inputs["hidden"]), reference[k])
 
     return diffs
 

@@ -64,17 +64,13 @@ def prepare(out: Path) -> None:
     with torch.no_grad():
         hidden = target.hidden_states(ids, torch.ones_like(ids), layers=layers).float()  # (1, T, n, d)
     next_ids = torch.cat([ids[:, 1:], ids[:, -1:]], dim=1)  # x_{t+1} beside the features of t
-    positions = torch.arange(SEQ_LEN)[None]
-
-    def batch(drafter):
-        return drafter_batch(drafter, ids, hidden, layers)
-
     with torch.no_grad():
-        eagle2_reference = eagle2.logits(eagle2.predict_features(batch(eagle2)))
-        eagle3_reference = eagle3.draft_logits(eagle3.unroll(batch(eagle3))[0])  # step 0: on the target's features
+        eagle2_reference = eagle2.logits(eagle2.predict_features(drafter_batch(eagle2, ids, hidden, layers)))
+        # step 0: on the target's features
+        eagle3_reference = eagle3.draft_logits(eagle3.unroll(drafter_batch(eagle3, ids, hidden, layers))[0])
     tensors = {
         "next_ids": next_ids[0],
-        "positions": positions[0],
+        "positions": torch.arange(SEQ_LEN),
         "eagle2_hidden": hidden[0, :, layers.index(-1)].contiguous(),
         "eagle3_aux": hidden[0, :, [layers.index(layer) for layer in fused]].flatten(1).contiguous(),
         "eagle2_reference": eagle2_reference[0].float().contiguous(),

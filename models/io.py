@@ -157,12 +157,13 @@ def staged_directory(out: str | Path) -> Iterator[Path]:
 
 
 def read_config(export_dir: str | Path) -> dict[str, Any]:
-    path = Path(export_dir) / CONFIG_FILE
-    if not Path(export_dir).is_dir():
-        engine = sorted(p.name for p in Path(export_dir).parent.glob(f"{Path(export_dir).name}-*") if p.is_dir())
+    export_dir = Path(export_dir)
+    path = export_dir / CONFIG_FILE
+    if not export_dir.is_dir():
+        engine = sorted(p.name for p in export_dir.parent.glob(f"{export_dir.name}-*") if p.is_dir())
         hint = (
             f"; beside it only engine layouts ({', '.join(engine)}): write the native one with "
-            f"`python -m train.export {Path(export_dir).parent} --format native`"
+            f"`python -m train.export {export_dir.parent} --format native`"
             if engine
             else " (write one with `python -m train.export`)"
         )

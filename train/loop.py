@@ -439,8 +439,7 @@ def train(recipe: Recipe, stop_after: int | None = None) -> Path:
                 log.update({f"eval/{k}": v for k, v in held.items()})
                 if accelerator.is_main_process:
                     tqdm.write(f"step {step}: held-out " + "  ".join(f"{k} {v:.4f}" for k, v in sorted(held.items())))
-                    warning = draft_vocab_warning(held["in_vocab"], recipe) if "in_vocab" in held else None
-                    if warning and not warned:
+                    if not warned and "in_vocab" in held and (warning := draft_vocab_warning(held["in_vocab"], recipe)):
                         tqdm.write(warning)
                         warned = True
             if accelerator.is_main_process:
