@@ -162,8 +162,13 @@ def _fmt(x: float | None, digits: int = 2, suffix: str = "") -> str:
     return "–" if x is None else f"{x:.{digits}f}{suffix}"
 
 
-def lossless_mark(lossless: bool | None) -> str:
-    return {True: "✓", False: "✗", None: "n/a"}[lossless]
+def lossless_mark(summary: dict[str, Any]) -> str:
+    """A report's lossless cell: ✓ / ✗ for greedy runs (checked against plain decoding), "lossy" for Medusa's
+    typical acceptance (it accepts tokens by a threshold, not by the target's distribution), n/a for rejection
+    sampling (lossless by construction; a sampled output has nothing to be compared with)."""
+    if summary.get("acceptance") == "typical":
+        return "lossy (typical acceptance)"
+    return {True: "✓", False: "✗", None: "n/a"}[summary["lossless"]]
 
 
 def summary_row(s: dict[str, Any]) -> list[str]:
@@ -177,7 +182,7 @@ def summary_row(s: dict[str, Any]) -> list[str]:
         _fmt(s["speedup_vs_plain"], 2, "×"),
         _fmt(s["speedup_vs_prompt_lookup"], 2, "×"),
         _fmt(s["forwards_per_token"]),
-        lossless_mark(s["lossless"]),
+        lossless_mark(s),
     ]
 
 
@@ -215,7 +220,7 @@ def to_markdown(s: dict[str, Any]) -> str:
                 2,
                 "×",
             ),
-            lossless_mark(r.get("lossless")),
+            lossless_mark({"acceptance": s.get("acceptance"), "lossless": r.get("lossless")}),
         ]
         for r in s["per_prompt"]
     ]

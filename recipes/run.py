@@ -238,7 +238,7 @@ def table(reports: dict[str, dict[str, Any]]) -> str:
                 " / ".join("-" if a is None else f"{a:.2f}" for a in r["accept_rate_by_depth"][:5]) or "-",
                 f"{speed:.1f}",
                 "n/a" if vs is None else f"{vs:.2f}×",
-                f"{lossless_mark(r['lossless'])} {r['lossless_prompts']}",
+                f"{lossless_mark(r)} {r['lossless_prompts']}",
             ]
         )
     header = ["decoder", "τ", "acceptance by depth", "tok/s", "vs plain", "lossless"]

@@ -23,7 +23,7 @@ from eval import EvalError
 from eval.__main__ import main
 from eval.checks import near_tie
 from eval.prompts import load_prompts, prompt_token_ids
-from eval.report import plot, summarize, to_markdown, write_report
+from eval.report import lossless_mark, plot, summarize, to_markdown, write_report
 from eval.run import calibration_samples, calibration_sequences, draft_vocabulary, medusa_rank_accuracy, process_gpus
 from models.eagle import EagleConfig, EagleDrafter
 from models.io import FORMAT, FORMAT_VERSION, save_draft_vocab, save_native
@@ -375,6 +375,17 @@ def test_summary_pools_rounds():
     assert s["forwards_per_token"] == pytest.approx(8 / 20)
     assert [r["index"] for r in s["per_prompt"]] == [0, 1]
     assert "✗" in to_markdown(s)
+
+
+def test_report_marks_typical_acceptance_lossy():
+    """Typical acceptance accepts by a threshold, not by the target's distribution: lossy, not n/a as for rejection
+    sampling (lossless by construction) and not ✓ / ✗ as for greedy runs checked against plain decoding."""
+    sampled = REPORT_META | {"temperature": 0.7}
+    for acceptance, mark in (("typical", "lossy (typical acceptance)"), ("exact", "n/a")):
+        s = summarize([_record(0, [1], [True], None)], sampled | {"acceptance": acceptance})
+        assert lossless_mark(s) == mark
+        assert f"| {mark} |" in to_markdown(s)
+    assert lossless_mark(summarize([_record(0, [1], [True], True)], REPORT_META | {"acceptance": "exact"})) == "✓"
 
 
 def test_report_breaks_tau_down_by_prompt_group():

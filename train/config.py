@@ -213,7 +213,7 @@ class EvalConfig(SamplingConfig):
     """Acceptance-length evaluation (`python -m eval`); the decoding fields come from `SamplingConfig`."""
 
     drafter: str | None = None
-    """Exported drafter directory (train.export output); defaults to <train.output_dir>/export."""
+    """Exported drafter directory (train.export output); defaults to `export.out`, else <train.output_dir>/export."""
     prompts: str | None = None
     """JSONL prompts (chat or plain)."""
     output_dir: str | None = None
@@ -302,9 +302,12 @@ class ExportConfig:
     """Engine layouts (train/export.py; EAGLE-3: train/eagle3_layouts.py). `speculators` holds `eagle3` drafters only:
     its layer attends over [embedding | fused features], which specdraft's EAGLE-2 drafter is not."""
     out: str | None = None
-    """Defaults to <train.output_dir>/export."""
+    """Where the recipe's own `format` goes; defaults to <train.output_dir>/export (native) or
+    <train.output_dir>/export-<format> (engine layouts)."""
     include_target_weights: bool = False
-    """Copy frozen target tensors (embeddings, lm_head) into the drafter file."""
+    """Copy frozen target tensors into the export: `native` gets the embeddings and lm_head, the EAGLE layouts
+    `eagle` and `sglang` the embedding; Medusa layouts are unchanged, and the EAGLE-3 `speculators` layout (also what
+    `vllm` writes for EAGLE-3) always carries the embedding."""
     merge_lora: bool = False
     """Drafters with LoRA adapters (Medusa-2): also write the target with the adapters merged in (`merged/`)."""
 

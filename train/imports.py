@@ -23,8 +23,9 @@ tensors, a config it cannot read, a config that disagrees with the target: one l
 mapped into our drafter (EAGLE: `fc_norm: false`, `post_norm: false`, `feature_layers: [-1]`, `fc_bias` from the
 config; Medusa: `num_heads`, `num_layers` from the checkpoint, one lm_head per head), written through `<out>.tmp`
 and a rename, reloaded strictly with `models.io.load_drafter` and compared with the consumer-semantics loader of the
-source (`train.gates`): the same draft logits, else nothing is written. Evaluate the result like any native export:
-`python -m eval RECIPE eval.drafter=DIR`, with a recipe of the same method (eagle2 / medusa1 / eagle3) and target.
+source (`train.gates`): the same draft logits, else nothing is written. Evaluate the result like any native export,
+into a directory of its own: `python -m eval RECIPE eval.drafter=DIR eval.output_dir=DIR/eval`, with a recipe of the
+same method (eagle2 / medusa1 / eagle3) and target.
 """
 
 from __future__ import annotations

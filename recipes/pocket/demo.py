@@ -136,7 +136,7 @@ def main() -> None:
                 times(r["accept_len"], ""),
                 times(r["speedup_vs_plain"]),
                 times(r["speedup_vs_prompt_lookup"]),
-                f"{lossless_mark(r['lossless'])} ({r['lossless_prompts']})",
+                f"{lossless_mark(r)} ({r['lossless_prompts']})",
             ]
         )
     any_report = reports[0]

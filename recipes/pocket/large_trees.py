@@ -75,7 +75,7 @@ def main() -> None:
                 r["tree"],
                 f"{r['accept_len']:.2f}",
                 f"{r['speedup_vs_plain']:.2f}×",
-                f"{lossless_mark(r['lossless'])} {r['lossless_prompts']}",
+                f"{lossless_mark(r)} {r['lossless_prompts']}",
             ]
         )
     banner("large trees on the pocket target (greedy)")

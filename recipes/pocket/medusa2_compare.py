@@ -109,7 +109,7 @@ def main() -> None:
         cells = []
         for tree in TREES:
             r = taus[name, tree]
-            cells.append(f"{r['accept_len']:.3f} ({r['tree']}) {lossless_mark(r['lossless'])}")
+            cells.append(f"{r['accept_len']:.3f} ({r['tree']}) {lossless_mark(r)}")
         loss = f"{target_loss:.4f} (frozen)" if name == "medusa1-full" else f"{merged_loss:.4f}"
         rows.append([label, acc, *cells, loss])
     header = ["run", "head acc@1 (heads 1-3)", "τ chain-3", "τ calibrated 5 nodes", "held-out LM loss"]
