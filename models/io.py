@@ -138,22 +138,67 @@ def add_legacy_rope(model_dir: str | Path) -> None:
     tmp.replace(path)
 
 
+EXPORT_MARKER = ".specdraft-export"
+"""Written into every directory an export or import makes: the only kind of directory one may replace."""
+
+
+def _written_here(path: Path) -> bool:
+    """Whether `path` is a directory an export or import of this project wrote (its marker, or the config of a native
+    export made before markers existed)."""
+    if (path / EXPORT_MARKER).is_file():
+        return True
+    try:
+        return json.loads((path / CONFIG_FILE).read_text(encoding="utf-8")).get("format") == FORMAT
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+        return False
+
+
+def check_export_dir(out: str | Path, source: str | Path | None = None) -> None:
+    """Refuse an export / import destination whose replacement could destroy something: a symbolic link, a file, a
+    non-empty directory this project did not write (a model directory, a checkpoint being imported), a leftover
+    `<out>.tmp` it did not write, or (imports) a directory that holds or lies inside the source."""
+    out = Path(out)
+    if source is not None:
+        src, dst = Path(source).resolve(), out.resolve()
+        if dst == src or src in dst.parents or dst in src.parents:
+            raise ExportError(f"--out {out}: overlaps the checkpoint being imported ({source}); choose another --out")
+    for path in (out, out.with_name(out.name + ".tmp")):
+        if path.is_symlink():
+            raise ExportError(f"{path}: is a symbolic link; give the directory it points to, or another --out")
+        if path.exists() and not path.is_dir():
+            raise ExportError(f"{path}: is a file, not a directory; choose another --out")
+        if path.is_dir() and any(path.iterdir()) and not _written_here(path):
+            raise ExportError(
+                f"{path}: holds files no export wrote (no {EXPORT_MARKER}), which replacing it would delete; choose "
+                "another --out, or delete it yourself"
+            )
+
+
 @contextmanager
 def staged_directory(out: str | Path) -> Iterator[Path]:
-    """Write a directory under `<out>.tmp`, renamed to `out` (replacing an earlier one) only when the block completes:
-    an error leaves nothing that looks complete."""
+    """Write a directory under `<out>.tmp`, marked as an export's, and put it in place of `out` only when the block
+    completes: an error leaves `out` as it was (an earlier export there is kept) and nothing that looks complete.
+    `out` and `<out>.tmp` must pass `check_export_dir` (checked again here, just before anything is deleted)."""
     out = Path(out)
+    check_export_dir(out)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
+    (tmp / EXPORT_MARKER).write_text("written by specdraft (train.export / train.imports); a new export replaces it\n")
     try:
         yield tmp
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
+    check_export_dir(out)
+    if out.exists():  # moved aside, not deleted, until the new one is in place
+        old = out.with_name(out.name + ".replaced")
+        shutil.rmtree(old, ignore_errors=True)
+        out.rename(old)
+        tmp.rename(out)
+        shutil.rmtree(old)
+    else:
+        tmp.rename(out)
 
 
 def read_config(export_dir: str | Path) -> dict[str, Any]:

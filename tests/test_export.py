@@ -22,6 +22,7 @@ from eval import EvalError
 from eval.run import draft_vocabulary
 from models.io import (
     CONFIG_FILE,
+    EXPORT_MARKER,
     WEIGHTS_FILE,
     ExportError,
     load_draft_vocab,
@@ -88,7 +89,7 @@ def a_batch(run: Path) -> dict:
 @pytest.mark.parametrize("method", ["eagle2", "medusa1"])
 def test_native_round_trip_gives_identical_outputs(method, runs, tmp_path):
     out = export(runs[method], tmp_path / "export")
-    assert sorted(p.name for p in out.iterdir()) == [CONFIG_FILE, WEIGHTS_FILE]  # no pickle anywhere
+    assert sorted(p.name for p in out.iterdir()) == [EXPORT_MARKER, CONFIG_FILE, WEIGHTS_FILE]  # no pickle anywhere
     _, target, trained = load_run(runs[method])
     reloaded = load_drafter(out, target)
     assert type(reloaded) is type(trained) and not reloaded.training
@@ -186,7 +187,7 @@ def test_cli(runs, tmp_path, capsys):
 
 def test_medusa_format_round_trip(runs, tmp_path):
     out = export(runs["medusa5"], tmp_path / "medusa", fmt="medusa")
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", MEDUSA_PT, MEDUSA_WEIGHTS]
+    assert sorted(p.name for p in out.iterdir()) == [EXPORT_MARKER, "config.json", MEDUSA_PT, MEDUSA_WEIGHTS]
     config = json.loads((out / "config.json").read_text())
     assert config["medusa_num_heads"] == 5 and config["medusa_num_layers"] == 1
     assert config["base_model_name_or_path"] == "random_init:llama"
@@ -347,9 +348,40 @@ def test_each_format_has_its_own_directory_and_a_re_export_replaces_it(runs, tmp
     other = tmp_path / "notes"
     other.mkdir()
     (other / "todo.txt").write_text("mine")
-    with pytest.raises(ExportError, match="exists and is not an export"):
+    with pytest.raises(ExportError, match=f"^{other}: holds files no export wrote"):
         export(run, other)
     assert (other / "todo.txt").read_text() == "mine"
+
+
+def test_an_export_replaces_only_what_an_export_wrote(runs, tmp_path):
+    """A model directory (config.json and weights, no marker), a user's `<out>.tmp`, a symbolic link or a file at
+    --out are refused before anything is written or deleted; an export, or a native one from before the marker
+    existed, is replaced."""
+    run = runs["eagle2"]
+    model = tmp_path / "my-model"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "llama"}')
+    (model / "model.safetensors").write_bytes(b"weights")
+    with pytest.raises(ExportError, match=f"^{model}: holds files no export wrote"):
+        export(run, model, fmt="vllm")
+    assert sorted(p.name for p in model.iterdir()) == ["config.json", "model.safetensors"]
+    out = tmp_path / "out"
+    (tmp_path / "out.tmp").mkdir()
+    (tmp_path / "out.tmp" / "notes.txt").write_text("mine")
+    with pytest.raises(ExportError, match=r"out\.tmp: holds files no export wrote"):
+        export(run, out)
+    assert (tmp_path / "out.tmp" / "notes.txt").read_text() == "mine" and not out.exists()
+    shutil.rmtree(tmp_path / "out.tmp")
+    first = export(run, out)
+    (tmp_path / "link").symlink_to(first)
+    with pytest.raises(ExportError, match="link: is a symbolic link"):
+        export(run, tmp_path / "link")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ExportError, match="file: is a file"):
+        export(run, tmp_path / "file")
+    (first / EXPORT_MARKER).unlink()  # a native export written before the marker existed: its config says so
+    assert export(run, out) == out and (out / EXPORT_MARKER).is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "link", "my-model", "out"]  # nothing staged left
 
 
 def test_native_export_carries_the_draft_vocabulary(runs, tmp_path):

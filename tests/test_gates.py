@@ -17,7 +17,7 @@ from tiny import perturbed
 
 from models.configs import EagleConfig, MedusaConfig
 from models.eagle import EagleDrafter
-from models.io import ExportError
+from models.io import EXPORT_MARKER, ExportError
 from models.medusa import MedusaHeads
 from models.target import load_target
 from train import export as export_mod
@@ -288,6 +288,31 @@ def test_eagle_pytorch_model_bin_must_hold_the_safetensors_tensors(targets, reci
                    recipe, target, drafter)  # fmt: skip
 
 
+@pytest.mark.parametrize("fmt", ["eagle", "sglang", "vllm"])
+def test_eagle_layouts_describe_the_drafter_s_layers_not_the_target_s(fmt, recipe, tmp_path):
+    """A Qwen2 target's per-layer `layer_types` (one per target layer) or a GELU target's `hidden_act`, copied into the
+    one-layer drafter's config, would be refused by transformers (so by vLLM and SGLang) or describe another MLP."""
+    from transformers import AutoConfig
+
+    for name, config in {
+        "qwen2": dict(TINY, model_type="qwen2", num_hidden_layers=3, sliding_window=32, use_sliding_window=True),
+        "gelu": dict(TINY, hidden_act="gelu_pytorch_tanh"),
+    }.items():
+        target = load_target(random_init=config, dtype="float32")
+        drafter = eagle(target, fc_bias=False)  # vLLM's fc has none
+        out = write(fmt, tmp_path / f"{fmt}-{name}", recipe, target, drafter)
+        assert check(fmt, out, recipe, target, drafter) < 1e-5
+        parsed = AutoConfig.from_pretrained(out)
+        assert (parsed.num_hidden_layers, parsed.hidden_act) == (1, "silu")
+        assert getattr(parsed, "layer_types", None) in (None, ["full_attention"])
+        assert not getattr(parsed, "use_sliding_window", False) and getattr(parsed, "sliding_window", None) is None
+    if fmt != "eagle":  # SafeAILab's EConfig does not validate; vLLM and SGLang parse with transformers
+        config = json.loads((out / "config.json").read_text())
+        (out / "config.json").write_text(json.dumps(dict(config, layer_types=["full_attention"] * 3)))
+        one_line_error("^config.json: transformers' AutoConfig .* refuses it: .*layer_types", fmt, out, recipe,
+                       target, drafter)  # fmt: skip
+
+
 def test_a_failing_gate_leaves_nothing(targets, recipe, tmp_path, monkeypatch):
     """Through `train.export.export`: the gate runs inside `<out>.tmp`, which a failure removes."""
     target = targets["plain"]
@@ -307,7 +332,7 @@ def test_a_failing_gate_leaves_nothing(targets, recipe, tmp_path, monkeypatch):
     assert not list(tmp_path.iterdir())
     monkeypatch.setitem(export_mod.ENGINE_FORMATS, "sglang", export_mod.write_sglang)
     out = export_mod.export(tmp_path / "run", tmp_path / "out", fmt="sglang")
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == [EXPORT_MARKER, "config.json", "model.safetensors"]
 
 
 def test_other_values_are_caught_too(targets, recipe, tmp_path):
@@ -331,6 +356,20 @@ def test_a_bf16_target_passes_and_is_still_checked(fmt, targets, recipe, tmp_pat
     config["num_hidden_layers"] = 2  # a layer the file does not have: random weights
     (out / "config.json").write_text(json.dumps(config))
     one_line_error(f"^{fmt} load gate: .*layers.1.self_attn.q_proj.weight missing", fmt, out, recipe, target, drafter)
+
+
+def test_float32_medusa_heads_of_a_bf16_target_are_checked_at_float32_tolerance(targets, recipes, tmp_path):
+    """Heads with lm_heads of their own never project through the target's bf16 lm_head: a 1% change to one head
+    must fail the gate, not pass under the 16-bit tolerance."""
+    target = targets["bf16"]
+    drafter = medusa(target, num_heads=3, share_lm_head=False).float()
+    assert {p.dtype for p in drafter.parameters()} == {torch.float32}
+    out = write("vllm", tmp_path / "vllm", recipes["medusa"], target, drafter)
+    assert check("vllm", out, recipes["medusa"], target, drafter) < 1e-5
+    tensors = load_file(str(out / "model.safetensors"))
+    tensors["lm_heads.2.weight"] = tensors["lm_heads.2.weight"] * 1.01
+    save_file(tensors, str(out / "model.safetensors"))
+    one_line_error("^vllm load gate: .* differ by", "vllm", out, recipes["medusa"], target, drafter)
 
 
 def test_native_gate_reloads_strictly_and_compares_logits(targets, recipes, tmp_path):

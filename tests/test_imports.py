@@ -243,7 +243,12 @@ def test_an_existing_directory_is_not_overwritten(medusa_src, tmp_path):
     other = tmp_path / "notes"
     other.mkdir()
     (other / "todo.txt").write_text("mine")
-    with pytest.raises(SystemExit, match="exists and is not an export"):
+    with pytest.raises(SystemExit, match="holds files no export wrote"):
         main([str(medusa_src), "--format", "medusa", "--target", MEDUSA_RECIPE, "--out", str(other)])
     assert (other / "todo.txt").read_text() == "mine"
+    before = sorted(p.name for p in medusa_src.iterdir())
+    for out in (medusa_src, medusa_src / "native"):  # the checkpoint itself, or a directory inside it
+        with pytest.raises(SystemExit, match="overlaps the checkpoint being imported"):
+            main([str(medusa_src), "--format", "medusa", "--target", MEDUSA_RECIPE, "--out", str(out)])
+    assert sorted(p.name for p in medusa_src.iterdir()) == before
     shutil.rmtree(other)

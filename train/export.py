@@ -64,6 +64,7 @@ from data.shards import FeatureDataset, FeatureMismatchError, loss_token_counts,
 from models.io import (
     DRAFT_VOCAB_FILE,
     ExportError,
+    check_export_dir,
     legacy_rope,
     load_draft_vocab,
     read_safetensors,
@@ -246,6 +247,14 @@ def _write_eagle(out: Path, target: Target, drafter: nn.Module, include_target_w
     arch = SGLANG_EAGLE if sglang else SAFEAILAB_EAGLE
     config.update(architectures=[arch], num_hidden_layers=cfg.num_layers, tie_word_embeddings=False)
     config.update(attention_bias=False, mlp_bias=False)
+    # the drafter's own layers: a SiLU MLP and full causal attention, whatever the target's layers have (a copied
+    # per-layer `layer_types` list of the target's length is refused by transformers, so by vLLM and SGLang)
+    config["hidden_act"] = "silu"
+    config.pop("hidden_activation", None)
+    if "layer_types" in config:
+        config["layer_types"] = ["full_attention"] * cfg.num_layers
+    if "sliding_window" in config:
+        config.update(sliding_window=None, use_sliding_window=False)
     config.update(legacy_rope(config))
     if fmt == "eagle":
         safeailab_rope(config)
@@ -321,8 +330,7 @@ def export(
     out = Path(out or default_out(recipe, run_dir, fmt))
     if include_target_weights is None:
         include_target_weights = recipe.export.include_target_weights
-    if out.exists() and not (out / "config.json").is_file() and (not out.is_dir() or any(out.iterdir())):
-        raise ExportError(f"{out}: exists and is not an export; choose another --out (export.out)")
+    check_export_dir(out)  # before the heavy work; a directory no export wrote is never replaced
     with staged_directory(out) as tmp:  # renamed into place once complete: a failed export leaves nothing
         if (method.name, fmt) in METHOD_LAYOUTS:
             METHOD_LAYOUTS[method.name, fmt](tmp, recipe, target, drafter, include_target_weights)

@@ -98,8 +98,10 @@ def tolerance(reference: torch.Tensor, dtype: torch.dtype) -> float:
 def compute_dtype(drafter: nn.Module, target) -> torch.dtype:
     """float32 when the drafter and the vocabulary projection it drafts through compute in float32, else the 16-bit
     dtype: a float32 EAGLE-1/2 or shared-head Medusa drafter of a bf16 target projects through the target's bf16
-    lm_head; an EAGLE-3 drafter through its own head. The target's embedding only gives rows (exact in any dtype)."""
-    head = getattr(drafter, "lm_head", None)
+    lm_head; an EAGLE-3 drafter, or Medusa heads with `lm_heads` of their own, through their own. The target's
+    embedding only gives rows (exact in any dtype)."""
+    heads = getattr(drafter, "lm_heads", None)  # Medusa heads with projections of their own
+    head = heads[0] if heads is not None else getattr(drafter, "lm_head", None)
     head_dtype = head.weight.dtype if isinstance(head, nn.Linear) else target.lm_head.weight.dtype
     dtypes = {p.dtype for p in drafter.parameters()} | {head_dtype}
     return next((dt for dt in dtypes if dt != torch.float32), torch.float32)
@@ -242,17 +244,35 @@ SAFEAILAB = EagleRules(
     check_config=_econfig_check,
     scaled_rope_reads_theta=False,
 )
+
+
+def _transformers_check(config: dict) -> None:
+    """vLLM and SGLang read config.json through transformers' `AutoConfig`: a config it refuses (e.g. a `layer_types`
+    list of another length than `num_hidden_layers`) fails their load."""
+    from transformers import AutoConfig
+
+    fields = {k: v for k, v in config.items() if k != "model_type"}
+    try:
+        AutoConfig.for_model(config.get("model_type", "llama"), **fields)
+    except Exception as exc:  # transformers raises ValueError, KeyError and its own validation errors
+        why = next((line.strip() for line in reversed(str(exc).splitlines()) if line.strip()), type(exc).__name__)
+        msg = f"config.json: transformers' AutoConfig (how vLLM and SGLang read it) refuses it: {why}"
+        raise ExportError(msg) from None
+
+
 SGLANG = EagleRules(
     "SGLang LlamaForCausalLMEagle",
     fc_bias=lambda c, n: True,
     attn_bias=lambda c, n: (bool(c.get("attention_bias", False) or c.get("bias", False)),) * 2,
     head_dim=_head_dim_given,
+    check_config=_transformers_check,
 )
 VLLM_EAGLE = EagleRules(
     "vLLM EagleLlamaForCausalLM",
     fc_bias=lambda c, n: False,
     attn_bias=_llama_attention_bias,
     head_dim=_head_dim_given,
+    check_config=_transformers_check,
 )
 
 

@@ -40,7 +40,14 @@ import torch
 from torch import nn
 
 from models.configs import Eagle3Config, EagleConfig, MedusaConfig
-from models.io import ExportError, load_drafter, read_safetensors, save_native, staged_directory
+from models.io import (
+    ExportError,
+    check_export_dir,
+    load_drafter,
+    read_safetensors,
+    save_native,
+    staged_directory,
+)
 from models.methods import METHODS
 from models.target import Target, TargetError, load_target
 from train import eagle3_layouts
@@ -262,8 +269,7 @@ def import_checkpoint(src: str | Path, fmt: str, target: Target, out: str | Path
     if fmt not in FORMATS:
         raise ExportError(f"--format: {fmt!r} is not importable (available: {', '.join(FORMATS)})")
     src, out = Path(src), Path(out)
-    if out.exists() and not (out / "config.json").is_file() and (not out.is_dir() or any(out.iterdir())):
-        raise ExportError(f"{out}: exists and is not an export; choose another --out")
+    check_export_dir(out, source=src)  # never replaces the checkpoint itself, or a directory no export wrote
     config, tensors, weights = read_source(src, fmt)
     reader = None
     if fmt in ("eagle3", "speculators"):
