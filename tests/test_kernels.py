@@ -395,19 +395,30 @@ COMPILE_SCRIPT = """
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from eval.kernels import attention, commit, verify
+from eval.kernels import attention, commit, lowrank, verify
+
+SHARED = 232448  # bytes of shared memory a block may use on sm_90 (H100/H200): more fails at the first launch
 
 def compile_sm90(fn, types, consts, **options):
     signature = {a: "constexpr" if a in consts else types.get(a, "i32") for a in fn.arg_names}
-    triton.compile(ASTSource(fn, signature, constexprs=consts), target=GPUTarget("cuda", 90, 32), options=options)
+    kernel = triton.compile(ASTSource(fn, signature, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                            options=options)
+    assert kernel.metadata.shared <= SHARED, (fn.__name__, consts, kernel.metadata.shared)
 
-for dt, cast, block_p in (("bf16", False, 64), ("fp32", True, 32)):
+# the launch wrapper's blocks: BLOCK_P 32 for fp32 past head dim 64 and for head dim 256
+for dt, cast, block_p, block_d in (("bf16", False, 64, 128), ("fp32", True, 32, 128), ("bf16", False, 32, 256)):
     ptrs = {n: "*" + dt for n in ("Q", "KP", "VP", "KT", "VT", "OUT")}
     ptrs.update(BITS="*i32", PLEN="*i32", O_PART="*fp32", L_PART="*fp32", qk_scale="fp32")
-    blocks = dict(BLOCK_M=64, BLOCK_P=block_p, BLOCK_N=32, BLOCK_D=128)
+    blocks = dict(BLOCK_M=64, BLOCK_P=block_p, BLOCK_N=32, BLOCK_D=block_d)
     for ragged in (False, True):
         consts = dict(HKV=8, GROUP=4, NUM_SPLITS=4, CAST_F32=cast, RAGGED=ragged, **blocks)
         compile_sm90(attention._tree_attention_kernel, ptrs, consts)
+# the two-stage head's screen in bf16, as launched (one pipeline stage), up to 1024-row tiles (fp32 takes ~50 s each
+# to compile: its tiles up to 512 rows fit, 1024 rows do not, which the wrapper refuses on a GPU)
+ptrs = {"U": "*bf16", "A": "*bf16", "PERM": "*i64", "S_OUT": "*fp32", "I_OUT": "*i64"}
+for block_v in (512, 1024):
+    consts = dict(CAST_F32=False, K=16, BLOCK_N=max(16, lowrank.TILE_SCORES // block_v), BLOCK_V=block_v, BLOCK_R=64)
+    compile_sm90(lowrank._lowrank_tile_topk_kernel, ptrs, consts, num_stages=1)
 compile_sm90(attention._merge_splits_kernel, {"O_PART": "*fp32", "L_PART": "*fp32", "OUT": "*bf16"},
              dict(NUM_SPLITS=4, BLOCK_R=32, BLOCK_D=128))
 compile_sm90(commit._kv_commit_kernel, {"CACHE": "*bf16", "NODES": "*i64", "PREFIX": "*i64", "START": "*i64"},

@@ -30,7 +30,7 @@ from train import loop
 from train.__main__ import main as train_main
 from train.checkpoint import DRAFTER_FILE, METRICS_FILE, latest_checkpoint, list_checkpoints
 from train.config import load_recipe
-from train.loop import TrainingError, build_target, target_hidden, train
+from train.loop import TrainingError, build_target, evaluated_heldout, target_hidden, train
 from train.optim import WarmupCosine
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -552,3 +552,14 @@ def test_the_fp16_loss_scale_is_checkpointed_as_json(tmp_path, capsys):
     restore_scaler(fresh, None, tmp_path)  # a checkpoint without one: said, and the scaler is left as it is
     assert "holds no fp16 loss scale" in capsys.readouterr().out
     assert scaler_state(SimpleNamespace(scaler=None)) is None
+
+
+def test_heldout_evaluation_scores_a_random_subset_not_the_shortest_samples():
+    """Feature shards are stored by length, so the held-out split's first batches are its shortest samples: an
+    evaluation capped at eval_batches x batch_size draws them at random (seeded), the same on any process count."""
+    heldout = list(range(3, 203))  # positions in storage order, i.e. by length
+    picked = evaluated_heldout(heldout, 16, seed=0)
+    assert len(picked) == 16 and picked == sorted(set(picked)) and set(picked) <= set(heldout)
+    assert picked == evaluated_heldout(heldout, 16, seed=0) != evaluated_heldout(heldout, 16, seed=1)
+    assert sum(p >= 103 for p in picked) >= 4  # the longer half is drawn from too
+    assert evaluated_heldout(heldout[:10], 16, seed=0) == heldout[:10]  # a small split: all of it

@@ -154,6 +154,8 @@ class TrainConfig:
     eval_every: int = 0
     """Held-out evaluation every N optimizer steps (0 = only at the end)."""
     eval_batches: int = 8
+    """Each held-out evaluation scores eval_batches x batch_size held-out samples (the whole split when it is smaller),
+    drawn once with `seed`: the same samples however many processes share them."""
     save_every: int = 0
     """Checkpoint every N optimizer steps (0 = only at the end)."""
     keep_checkpoints: int = 2

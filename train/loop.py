@@ -20,6 +20,7 @@ import dataclasses
 import json
 import math
 import os
+import random
 import time
 import uuid
 from pathlib import Path
@@ -154,7 +155,10 @@ def sample_ids(samples, positions) -> list[int | str]:
     return [samples[i]["id"] for i in positions]
 
 
-def build_loaders(recipe: Recipe, target: Target, accelerator: Accelerator) -> tuple[BatchLoader, BatchLoader | None]:
+def build_loaders(
+    recipe: Recipe, target: Target, accelerator: Accelerator
+) -> tuple[BatchLoader, BatchLoader | None, list[int]]:
+    """(training batches, the evaluated held-out batches or None, every held-out position)."""
     """(train loader, held-out loader or None): feature shards checked against the target, or token data (online)."""
     data, cfg = recipe.data, recipe.train
     if cfg.online:
@@ -195,10 +199,20 @@ def build_loaders(recipe: Recipe, target: Target, accelerator: Accelerator) -> t
         seed=cfg.seed,
     )
     train_loader = BatchLoader(samples, train_idx, shuffle=True, **common)
-    # every held-out sample counts once, whatever the accumulation and the number of processes
+    # every evaluated held-out sample counts once, whatever the accumulation and the number of processes
     held = dict(common, accum=1)
-    heldout_loader = BatchLoader(samples, heldout_idx, shuffle=False, score_fill=False, **held) if heldout_idx else None
-    return train_loader, heldout_loader
+    evaluated = evaluated_heldout(heldout_idx, cfg.eval_batches * cfg.batch_size, cfg.seed)
+    heldout_loader = BatchLoader(samples, evaluated, shuffle=False, score_fill=False, **held) if evaluated else None
+    return train_loader, heldout_loader, heldout_idx
+
+
+def evaluated_heldout(heldout_idx: list[int], cap: int, seed: int) -> list[int]:
+    """The held-out samples each evaluation scores: all of them, or `cap` (eval_batches x batch_size) drawn at random
+    with `seed`: the same ones whatever the number of processes, and not the shortest (feature shards are stored
+    by length, so the split's first batches would be an easier subset)."""
+    if len(heldout_idx) <= cap:
+        return list(heldout_idx)
+    return sorted(random.Random(seed).sample(list(heldout_idx), cap))
 
 
 # --------------------------------------------------------------------------------------------
@@ -262,13 +276,12 @@ class Stepper:
         return self._reduce(sums, n_total), counts[1].item()
 
     @torch.no_grad()
-    def evaluate(self, loader: BatchLoader, max_batches: int) -> dict[str, float]:
+    def evaluate(self, loader: BatchLoader) -> dict[str, float]:
+        """Loss-token-weighted metrics over every batch of `loader` (the evaluated held-out samples)."""
         self.model.eval()
         sums: dict[str, torch.Tensor] = {}
         n_total = torch.zeros((), device=self.accelerator.device)
-        for i, raw in enumerate(loader.epoch(0)):
-            if i == max_batches:
-                break
+        for raw in loader.epoch(0):
             batch = self.prepare(raw)
             n = batch["loss_mask"].sum().float()
             for key, value in self.model(batch).items():
@@ -374,8 +387,8 @@ def train(recipe: Recipe, stop_after: int | None = None) -> Path:
     resume = checkpoint_to_resume(recipe, accelerator)
     set_seed(cfg.seed)
     target = build_target(recipe, accelerator)
-    train_loader, heldout_loader = build_loaders(recipe, target, accelerator)
-    skip = sample_ids(train_loader.samples, heldout_loader.indices if heldout_loader else [])  # training split only
+    train_loader, heldout_loader, heldout_idx = build_loaders(recipe, target, accelerator)
+    skip = sample_ids(train_loader.samples, heldout_idx)  # training split only
     parts = target.parts(recipe.data.layers)
     if cfg.loss_vocab:  # offline only (checked at load): the loader's samples are the feature shards
         vocab = frequent_loss_tokens(train_loader.samples, cfg.loss_vocab, skip)
@@ -435,7 +448,7 @@ def train(recipe: Recipe, stop_after: int | None = None) -> Path:
                 log["train/grad_norm"] = float(grad_norm)
             evaluate = (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.max_steps
             if heldout_loader is not None and evaluate:
-                held = stepper.evaluate(heldout_loader, cfg.eval_batches)
+                held = stepper.evaluate(heldout_loader)
                 log.update({f"eval/{k}": v for k, v in held.items()})
                 if accelerator.is_main_process:
                     tqdm.write(f"step {step}: held-out " + "  ".join(f"{k} {v:.4f}" for k, v in sorted(held.items())))

@@ -186,7 +186,8 @@ def tree_attention(
     )
     block_d = pow2(d, 16, MAX_HEAD_DIM)
     block_m = pow2(group * n, 16, 32 if INTERPRET else 64)
-    block_p = 16 if INTERPRET else (32 if cast_f32 and block_d > 64 else 64)
+    # shared memory (sm_90: 227 KB a block): head dim 256 in 16 bits with 64-key blocks needs 224 KB under Triton 3.9
+    block_p = 16 if INTERPRET else (32 if block_d > 128 or (cast_f32 and block_d > 64) else 64)
     block_n = 16 if INTERPRET else 32
     m_blocks = triton.cdiv(group * n, block_m)
     splits = num_splits or _num_splits(q, bsz * hkv * m_blocks, p, block_p)

@@ -25,7 +25,9 @@ is shared torch code (a stable sort, so equal scores keep the lower shuffled ind
 
 Scores match the twin to fp32 rounding (the sums are taken in another order), and so ids match exactly except where
 two scores are within that rounding of each other. The row block shrinks as `block_v` grows (BLOCK_N·block_v <=
-16,384 scores in registers, BLOCK_N >= 16 for tl.dot), so a tile of 4,096 rows or more spills on a GPU.
+16,384 scores in registers, BLOCK_N >= 16 for tl.dot); compiled for sm_90, tiles of up to 512 rows run without
+register spills, 1,024 rows spill (slower, still correct). One pipeline stage: with the default three, 1,024-row tiles
+overflow the 227 KB of shared memory a block may use.
 Tested by `TRITON_INTERPRET=1 .venv/bin/pytest tests/test_lowrank_kernel.py -q`; `benchmarks/lowrank_topk.py` measures
 the recall of the tile-local screen (the GPU timing of the kernel is left for a device run).
 """
@@ -40,6 +42,7 @@ from eval.kernels.launch import INTERPRET, on_first_device, pow2
 
 KERNELS = ("triton", "reference")
 TILE_SCORES = 16_384  # at most BLOCK_N * block_v scores per program
+MAX_FP32_BLOCK_V = 512  # sm_90, float32 inputs: 512-row tiles take 136 KB of shared memory, 1024-row ones 260 KB
 
 
 @triton.jit
@@ -133,6 +136,11 @@ def tile_topk(
         )
     n, r = u.shape
     vocab = a_shuffled.shape[0]
+    if not INTERPRET and u.dtype == torch.float32 and block_v > MAX_FP32_BLOCK_V:
+        raise ValueError(
+            f"lowrank_topk: block_v={block_v} with float32 factors needs more shared memory than a GPU block has; use "
+            f"block_v <= {MAX_FP32_BLOCK_V}, or 16-bit factors"
+        )
     n_tiles, k = triton.cdiv(vocab, block_v), min(k_local, block_v)
     u = u if u.stride(-1) == 1 else u.contiguous()
     a_shuffled = a_shuffled if a_shuffled.stride(-1) == 1 else a_shuffled.contiguous()
@@ -147,6 +155,7 @@ def tile_topk(
     _lowrank_tile_topk_kernel[(triton.cdiv(n, block_n), n_tiles)](
         u, a_shuffled, perm, scores, tokens, n, vocab, r, n_tiles, u.stride(0), a_shuffled.stride(0), n_tiles * k,
         CAST_F32=cast_f32, K=k, BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_R=block_r,
+        num_stages=1,  # the r loop is short (one chunk up to r = 64); 3 stages of 1024-row tiles overflow shared memory
     )  # fmt: skip
     return scores, tokens
 
