@@ -103,7 +103,29 @@ def check_verify(b: int, n: int, vocab: int, device, gen) -> None:
             )
         for name, (want, got) in cases.items():
             same = all(torch.equal(w, g) for w, g in zip(want, got))
-            check(f"{name} {str(dtype)[6:]} B={b} N={n} V={vocab}", same, f"mean accept {want[0].float().mean():.2f}")
+            rows = sum(not all(torch.equal(w[i], g[i]) for w, g in zip(want, got)) for i in range(b))
+            detail = f"mean accept {want[0].float().mean():.2f}" + ("" if same else f", {rows}/{b} rows differ")
+            check(f"{name} {str(dtype)[6:]} B={b} N={n} V={vocab}", same, detail)
+
+
+def check_lowrank(n: int, vocab: int, rank: int, device, gen, cases) -> None:
+    """The two-stage head's fused screen against its twin: per-tile scores within rounding, and the kernel's ids
+    are tokens with those scores (ids may differ from the twin's only between scores within rounding)."""
+    from eval.kernels.lowrank import tile_topk, tile_topk_reference
+
+    for dtype, block_v in cases:
+        u = torch.randn(n, rank, generator=gen).to(device, dtype)
+        a = torch.randn(vocab, rank, generator=gen).to(device, dtype)
+        perm = torch.randperm(vocab, generator=gen).to(device)
+        got_s, got_i = tile_topk(u, a[perm], perm, block_v, 16)
+        want_s, _ = tile_topk_reference(u, a[perm], perm, block_v, 16)
+        full = u.float() @ a.float().T  # (N, V) by token id
+        at_ids = full.gather(1, got_i.clamp(min=0).flatten(1)).view_as(got_s)
+        real = got_i >= 0
+        err = max((got_s - want_s).abs()[real].max().item(), (at_ids - got_s).abs()[real].max().item())
+        tol = 1e-3 * full.abs().max().item()
+        name = f"lowrank_topk {str(dtype)[6:]} N={n} V={vocab} r={rank} block_v={block_v}"
+        check(name, err <= tol and torch.equal(real, want_s > float("-inf")), f"max abs err {err:.2e} (tol {tol:.1e})")
 
 
 def check_kv_commit(device, gen) -> None:
@@ -241,8 +263,10 @@ def time_attention(batches, h, hkv, p, d, dtypes, device, gen) -> None:
             check(f"sdpa baseline {str(dtype)[6:]} B={b}", err.item() <= TOLERANCE[dtype], f"max abs err {err:.2e}")
             t_sdpa = bench(sdpa, device)
             tag = f"B={b} H={h}/{hkv} P={p} N={n} D={d} {str(dtype)[6:]}"
-            for splits in (None, 1, 4, 8) if device.type == "cuda" else (None,):
-                tree_attention = functools.partial(kernels.tree_attention, q, kp, vp, kt, vt, bits, d**-0.5, splits)
+            for splits in (None, 1, 4, 8) if device.type == "cuda" else (None, 1):
+                tree_attention = functools.partial(
+                    kernels.tree_attention, q, kp, vp, kt, vt, bits, d**-0.5, num_splits=splits
+                )
                 t_tree = bench(tree_attention, device)
                 label = "auto" if splits is None else splits
                 print(
@@ -273,35 +297,55 @@ def time_verify(b: int, vocab: int, device, gen) -> None:
         )
 
 
+def section(name: str, fn: Callable[..., object], *args) -> None:
+    """Run one part of the benchmark; an exception there is a failed check, and the rest still runs."""
+    try:
+        fn(*args)
+    except Exception as exc:  # a crash in one section must not hide the others' results
+        check(f"{name} (crashed)", False, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU under the Triton interpreter")
     args = parser.parse_args()
     gen = torch.Generator().manual_seed(0)
+    import triton
+
+    print(f"torch {torch.__version__} triton {triton.__version__} Triton interpreter {kernels.INTERPRET}", flush=True)
     if args.smoke:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        check_attention([torch.float32, torch.float16], [(2, 4, 2, 37, 20, 32)], device, gen)
-        check_verify(2, 20, 64, device, gen)
-        time_attention([1], 4, 2, 40, 32, [torch.float32], device, gen)
-        check_spread_target(["cpu", "cpu"], ("reference", "triton"))
-        check_batch_decode(device, ("reference", "triton"))
+        section("attention", check_attention, [torch.float32, torch.float16], [(2, 4, 2, 37, 20, 32)], device, gen)
+        section("verify", check_verify, 2, 20, 64, device, gen)
+        section("lowrank", check_lowrank, 5, 300, 16, device, gen, [(torch.float32, 64)])
+        section("attention timing", time_attention, [1], 4, 2, 40, 32, [torch.float32], device, gen)
+        section("spread target", check_spread_target, ["cpu", "cpu"], ("reference", "triton"))
+        section("batch decode", check_batch_decode, device, ("reference", "triton"))
     else:
         if not torch.cuda.is_available():
             sys.exit("no CUDA device: run with --smoke for the CPU interpreter check")
+        if kernels.INTERPRET:
+            sys.exit("TRITON_INTERPRET is set: the kernels would run in the interpreter; unset it for the GPU run")
         device = torch.device("cuda")
-        print(f"device {torch.cuda.get_device_name()} torch {torch.__version__}", flush=True)
-        shapes = [(2, 4, 2, 37, 20, 32), (2, 8, 2, 300, 64, 128), (3, 32, 8, 1000, 64, 128), (1, 4, 4, 0, 7, 64)]
-        check_attention([torch.bfloat16, torch.float16, torch.float32], shapes, device, gen)
-        check_verify(8, 64, 32000, device, gen)
-        check_verify(3, 20, 1000, device, gen)
-        check_kv_commit(device, gen)
-        check_batch_decode(device, ("reference", "triton"))
+        print(f"device {torch.cuda.get_device_name()}", flush=True)
+        shapes = [(2, 4, 2, 37, 20, 32), (2, 8, 2, 300, 64, 128), (3, 32, 8, 1000, 64, 128), (1, 4, 4, 0, 7, 64),
+                  (1, 8, 4, 512, 64, 256)]  # fmt: skip
+        section("attention", check_attention, [torch.bfloat16, torch.float16, torch.float32], shapes, device, gen)
+        section("verify 32k", check_verify, 8, 64, 32000, device, gen)
+        section("verify 128k", check_verify, 2, 64, 128256, device, gen)  # Llama-3's vocabulary
+        section("verify 1k", check_verify, 3, 20, 1000, device, gen)
+        lowrank_cases = [(torch.bfloat16, 256), (torch.bfloat16, 512), (torch.bfloat16, 1024), (torch.float32, 256)]
+        section("lowrank", check_lowrank, 64, 128256, 64, device, gen, lowrank_cases)
+        section("kv_commit", check_kv_commit, device, gen)
+        section("batch decode", check_batch_decode, device, ("reference", "triton"))
         if torch.cuda.device_count() > 1:  # a target over two GPUs: both kernel paths
-            check_spread_target(["cuda:0", "cuda:1"], ("reference", "triton"))
+            section("spread target", check_spread_target, ["cuda:0", "cuda:1"], ("reference", "triton"))
         else:  # one GPU + the CPU (Triton kernels need every layer on a GPU): the reference path
-            check_spread_target(["cuda:0", "cpu"], ("reference",))
-        time_attention([1, 8], 32, 8, 4096, 128, [torch.bfloat16, torch.float16], device, gen)
-        time_verify(1, 32000, device, gen)
+            section("spread target", check_spread_target, ["cuda:0", "cpu"], ("reference",))
+        half = [torch.bfloat16, torch.float16]
+        section("attention timing", time_attention, [1, 8], 32, 8, 4096, 128, half, device, gen)
+        section("verify timing 32k", time_verify, 1, 32000, device, gen)
+        section("verify timing 128k", time_verify, 1, 128256, device, gen)
     if FAILURES:
         print("failed: " + ", ".join(FAILURES), flush=True)
     print(f"gpu_kernels/failed_checks: {len(FAILURES)} (goal == 0)", flush=True)

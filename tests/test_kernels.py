@@ -374,6 +374,46 @@ def test_hf_tree_attention_matches_per_path_and_masked_eager():
     torch.testing.assert_close(model(input_ids=prefix).logits, plain)
 
 
+def test_hf_tree_attention_refuses_what_the_kernel_does_not_compute():
+    """Soft-capping, a sliding window the keys reach past, attention sinks: an error naming it, not wrong logits."""
+    from transformers import AttentionInterface
+
+    from eval.kernels.hf import tree_context
+
+    attend = AttentionInterface()[kernels.register_tree_attention()]
+    gen = torch.Generator().manual_seed(0)
+    q, k = torch.randn(1, 4, 3, 16, generator=gen), torch.randn(1, 2, 8, 16, generator=gen)
+    bits = Tree.from_parents([-1, 0, 0]).mask_bits
+    sinks = torch.nn.Module()
+    sinks.sinks = torch.zeros(4)
+    with tree_context(bits):
+        for module, kwargs, what in (
+            (torch.nn.Module(), {"softcap": 30.0}, "logit soft-capping"),
+            (torch.nn.Module(), {"sliding_window": 4}, "a sliding window of 4 keys \\(8 keys here\\)"),
+            (sinks, {}, "attention sinks"),
+        ):
+            with pytest.raises(ValueError, match=f"uses {what}.*, which the kernel does not compute; .*=reference"):
+                attend(module, q, k, k, None, **kwargs)
+        out, _ = attend(torch.nn.Module(), q, k, k, None, sliding_window=8)  # a window the keys stay inside
+        want = reference.tree_attention(q, k[:, :, :5], k[:, :, :5], k[:, :, 5:], k[:, :, 5:], bits, 16**-0.5)
+        torch.testing.assert_close(out, want.transpose(1, 2), atol=1e-5, rtol=1e-5)
+
+
+def test_the_gpu_benchmark_runs_through_on_the_cpu():
+    """`benchmarks/gpu_kernels.sh` runs in a short, rare GPU loan: its --smoke mode (every section, tiny shapes, the
+    interpreter) must run through here, so that a crash is not found there."""
+    import pathlib
+    import subprocess
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(["bash", "benchmarks/gpu_kernels.sh", "--smoke"], env=env, capture_output=True, text=True,
+                          cwd=root, timeout=900)  # fmt: skip
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert "gpu_kernels/failed_checks: 0 (goal == 0)" in proc.stdout and "crashed" not in proc.stdout
+    assert "splits=1:" in proc.stdout and "check lowrank_topk" in proc.stdout
+
+
 def test_importing_the_kernels_leaves_the_interpreter_alone():
     """The Triton interpreter is a choice of the entry point (`python -m eval`, tests/conftest.py), never a side effect
     of importing `eval.kernels`: imported without TRITON_INTERPRET it stays unset (and `get_ops("triton")` then needs

@@ -31,6 +31,19 @@ def tree_context(mask_bits: torch.Tensor, prefix_lens: torch.Tensor | None = Non
         _TREE_MASK.reset(token)
 
 
+def unsupported_attention(module: torch.nn.Module, keys: int, kwargs: dict) -> str | None:
+    """What of a transformers attention call the tree kernel would silently get wrong: logit soft-capping (Gemma-2),
+    a sliding window the keys reach past (Mistral, Gemma-3 local layers), attention sinks (gpt-oss); None if nothing."""
+    if kwargs.get("softcap"):
+        return f"logit soft-capping (softcap={kwargs['softcap']})"
+    window = kwargs.get("sliding_window")
+    if window and keys > window:
+        return f"a sliding window of {window} keys ({keys} keys here)"
+    if getattr(module, "sinks", None) is not None:
+        return "attention sinks"
+    return None
+
+
 TREE_ATTENTION = "specdraft_tree"
 """The attention implementation name `register_tree_attention` registers with transformers."""
 
@@ -62,6 +75,12 @@ def register_tree_attention() -> str:
         n = query.shape[2]
         if bits is None or bits.shape[-2] != n:
             return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+        unsupported = unsupported_attention(module, key.shape[2], kwargs)
+        if unsupported:
+            raise ValueError(
+                f"tree_attention kernel: the target's attention uses {unsupported}, which the kernel does not compute; "
+                "evaluate with eval.kernels=reference (the model's own attention under a tree mask)"
+            )
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         out = tree_attention(
             query,
