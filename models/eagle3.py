@@ -159,8 +159,11 @@ class Eagle3Drafter(nn.Module):
         cache = self.new_cache()
         g = self.fuse_features(features)  # (B, T, d)
         outputs = []
-        for j in range(min(self.cfg.ttt_steps, T - 1)):
-            next_ids = torch.cat([ids[:, j + 1 :], ids[:, -1:].expand(B, j + 1)], dim=1)  # x_{t+j+1}
+        # Always `ttt_steps` steps, even when a batch is too short for the later ones to have any target: every
+        # process then runs the layer as often and reports the same metrics (collectives and ZeRO-3 gathers match).
+        ahead = torch.arange(T, device=ids.device)
+        for j in range(self.cfg.ttt_steps):
+            next_ids = ids.gather(1, (ahead + j + 1).clamp(max=T - 1).expand(B, T))  # x_{t+j+1} (the last id past T)
             mask = torch.cat([causal] + [own] * j, dim=-1)  # (B, T, (j+1)·T): the prefix, then t's own steps
             h, normed = self._predict(g, next_ids, positions + j, mask, cache)
             outputs.append(normed)
@@ -187,7 +190,8 @@ class Eagle3Drafter(nn.Module):
         loss = last.new_zeros((), dtype=torch.float32)
         for j, normed in enumerate(self.unroll(batch)):
             rows = torch.full_like(row, -1)
-            rows[:, : T - j - 1] = row[:, j + 1 :]  # target row of position t+j+1
+            if j + 1 < T:
+                rows[:, : T - j - 1] = row[:, j + 1 :]  # target row of position t+j+1
             valid = shifted_valid(batch, j + 1) & (rows >= 0)  # (B, T)
             r = rows[valid]  # (M,)
             logits = self.draft_logits(normed[valid])  # (M, K)

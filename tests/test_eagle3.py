@@ -129,6 +129,19 @@ def test_loss_matches_hand_computation(setup):
     assert float(out["loss"].detach()) == pytest.approx(total / n_loss, rel=1e-4)
 
 
+def test_a_batch_shorter_than_the_unrolled_steps_reports_every_step(setup):
+    """A micro-batch of T <= ttt_steps tokens still runs all ttt_steps steps (the later ones with nothing to predict):
+    processes that all-reduce the metrics, or gather ZeRO-3 shards per layer call, must agree on both. Its loss is
+    that of the steps that have targets."""
+    model, samples, _, _ = setup
+    short = make_batch(model, [(ids[:5], mask[:5]) for ids, mask in samples], LAYERS, rows=[[0], [1], [2]], width=5)
+    full = drafter_for(model, ttt_steps=7)(short)
+    assert {f"step{j}/acc@1" for j in range(1, 7)} <= full.keys()
+    assert all(float(full[f"step{j}/loss_ce"]) == 0.0 for j in (4, 5, 6))  # T = 5: no target 6 or more tokens ahead
+    cut = drafter_for(model, ttt_steps=4)(short)
+    torch.testing.assert_close(full["loss"], cut["loss"])
+
+
 def test_gradients_reach_every_trained_tensor_through_the_unrolled_steps(setup):
     model, _, padded, _ = setup
     drafter = drafter_for(model, vocab=VOCAB, ttt_steps=3).train()
