@@ -253,6 +253,10 @@ def test_resume_refuses_another_recipe(features, tmp_path):
         TrainingError, match=r"global batch of 4 rows .* resuming with 2 \(2 x 1 x 1\): set train.grad_accum"
     ):
         train(resized)
+    reset_accelerate()  # online, positions index other samples (records, not length-sorted shards)
+    online = recipe("eagle2", features, tmp_path / "run", "train.max_steps=3", "train.resume=auto", "train.online=true")
+    with pytest.raises(TrainingError, match=r"saved with train.online=False, .* has True; the saved data position"):
+        train(online)
 
 
 def test_resume_follows_a_longer_schedule_and_refuses_other_optimizer_settings(features, tmp_path, capsys):

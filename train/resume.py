@@ -83,7 +83,7 @@ def checkpoint_to_resume(recipe: Recipe, accelerator: Accelerator) -> Path | Non
             "resume with the recipe it was trained with (see its recipe.yaml)"
         )
     plan, want = saved.get("batch_plan", {}), batch_plan(recipe, accelerator.num_processes)
-    changed = sorted(k for k in want if plan.get(k) != want[k])
+    changed = sorted(k for k in want if plan.get(k, want[k] if k in LATER_PLAN_KEYS else None) != want[k])
     if "global_batch" in changed:
         raise TrainingError(
             f"{path}: saved with a global batch of {plan.get('global_batch')} rows (train.batch_size x "
@@ -124,9 +124,19 @@ def checkpoint_to_resume(recipe: Recipe, accelerator: Accelerator) -> Path | Non
 def batch_plan(recipe: Recipe, world_size: int) -> dict[str, Any]:
     """What decides which samples each optimizer step reads (and the held-out split): a saved data position is
     only valid under the same. The global step (batch_size x grad_accum x processes) counts, not how it is split,
-    so a run saved by 8 processes resumes on 4 with twice the accumulation."""
+    so a run saved by 8 processes resumes on 4 with twice the accumulation. `online`: the positions a data
+    position counts index the prepared records online and the length-sorted feature shards offline."""
     cfg = recipe.train
-    return {"global_batch": cfg.batch_size * cfg.grad_accum * world_size, "packing": cfg.packing, "seed": cfg.seed}
+    return {
+        "global_batch": cfg.batch_size * cfg.grad_accum * world_size,
+        "packing": cfg.packing,
+        "seed": cfg.seed,
+        "online": cfg.online,
+    }
+
+
+LATER_PLAN_KEYS = {"online"}
+"""Batch-plan keys added after checkpoints were first written: not checked against a checkpoint that lacks them."""
 
 
 def optimizer_settings(recipe: Recipe) -> dict[str, Any]:
