@@ -153,7 +153,7 @@ CASES: dict[str, Case] = {
     "imports/extra-tensor": Case(
         "train.imports",
         "{w}/fd-extra --format medusa --target {m1} --out {out}",
-        ("fd-extra/medusa_lm_head.safetensors", "extra tensors", "5.0.linear.weight"),
+        ("fd-extra/medusa_lm_head.safetensors", "extra tensors", "0.0.linear.scale"),
     ),
     "imports/bad-config": Case(
         "train.imports",
@@ -290,7 +290,7 @@ def world(tmp_path_factory) -> dict[str, str]:
         (w / name).mkdir()
         (w / name / "config.json").write_text(config if name != "fd-badjson" else config[:-1])
     torch.save({k: v for k, v in heads.items() if k != "4.1.weight"}, w / "fd-missing" / "medusa_lm_head.pt")
-    save_file({**heads, "5.0.linear.weight": torch.zeros(d, d)}, str(w / "fd-extra" / "medusa_lm_head.safetensors"))
+    save_file({**heads, "0.0.linear.scale": torch.zeros(d)}, str(w / "fd-extra" / "medusa_lm_head.safetensors"))
     torch.save(heads, w / "fd-badjson" / "medusa_lm_head.pt")
 
     # broken copies

@@ -471,7 +471,8 @@ def broken(out: Path, edit) -> None:
         ("speculators", lambda c, t: t.update(d2t=t["d2t"] + torch.arange(128)), "d2t"),
         ("sglang", lambda c, t: t.update({k.replace("midlayer.", "layers.0."): t.pop(k) for k in list(t)
                                           if k.startswith("midlayer.")}), "midlayer.self_attn.q_proj.weight missing"),
-        ("sglang", lambda c, t: c["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[1, 2, 3]), "differ by"),
+        # SGLang captures outputs of layers 0..L-2: on this 4-layer target, shifted ids leave that range
+        ("sglang", lambda c, t: c["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[1, 2, 3]), "out of range"),
     ],
 )  # fmt: skip
 def test_gates_catch_what_a_consumer_reads_wrong(fmt, edit, why, run, tmp_path):
@@ -559,6 +560,46 @@ def test_imports_of_eagle3_checkpoints_reproduce_their_logits(fmt, run, tmp_path
     tensors.pop("norm.weight")
     with pytest.raises(ExportError, match=r"missing tensors \['norm.weight'\]"):
         import_eagle3(config, tensors, out / "model.safetensors", target, fmt == "speculators")
+
+
+@pytest.mark.parametrize("fmt", ["speculators", "sglang"])
+def test_eagle3_imports_name_what_does_not_fit_the_target(fmt, run, tmp_path):
+    """Another RoPE or epsilon, aux ids the engine cannot capture, a speculators config without norm_before_residual
+    (its two readers default it differently), a d2t of repeated ids, a t2d that disagrees: one line naming the field,
+    before any logits are computed."""
+    out = export(run, tmp_path / fmt, fmt=fmt)
+    _, target, _ = load_run(run)
+    L = target.config.num_hidden_layers
+    weights = out / "model.safetensors"
+    spec = fmt == "speculators"
+
+    def refused(match: str, config_edit=None, tensor_edit=None) -> None:
+        config, tensors = json.loads((out / "config.json").read_text()), load_file(str(weights))
+        layer = config["transformer_layer_config"] if spec else config
+        aux = config if spec else config["eagle_config"]
+        if config_edit:
+            config_edit(config, layer, aux)
+        if tensor_edit:
+            tensor_edit(tensors)
+        with pytest.raises(ExportError, match=match) as err:
+            import_eagle3(config, tensors, weights, target, spec)
+        assert "\n" not in str(err.value)
+
+    refused(r"config.json: config.json rope_theta is 500000.0, the target.s 10000", lambda c, layer, a: layer.update(
+        rope_theta=500000.0, rope_parameters={"rope_type": "default", "rope_theta": 500000.0}))  # fmt: skip
+    refused(r"config.json: rms_norm_eps is 0.5, the target's", lambda c, layer, a: layer.update(rms_norm_eps=0.5))
+    last = L - 1 if spec else L - 2  # vLLM: inputs of layers 0..L-1; SGLang: outputs of layers 0..L-2
+    refused(rf"eagle_aux_hidden_state_layer_ids: \[{last + 1}\] out of range: .* ids 0..{last} of a {L}-layer",
+            lambda c, layer, a: a.update(eagle_aux_hidden_state_layer_ids=[0, 1, last + 1]))  # fmt: skip
+    refused(r"eagle_aux_hidden_state_layer_ids: \[1, 1, 2\] names a layer twice",
+            lambda c, layer, a: a.update(eagle_aux_hidden_state_layer_ids=[1, 1, 2]))  # fmt: skip
+    refused(r"d2t does not map 128 draft ids to distinct target ids", tensor_edit=lambda t: t.update(
+        d2t=-torch.arange(128)))  # every draft id to target id 0  # fmt: skip
+    refused(r"t2d does not mark exactly the target ids d2t maps to", tensor_edit=lambda t: t.update(
+        t2d=t["t2d"].roll(1)))  # fmt: skip
+    if spec:
+        refused(r"no norm_before_residual: vLLM reads a missing one as true, the speculators package as false",
+                lambda c, layer, a: c.pop("norm_before_residual"))  # fmt: skip
 
 
 def test_import_command_round_trips_an_exported_checkpoint(run, tmp_path, at_root, capsys):

@@ -223,8 +223,24 @@ def test_medusa_missing_tensor(medusa_src, tmp_path):
 
 
 def test_medusa_extra_tensor(medusa_src, tmp_path):
+    edit_safetensors(medusa_src / MEDUSA_SAFETENSORS, lambda t: t.update({"0.0.linear.scale": torch.zeros(64)}))
+    refused(medusa_src, "medusa", tmp_path / "out", MEDUSA_SAFETENSORS, "extra tensors", "0.0.linear.scale")
+
+
+def test_medusa_incomplete_head(medusa_src, tmp_path):
+    """The file decides how many heads there are: a sixth head's block without its projection is incomplete."""
     edit_safetensors(medusa_src / MEDUSA_SAFETENSORS, lambda t: t.update({"5.0.linear.weight": torch.zeros(64, 64)}))
-    refused(medusa_src, "medusa", tmp_path / "out", MEDUSA_SAFETENSORS, "extra tensors", "5.0.linear.weight")
+    refused(medusa_src, "medusa", tmp_path / "out", MEDUSA_SAFETENSORS, "missing tensors", "5.0.linear.bias")
+
+
+def test_medusa_heads_come_from_the_file_not_the_config(medusa_src, target, tmp_path, capsys):
+    """FasterDecoding's loader builds its heads whatever `medusa_num_heads` says, and its published configs say 2
+    beside 5 heads' weights: the import takes the 5 in the file, with a note."""
+    config = json.loads((medusa_src / "config.json").read_text())
+    (medusa_src / "config.json").write_text(json.dumps(dict(config, medusa_num_heads=2)))
+    native = load_drafter(import_checkpoint(medusa_src, "medusa", target, tmp_path / "native"), target)
+    assert native.cfg.num_heads == 5
+    assert "medusa_num_heads is 2, medusa_lm_head" in capsys.readouterr().err
 
 
 def test_medusa_bad_config(medusa_src, tmp_path):

@@ -495,6 +495,32 @@ def test_resume_on_another_number_of_processes(backend, before, after, features,
         torch.testing.assert_close(two[name], one[name], rtol=1e-4, atol=1e-5, msg=name)
 
 
+SEED_SCRIPT = """
+import torch
+from accelerate import Accelerator
+from accelerate.utils import gather_object, set_seed
+from train.loop import seed_process_streams
+
+acc = Accelerator(cpu=True)
+set_seed(0)
+alike = gather_object([torch.rand(3).tolist()])
+seed_process_streams(acc, 0)
+own = gather_object([torch.rand(3).tolist()])
+if acc.is_main_process:
+    print("after set_seed:", "same" if alike[0] == alike[1] else "differ")
+    print("after seed_process_streams:", "same" if own[0] == own[1] else "differ")
+"""
+
+
+def test_each_process_draws_its_own_noise(tmp_path):
+    """One seed builds identical drafters on every process; the training streams (input noise, dropout) must then
+    differ per process, or every process perturbs its batch with the same pattern."""
+    script = tmp_path / "seeds.py"
+    script.write_text(SEED_SCRIPT)
+    out = launch([*shipped_config("ddp"), str(script)], CPU).stdout
+    assert "after set_seed: same" in out and "after seed_process_streams: differ" in out, out
+
+
 def test_a_bad_shard_hashed_by_one_process_stops_every_process(features, tmp_path):
     """With 2 processes each hashes half of the shards; rank 1's (shards 1, 3, ...) holds the flipped byte, rank 0
     finds nothing wrong, and both stop before any step with the one line naming the shard."""

@@ -302,8 +302,12 @@ def eagle3_consumer_logits(
         index = ids
     else:
         index = [i + reader.aux_offset for i in ids]
-    if any(not 0 <= i <= L for i in index):
-        raise ExportError(f"config.json: aux layer ids {ids} are out of range for a {L}-layer target")
+    lo = reader.aux_offset  # vLLM: inputs of layers 0..L-1 (HF 0..L-1); SGLang: outputs of layers 0..L-2 (HF 1..L-1)
+    if any(not lo <= i <= L - 1 for i in index):
+        raise ExportError(
+            f"config.json: aux layer ids {ids} are out of range: {reader.name} captures ids 0..{L - 1 - lo} of a "
+            f"{L}-layer target"
+        )
     if sorted(set(index)) != index:  # the target's layer loop captures each listed layer once, in layer order
         notes.append(f"aux layer ids {ids} are captured in layer order, once each")
         index = sorted(set(index))

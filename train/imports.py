@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import re
 import sys
 from pathlib import Path
@@ -43,6 +44,7 @@ from models.configs import Eagle3Config, EagleConfig, MedusaConfig
 from models.io import (
     ExportError,
     check_export_dir,
+    legacy_rope,
     load_drafter,
     read_safetensors,
     save_native,
@@ -174,6 +176,7 @@ def import_eagle3(config: dict, tensors: dict[str, torch.Tensor], weights: Path,
             raise ExportError(f"{where}: {key} is {layer.get(key)!r}, the target's is {getattr(tc, key)!r}")
     if layer.get("num_hidden_layers", 1) != 1:
         raise ExportError(f"{where}: num_hidden_layers is {layer.get('num_hidden_layers')}: one decoder layer only")
+    check_layer_fields(layer, tc, where)
     K = config.get("draft_vocab_size")
     if not isinstance(K, int) or K < 1:
         raise ExportError(f"{where}: draft_vocab_size: expected an integer >= 1, got {K!r}")
@@ -181,8 +184,15 @@ def import_eagle3(config: dict, tensors: dict[str, torch.Tensor], weights: Path,
     ids = (config.get("eagle_aux_hidden_state_layer_ids") if speculators else None) or (
         config.get("eagle_config") or {}
     ).get("eagle_aux_hidden_state_layer_ids")
+    if ids:
+        check_aux_ids(ids, L, speculators, where)
     # the engines capture each listed layer once, in layer order, and fuse them in that order
     layers = sorted({i + reader.aux_offset for i in ids}) if ids else [2, L // 2, L - 3]
+    if speculators and "norm_before_residual" not in config:  # the two readers of this layout disagree here
+        raise ExportError(
+            f"{where}: no norm_before_residual: vLLM reads a missing one as true, the speculators package as false, "
+            "so this drafter computes differently in each; add the value it was trained with"
+        )
     flags = {k: bool(config.get(k, False)) for k in ("fc_norm", "norm_output", "norm_before_residual")}
     if not speculators and any(flags.values()):
         raise ExportError(f"{where}: {[k for k, v in flags.items() if v]}: SGLang's EAGLE-3 layout has no such flag")
@@ -216,11 +226,56 @@ def import_eagle3(config: dict, tensors: dict[str, torch.Tensor], weights: Path,
     return drafter, reader
 
 
+def check_layer_fields(layer: dict, tc, where: Path) -> None:
+    """The decoder layer's config against the target's (the drafter runs with the target's): KV heads, head_dim,
+    RMSNorm epsilon and RoPE, each named when it differs, before anything is computed."""
+    kv, target_kv = layer.get("num_key_value_heads"), getattr(tc, "num_key_value_heads", None)
+    if (kv or layer["num_attention_heads"]) != (target_kv or tc.num_attention_heads):
+        raise ExportError(f"{where}: num_key_value_heads is {kv!r}, the target's is {target_kv!r}")
+    head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
+    if layer.get("head_dim", head_dim) != head_dim:
+        raise ExportError(f"{where}: head_dim is {layer.get('head_dim')!r}, the target's is {head_dim}")
+    eps = layer.get("rms_norm_eps")
+    if eps is not None and not math.isclose(float(eps), tc.rms_norm_eps, rel_tol=1e-6):
+        raise ExportError(f"{where}: rms_norm_eps is {eps!r}, the target's is {tc.rms_norm_eps!r}")
+    view = dict(layer)
+    if layer.get("rope_parameters") and "rope_theta" not in layer:  # transformers-5 fields only
+        view.update(legacy_rope(layer))
+    hints = rope_hints(view, tc)
+    if hints:
+        raise ExportError(f"{where}: {'; '.join(hints)}")
+
+
+def check_aux_ids(ids, num_layers: int, speculators: bool, where: Path) -> None:
+    """eagle_aux_hidden_state_layer_ids: distinct integers the engine can capture (vLLM / speculators: inputs of
+    layers 0..L-1; SGLang / SafeAILab: outputs of layers 0..L-2, the last one's reaching HF only after the norm)."""
+    if not isinstance(ids, list) or any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
+        raise ExportError(f"{where}: eagle_aux_hidden_state_layer_ids: expected a list of integers, got {ids!r}")
+    if len(set(ids)) != len(ids):
+        raise ExportError(f"{where}: eagle_aux_hidden_state_layer_ids: {ids} names a layer twice")
+    hi = num_layers - 1 if speculators else num_layers - 2
+    bad = [i for i in ids if not 0 <= i <= hi]
+    if bad:
+        engine = "vLLM / speculators" if speculators else "SGLang / SafeAILab"
+        raise ExportError(
+            f"{where}: eagle_aux_hidden_state_layer_ids: {bad} out of range: {engine} captures ids 0..{hi} of a "
+            f"{num_layers}-layer target"
+        )
+
+
 def import_medusa(src: Path, config: dict, tensors: dict, weights: Path, target: Target) -> nn.Module:
     where = src / "config.json"
     L = _int_field(config, "medusa_num_layers", 1, where)
     heads_in_file = {int(m.group(1)) for m in map(_MEDUSA_NAME.match, tensors) if m}
-    K = _int_field(config, "medusa_num_heads", max(heads_in_file, default=-1) + 1 or None, where)
+    # FasterDecoding's loader builds its heads whatever `medusa_num_heads` says (its published configs say 2 beside
+    # 5 heads' weights), so the file decides; the config only gets a note when it disagrees.
+    K = max(heads_in_file, default=-1) + 1
+    if K == 0:
+        raise ExportError(f"{weights}: no Medusa head tensors ({{h}}.{{l}}.linear.weight, {{h}}.{{L}}.weight)")
+    said = config.get("medusa_num_heads")
+    if said != K:
+        print(f"note: {where}: medusa_num_heads is {said!r}, {weights.name} holds {K} heads: importing {K}",
+              file=sys.stderr)  # fmt: skip
     cfg = MedusaConfig(num_heads=K, num_layers=L, share_lm_head=False)
     drafter = METHODS["medusa1"].module()(cfg, target.parts([-1]))
     ours = {name: tuple(t.shape) for name, t in drafter.trainable_state_dict().items()}

@@ -206,6 +206,14 @@ def build_loaders(
     return train_loader, heldout_loader, heldout_idx
 
 
+def seed_process_streams(accelerator: Accelerator, seed: int) -> None:
+    """After the drafter is built alike on every process (one seed, identical initial weights, as FSDP needs): give
+    each process its own random streams, so that input noise and dropout differ between the processes' batches
+    instead of repeating one pattern (a resume on another number of processes reseeds the same way)."""
+    if accelerator.num_processes > 1:
+        set_seed(seed + accelerator.process_index)
+
+
 def evaluated_heldout(heldout_idx: list[int], cap: int, seed: int) -> list[int]:
     """The held-out samples each evaluation scores: all of them, or `cap` (eval_batches x batch_size) drawn at random
     with `seed`: the same ones whatever the number of processes, and not the shortest (feature shards are stored
@@ -401,6 +409,7 @@ def train(recipe: Recipe, stop_after: int | None = None) -> Path:
     optimizer = build_optimizer(drafter, cfg)
     scheduler = build_scheduler(optimizer, cfg)
     model, optimizer = accelerator.prepare(drafter, optimizer)
+    seed_process_streams(accelerator, cfg.seed)
 
     step, tokens_seen, warned = 0, 0.0, False
     if resume is not None:
