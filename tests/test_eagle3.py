@@ -541,6 +541,17 @@ def test_vllm_layouts_refuse_other_than_three_fused_layers(features, tmp_path, a
     assert (export(tmp_path / "run", tmp_path / "native") / "config.json").is_file()
 
 
+def test_engine_layouts_refuse_a_fused_state_no_engine_captures(features, tmp_path, at_root):
+    """The last hidden state (after the final norm, `-1`) reaches HF's outputs only: neither vLLM (inputs of layers
+    0..L-1) nor SGLang (outputs of layers 0..L-2) captures it, so an export for them is refused, naming the field."""
+    train(tiny_recipe(features, tmp_path / "run", "train.max_steps=2", "drafter.feature_layers=[1,2,-1]"))
+    for fmt, engine, first in (("speculators", "vllm", 0), ("sglang", "sglang", 1)):
+        why = rf"^drafter.feature_layers: hidden state -1 \(index 4 of 0..4\) cannot be captured by {engine}, which "
+        with pytest.raises(ExportError, match=why + rf"reads indices {first}..3 of a 4-layer target"):
+            export(tmp_path / "run", tmp_path / fmt, fmt=fmt)
+        assert not (tmp_path / fmt).exists()
+
+
 @pytest.mark.parametrize("fmt", ["speculators", "sglang"])
 def test_imports_of_eagle3_checkpoints_reproduce_their_logits(fmt, run, tmp_path):
     """Our own exports stand in for external EAGLE-3 checkpoints: imported with the layout's reading rules (a shuffled

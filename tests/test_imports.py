@@ -19,7 +19,7 @@ from tiny import perturbed
 
 from models.configs import EagleConfig, MedusaConfig
 from models.eagle import EagleDrafter
-from models.io import load_drafter
+from models.io import ExportError, load_drafter
 from models.medusa import MedusaHeads
 from train import export as export_mod
 from train.config import load_recipe
@@ -241,6 +241,25 @@ def test_medusa_heads_come_from_the_file_not_the_config(medusa_src, target, tmp_
     native = load_drafter(import_checkpoint(medusa_src, "medusa", target, tmp_path / "native"), target)
     assert native.cfg.num_heads == 5
     assert "medusa_num_heads is 2, medusa_lm_head" in capsys.readouterr().err
+
+
+def test_an_import_that_computes_other_logits_leaves_nothing(medusa_src, target, tmp_path, monkeypatch):
+    """The last safety net: the reloaded native drafter against the consumer's reading of the source. A mapping bug
+    (here: one head's projection scaled after the mapping) fails the import and writes nothing."""
+    from train import imports
+
+    mapped = imports.import_medusa
+
+    def buggy(*args):
+        drafter = mapped(*args)
+        with torch.no_grad():
+            drafter.lm_heads[2].weight.mul_(1.01)
+        return drafter
+
+    monkeypatch.setattr(imports, "import_medusa", buggy)
+    with pytest.raises(ExportError, match=r"medusa_lm_head\.\S+: the imported drafter's draft logits differ"):
+        import_checkpoint(medusa_src, "medusa", target, tmp_path / "native")
+    assert not (tmp_path / "native").exists() and not (tmp_path / "native.tmp").exists()
 
 
 def test_medusa_bad_config(medusa_src, tmp_path):
