@@ -38,9 +38,11 @@ of its weight files' bytes) is refused.
 from __future__ import annotations
 
 import argparse
+import glob
 import hashlib
 import itertools
 import json
+import os
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -371,24 +373,48 @@ def part_path(out: Path, rank: int) -> Path:
     return out.with_name(f"{out.name}.part{rank}")
 
 
-def merge_parts(out: Path, records: list[tuple[str, dict[str, Any]]]) -> int:
-    """Fold every process's part file into OUT, records in prompt order, through a temporary file and a rename;
-    then delete the parts. Returns the number of records in OUT."""
+def part_files(out: Path) -> list[Path]:
+    """The part files of OUT (an OUT name with glob characters, e.g. `sd[v2].jsonl`, is matched literally)."""
+    return sorted(out.parent.glob(f"{glob.escape(out.name)}.part*")) if out.parent.is_dir() else []
+
+
+def merge_parts(out: Path, prompts: list[tuple[str, dict[str, Any]]]) -> int:
+    """Fold every process's part file into OUT, records in the order of `prompts` (the whole prompt file, so that a
+    run with a smaller --limit keeps the order, hence the sample ids, of one with a larger), through a temporary
+    file, an fsync and a rename; then delete the parts. Returns the number of records in OUT."""
     by_id: dict[str, str] = {}
-    sources = [out, *sorted(out.parent.glob(f"{out.name}.part*"))]
+    sources = [out, *part_files(out)]
     for path in sources:
         if path.exists():
             read_done(path)  # validates, drops a torn last line
-            for line in path.read_text(encoding="utf-8").splitlines():
-                if line.strip():
+            # records end at "\n" only: a JSON string may hold U+2028 and the like, which str.splitlines splits at
+            for raw in path.read_bytes().split(b"\n"):
+                if raw.strip():
+                    line = raw.decode("utf-8")
                     by_id.setdefault(str(json.loads(line)["id"]), line)
-    order = [rid for rid, _ in records if rid in by_id] + sorted(set(by_id) - {rid for rid, _ in records})
+    order = [rid for rid, _ in prompts if rid in by_id] + sorted(set(by_id) - {rid for rid, _ in prompts})
     tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text("".join(by_id[rid] + "\n" for rid in order), encoding="utf-8")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write("".join(by_id[rid] + "\n" for rid in order))
+        f.flush()
+        os.fsync(f.fileno())  # on disk before the parts it replaces are deleted
     tmp.replace(out)
+    fsync_dir(out.parent)
     for path in sources[1:]:
         path.unlink()
     return len(order)
+
+
+def fsync_dir(directory: Path) -> None:
+    """Make a rename in `directory` durable (where the platform allows opening a directory)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def prompts_sha256(records: list[tuple[str, dict[str, Any]]]) -> str:
@@ -446,8 +472,7 @@ def main(argv: list[str] | None = None) -> None:
     meta = {"settings": asdict(settings), "target": target_identity(args.target)}
     meta_path = args.out.with_name(args.out.name + ".meta.json")
     if state.is_main_process:
-        parts = sorted(args.out.parent.glob(f"{args.out.name}.part*")) if args.out.parent.is_dir() else []
-        if args.out.exists() or parts:
+        if args.out.exists() or part_files(args.out):
             try:
                 previous = json.loads(meta_path.read_text()) if meta_path.exists() else None
             except (json.JSONDecodeError, UnicodeDecodeError):
@@ -457,7 +482,7 @@ def main(argv: list[str] | None = None) -> None:
                     f"{args.out} holds records made from other prompts, with other settings or another target "
                     f"(see {meta_path}); refusing to resume: delete it (and its .part files) to start over"
                 )
-            merge_parts(args.out, records)  # parts left by an interrupted run join OUT before anything is skipped
+            merge_parts(args.out, every)  # parts left by an interrupted run join OUT before anything is skipped
         args.out.parent.mkdir(parents=True, exist_ok=True)
         meta_path.write_text(json.dumps(meta, indent=2) + "\n")
     state.wait_for_everyone()
@@ -499,10 +524,11 @@ def main(argv: list[str] | None = None) -> None:
                     if str(out["id"]) in wanted and str(out["id"]) not in done:
                         f.write(json.dumps(out, ensure_ascii=False) + "\n")
                 f.flush()  # a whole batch at a time: a crash loses at most the batch being written
+                os.fsync(f.fileno())
                 bar.update(len(batch))
     state.wait_for_everyone()
     if state.is_main_process:
-        n = merge_parts(args.out, records)
+        n = merge_parts(args.out, every)
         print(f"{args.out}: {n} records ({remaining} new)")
 
 

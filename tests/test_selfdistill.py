@@ -49,9 +49,14 @@ def write_jsonl(path: Path, records: list[dict]) -> Path:
     return path
 
 
+def read_records(out: Path) -> list[dict]:
+    """Records end at "\\n" only (a JSON string may hold U+2028, which str.splitlines splits at)."""
+    return [json.loads(line) for line in out.read_bytes().split(b"\n") if line.strip()]
+
+
 def run(target: Path, prompts: Path, out: Path, *extra: str) -> list[dict]:
     main(["--target", str(target), "--prompts", str(prompts), "--out", str(out), "--max-new-tokens", "6", *extra])
-    return [json.loads(line) for line in out.read_text().splitlines()]
+    return read_records(out)
 
 
 def test_plain_records(tiny_target, tmp_path):
@@ -229,3 +234,20 @@ def test_target_generation_defaults_are_ignored(tiny_target, tmp_path):
     prompts = write_jsonl(tmp_path / "p.jsonl", PLAIN[:3])
     plain = run(tiny_target, prompts, tmp_path / "a.jsonl")
     assert [r["completion"] for r in run(noisy, prompts, tmp_path / "b.jsonl")] == [r["completion"] for r in plain]
+
+
+def test_a_smaller_limit_keeps_the_order_and_a_line_separator_stays_in_its_record(tiny_target, tmp_path):
+    """Sample ids are positions in the file: a re-run with a smaller --limit keeps the order of the larger run's
+    records. A prompt holding U+2028 (common in web text; written unescaped) stays one record when parts are merged.
+    An output name with glob characters still finds its part files."""
+    plain = [{"id": f"p{i}", "prompt": f"def f{i}(x):\n"} for i in range(12)]
+    plain[4]["prompt"] = "# one\u2028two\n"
+    prompts = write_jsonl(tmp_path / "p.jsonl", plain)
+    out = tmp_path / "sd[v2].jsonl"
+    run(tiny_target, prompts, out, "--limit", "12", "--batch-size", "4")
+    ids = [r["id"] for r in read_records(out)]
+    assert ids == [f"p{i}" for i in range(12)] and read_records(out)[4]["prompt"] == "# one\u2028two\n"
+    assert [r["id"] for r in run(tiny_target, prompts, out, "--limit", "3", "--batch-size", "4")] == ids
+    selfdistill.part_path(out, 0).write_text(out.read_text(encoding="utf-8").split("\n")[4] + "\n", encoding="utf-8")
+    assert selfdistill.merge_parts(out, [(r["id"], r) for r in plain]) == 12  # the part's copy is a duplicate
+    assert [r["id"] for r in read_records(out)] == ids and not selfdistill.part_files(out)
