@@ -25,7 +25,6 @@ import argparse
 import dataclasses
 import hashlib
 import itertools
-import json
 import os
 import sys
 import time
@@ -47,6 +46,7 @@ from data.shards import (
     build_manifest,
     check_header,
     check_shard_names,
+    read_json_file,
     shard_name,
     shard_problem,
     write_json_atomic,
@@ -183,7 +183,8 @@ def _known_entries(directory: Path, header: dict[str, Any]) -> dict[int, dict]:
     for path in [directory / MANIFEST, *sorted(directory.glob(PART_GLOB))]:
         if not path.is_file():
             continue
-        record = json.loads(path.read_text())
+        what = "manifest" if path.name == MANIFEST else "part manifest (delete it to extract its shards again)"
+        record = read_json_file(path, what)
         found = record.get("header", record)
         try:
             check_header(found, header, str(path))
@@ -288,7 +289,7 @@ def merge_parts(directory: Path, header: dict[str, Any], num_shards: int, world_
     """Merge the parts of processes 0..world_size-1 into manifest.json; remove parts and stray .tmp files."""
     entries: dict[int, dict] = {}
     for rank in range(world_size):
-        for entry in json.loads((directory / part_name(rank)).read_text())["shards"]:
+        for entry in read_json_file(directory / part_name(rank), "part manifest")["shards"]:
             entries[entry["index"]] = entry
     missing = sorted(set(range(num_shards)) - set(entries))
     if missing:

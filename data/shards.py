@@ -99,13 +99,37 @@ def shard_problem(
     return None
 
 
+def durable_replace(tmp: str | Path, path: str | Path) -> None:
+    """Rename a fully written `tmp` to `path` so that neither a crash nor a power cut can leave `path` naming data
+    that is not on disk: the file's data is fsynced before the rename, the directory's entry after it."""
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    try:
+        fd = os.open(Path(path).parent, os.O_RDONLY)
+    except OSError:  # a platform that cannot open directories
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def write_json_atomic(path: str | Path, obj: Any) -> None:
     """Write JSON to `path.tmp` and rename it, so readers never see a half-written file."""
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:
         json.dump(obj, f, indent=1)
         f.write("\n")
-    os.replace(tmp, path)
+    durable_replace(tmp, path)
+
+
+def read_json_file(path: Path, what: str) -> Any:
+    """A JSON file this package wrote, or a FeatureMismatchError naming it (a torn or edited copy)."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise FeatureMismatchError(f"{path}: not a readable {what} ({exc.__class__.__name__}: {exc})") from None
 
 
 def write_shard(
@@ -146,7 +170,7 @@ def write_shard(
         "sample_ids": [int(i) for i in sample_ids],
         "lengths": [int(n) for n in lengths],
     }
-    os.replace(tmp, final)
+    durable_replace(tmp, final)  # on disk before the caller records the entry
     return entry
 
 
@@ -242,7 +266,7 @@ def read_manifest(directory: str | Path) -> dict[str, Any]:
     path = Path(directory) / MANIFEST
     if not path.is_file():
         raise FileNotFoundError(f"{directory}: no {MANIFEST} (run `python -m data.extract RECIPE` first)")
-    manifest = json.loads(path.read_text())
+    manifest = read_json_file(path, "feature manifest (delete the directory and extract again)")
     if manifest.get("format_version") != FORMAT_VERSION:
         raise FeatureMismatchError(
             f"{path}: format_version {manifest.get('format_version')!r}, this code reads {FORMAT_VERSION}"

@@ -202,6 +202,22 @@ def test_foreign_shard_is_refused_then_repaired(recipe_path: Path, reference: Pa
     assert [name for name in inodes if after[name] != inodes[name]] == ["shard-00002.safetensors"]
 
 
+@pytest.mark.parametrize("name", [MANIFEST, "manifest.part-00001.json"])
+def test_a_torn_manifest_is_named(recipe_path: Path, reference: Path, tmp_path: Path, name: str) -> None:
+    """A manifest or part cut short (written before fsync-then-rename, or edited) stops a resume, and training, with
+    its path, not a bare JSON error."""
+    from data.shards import FeatureMismatchError, read_manifest
+
+    features = tmp_path / "features"
+    copy_features(reference, features)
+    (features / name).write_text('{"format_version": 1, "sha')
+    with pytest.raises(FeatureMismatchError, match=rf"^{features / name}: not a readable .*manifest"):
+        run_inprocess(recipe_path, features)
+    if name == MANIFEST:
+        with pytest.raises(FeatureMismatchError, match=rf"^{features / name}: not a readable feature manifest"):
+            read_manifest(features)
+
+
 def test_checksums_are_on_by_default_and_not_a_setting(recipe_path: Path) -> None:
     on, off = load_recipe(recipe_path), load_recipe(recipe_path, ["data.verify_checksums=false"])
     assert on.data.verify_checksums and not off.data.verify_checksums
