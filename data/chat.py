@@ -57,7 +57,7 @@ def normalize_messages(record: dict[str, Any]) -> list[dict[str, str]]:
     for j, turn in enumerate(turns):
         if not isinstance(turn, dict) or role_key not in turn or text_key not in turn:
             raise DataError(f"turn {j}: needs `{role_key}` and `{text_key}`, got {str(turn)[:80]}")
-        if turn[role_key] not in roles:
+        if not isinstance(turn[role_key], str) or turn[role_key] not in roles:
             raise DataError(f"turn {j}: unknown role {turn[role_key]!r} (known: {', '.join(roles)})")
         messages.append({"role": roles[turn[role_key]], "content": _text(turn[text_key], j)})
     while messages and messages[-1]["role"] != "assistant":

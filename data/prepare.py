@@ -96,7 +96,13 @@ def detect_format(record: dict[str, Any]) -> str:
 def cut_turns(record: dict[str, Any]) -> frozenset[int]:
     """Numbers of the generated turns (completions, assistant turns) a length limit cut off, from the
     `generation.finish_reason` list self-distillation writes (one reason per generated turn, in order)."""
-    reasons = (record.get("generation") or {}).get("finish_reason") or []
+    generation = record.get("generation") or {}
+    if not isinstance(generation, dict):
+        raise DataError(f"`generation` must be an object (what self-distillation writes), got {generation!r:.60}")
+    reasons = generation.get("finish_reason") or []
+    if not isinstance(reasons, list) or any(reason not in ("stop", "length") for reason in reasons):
+        what = '`generation.finish_reason` must be a list of "stop" / "length", one per generated turn'
+        raise DataError(f"{what}, got {reasons!r:.60}")
     return frozenset(i for i, reason in enumerate(reasons) if reason == "length")
 
 

@@ -124,6 +124,8 @@ def check_record(record: dict[str, Any]) -> None:
         for j, turn in enumerate(turns):
             if not isinstance(turn, dict) or not isinstance(turn.get(text_key), str) or role_key not in turn:
                 raise SelfDistillError(f"{key}[{j}]: needs `{role_key}` and a string `{text_key}`")
+            if not isinstance(turn[role_key], str):
+                raise SelfDistillError(f"{key}[{j}]: `{role_key}` must be a string, got {turn[role_key]!r}")
             if key == "conversations" and turn[role_key] not in SHAREGPT_ROLES:
                 raise SelfDistillError(f"{key}[{j}]: unknown role {turn[role_key]!r}")
             if key == "messages" and turn[role_key] not in ("system", "user", "assistant"):

@@ -294,6 +294,10 @@ def test_auto_format_ids_and_stats(tmp_path: Path, pocket) -> None:
         ({"messages": [{"role": "user", "content": 3}, {"role": "assistant", "content": "y"}]}, "must be text"),
         ({"prompt": "p", "completion": 5}, "string `completion`"),
         ([1, 2], "must be a JSON object"),
+        ({"conversations": [{"from": ["human"], "value": "x"}, {"from": "gpt", "value": "y"}]}, "unknown role"),
+        ({"prompt": "p", "completion": "c", "generation": "x"}, "`generation` must be an object"),
+        ({"prompt": "p", "completion": "c", "generation": {"finish_reason": "length"}}, "finish_reason` must be a"),
+        ({"prompt": "p", "completion": "c", "generation": {"finish_reason": [5]}}, "finish_reason` must be a list"),
     ],
 )
 def test_malformed_records(tmp_path: Path, pocket, line, problem: str) -> None:
