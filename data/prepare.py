@@ -120,6 +120,7 @@ def _tokenize_plain(record: dict[str, Any], tokenizer: Any) -> TokenizedRecord:
     prompt = tokenizer(record["prompt"], add_special_tokens=False)["input_ids"]
     bos = [] if tokenizer.bos_token_id is None else [tokenizer.bos_token_id]
     if record.get("completion_ids") is not None:  # self-distilled: the target's own tokens, its stop token included
+        _same_vocabulary(record, tokenizer)
         completion, eos = _token_ids(record["completion_ids"], len(tokenizer)), []
     else:
         completion = tokenizer(record["completion"], add_special_tokens=False)["input_ids"]
@@ -150,6 +151,7 @@ def _tokenize_full(record: Any, tokenizer: Any, fmt: str) -> TokenizedRecord:
             raise DataError(f"turn {empty}: empty assistant turn (nothing to learn but its end marker)")
         return TokenizedRecord(*render_with_assistant_mask(messages, tokenizer, cut))
     # Self-distilled: the target's own tokens for every assistant turn, not its text re-encoded.
+    _same_vocabulary(record, tokenizer)
     turns = record["assistant_ids"]
     if not isinstance(turns, list):
         raise DataError("`assistant_ids` must be a list with one list of token ids per assistant turn")
@@ -278,6 +280,28 @@ def template_fingerprint(tokenizer: Any) -> str:
         sort_keys=True,
     )
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def vocab_fingerprint(tokenizer: Any) -> str:
+    """Short sha256 of the token -> id map (what token ids mean), computed once per tokenizer object: self-distilled
+    records carry it (`generation.vocab`), so that their ids are never read with another vocabulary of the same
+    size."""
+    cached = getattr(tokenizer, "_specdraft_vocab", None)
+    if cached is None:
+        blob = json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False)
+        cached = hashlib.sha256(blob.encode()).hexdigest()[:16]
+        tokenizer._specdraft_vocab = cached
+    return cached
+
+
+def _same_vocabulary(record: dict[str, Any], tokenizer: Any) -> None:
+    """Token ids in a record (`completion_ids`, `assistant_ids`) mean tokens of the vocabulary that wrote them."""
+    made = (record.get("generation") or {}).get("vocab")
+    if made is not None and made != vocab_fingerprint(tokenizer):
+        raise DataError(
+            f"`generation.vocab`: its token ids were written with another vocabulary ({made}, this target's "
+            f"{vocab_fingerprint(tokenizer)}): self-distil again with this target, or drop the ids to train on the text"
+        )
 
 
 def format_masked(sample: TokenSample, tokenizer: Any) -> str:

@@ -54,6 +54,7 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from data.chat import SHAREGPT_ROLES, ChatTemplateError, DataError, render_with_turn_ids
+from data.prepare import vocab_fingerprint
 
 
 class SelfDistillError(ValueError):
@@ -232,9 +233,10 @@ def role_of(record: dict[str, Any], turn: dict[str, Any]) -> str:
 def distill_batch(batch: list[tuple[str, dict[str, Any]]], generate: Generator) -> list[dict[str, Any]]:
     """Output records for a batch of (id, record): plain prompts in one call, chats turn by turn."""
     tok, settings = generate.tokenizer, generate.settings
+    vocab = vocab_fingerprint(tok)  # what the ids mean: data.prepare refuses them with another vocabulary
     outputs = [dict(record, id=record.get("id", rid)) for rid, record in batch]
     for out in outputs:
-        out["generation"] = asdict(settings) | {"record_seeds": [], "finish_reason": []}
+        out["generation"] = asdict(settings) | {"vocab": vocab, "record_seeds": [], "finish_reason": []}
         if is_chat(out):
             out[chat_keys(out)[0]] = chat_turns(out)
             out["assistant_ids"] = []

@@ -17,7 +17,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from data.chat import ChatTemplateError, DataError, normalize_messages, render_with_assistant_mask, render_with_turn_ids
-from data.prepare import format_masked, prepare_dataset, template_fingerprint, tokenize_record
+from data.prepare import format_masked, prepare_dataset, template_fingerprint, tokenize_record, vocab_fingerprint
 from train.config import DataConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -210,6 +210,21 @@ def test_plain_mode(pocket) -> None:
     assert ids == [pocket.bos_token_id, *prompt, *completion][:3] and len(mask) == 3
     with pytest.raises(DataError, match="format is sharegpt but the record looks like plain"):
         tokenize_record(record, pocket, "sharegpt", max_len=100)
+
+
+def test_self_distilled_ids_are_read_only_with_the_vocabulary_that_wrote_them(pocket) -> None:
+    """Token ids carry their vocabulary's fingerprint (`generation.vocab`, written by self-distillation): read with
+    another vocabulary of the same size they would be other tokens, so the record is refused, naming the field."""
+    end = pocket.convert_tokens_to_ids("<|end|>")
+    plain = {"prompt": "The weather", "completion": " is nice.", "completion_ids": [17, 18, end]}
+    chat = {"messages": CONVERSATION, "assistant_ids": [[17, end], [18, end]]}
+    for record, turns in ((plain, 1), (chat, 2)):
+        ours = {**record, "generation": {"vocab": vocab_fingerprint(pocket), "finish_reason": ["stop"] * turns}}
+        tokenize_record(ours, pocket, "auto", max_len=1000)
+        foreign = {**ours, "generation": {**ours["generation"], "vocab": "0123456789abcdef"}}
+        with pytest.raises(DataError, match=r"^`generation.vocab`: its token ids were written with another vocabulary"):
+            tokenize_record(foreign, pocket, "auto", max_len=1000)
+        tokenize_record({k: v for k, v in foreign.items() if not k.endswith("_ids")}, pocket, "auto", max_len=1000)
 
 
 def test_cut_off_generations_teach_no_ending(pocket) -> None:

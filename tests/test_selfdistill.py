@@ -11,7 +11,7 @@ from tiny import accelerate_launch, save_chat_target
 from transformers import AutoTokenizer, GenerationConfig
 
 from data import selfdistill
-from data.prepare import tokenize_record
+from data.prepare import tokenize_record, vocab_fingerprint
 from data.selfdistill import SelfDistillError, main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,6 +67,7 @@ def test_plain_records(tiny_target, tmp_path):
         assert record["prompt"] == source["prompt"] and isinstance(record["completion"], str)
         assert record["generation"]["max_new_tokens"] == 6 and record["generation"]["temperature"] == 0.0
         assert record["generation"]["finish_reason"][0] in ("stop", "length")
+        assert record["generation"]["vocab"] == vocab_fingerprint(tokenizer)  # what its ids mean
         ids = record["completion_ids"]  # the target's own tokens, what data.prepare trains on
         if record["generation"]["finish_reason"][0] == "length":
             assert len(ids) == 6
