@@ -53,6 +53,7 @@ from typing import Any
 import yaml
 
 from eval import REPORT_FILES
+from models.io import EXPORT_MARKER
 from train.checkpoint import latest_checkpoint, read_state
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -177,7 +178,7 @@ def ship(spec: dict[str, Any], method: str, recipe: dict[str, Any], directory: P
         shutil.rmtree(dest)
     dest.mkdir(parents=True)
     for f in (run_dir / "export").iterdir():
-        if f.is_file():
+        if f.is_file() and f.name != EXPORT_MARKER:  # the shipped copy is the recipe set's, not an export to replace
             shutil.copyfile(f, dest / f.name)
     shutil.copyfile(run_dir / "metrics.jsonl", dest / "metrics.jsonl")
     # The target's architecture, so that the drafter can be checked (and loaded) without the target's weights.
