@@ -226,8 +226,12 @@ class EvalConfig(SamplingConfig):
     size each round maximises expected tokens per second under verify / draft costs measured at start-up
     (`eval/cost_trees.py`), at most `tree_total_tokens`."""
     tree_depth: int = 5
+    """Drafted levels (dynamic trees, chains): the most draft tokens a round can accept. EAGLE's reference code
+    drafts one level more than its `depth` (its depth 5 is 6 here)."""
     tree_top_k: int = 10
     tree_total_tokens: int = 60
+    """Tokens a round verifies, the root (the last accepted token) included, so tree_total_tokens - 1 are drafted.
+    EAGLE's reference code drafts `total_token` tokens beside the root (its 60 is 61 here)."""
     draft_vocab: int = 0
     """0: draft over the whole vocabulary. N > 0: draft only among the N most frequent loss tokens of
     `data.features_dir` (an EAGLE-3-style draft vocabulary: each draft step's vocabulary projection costs N/V
