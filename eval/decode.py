@@ -189,6 +189,13 @@ class TargetRunner:
             if model.config._attn_implementation != name:
                 model.set_attn_implementation(name)
         self.cache = DynamicCache(config=model.config)
+        # Sliding-window cache layers keep only their last `window` positions, and tree verification, KV commit and
+        # the cropping of rejected rows assume every layer holds the whole sequence: such targets get whole-sequence
+        # layers and run only within their window, where sliding-window attention is causal attention.
+        windows = [w for w in (getattr(layer, "sliding_window", None) for layer in self.cache.layers) if w]
+        self.window: int | None = min(windows) if windows else None
+        if self.window is not None:
+            self.cache = DynamicCache()
         self.cache_arg = cache_arg(model)
         self.lengths: list[int] = []  # per row: cached positions that are its own (the rest up to S are stale)
         self.tree_start = 0  # where the last tree block starts in the cache (S before it was appended)
@@ -223,6 +230,14 @@ class TargetRunner:
         self.seconds += clock(home) - start
         return out.logits.to(home), hidden
 
+    def _within_window(self, length: int) -> None:
+        if self.window is not None and length > self.window:
+            raise ValueError(
+                f"the target's sliding-window attention keeps {self.window} positions, this sequence needs {length}: "
+                "speculative decoding here keeps whole caches, so sliding-window targets run only within their window "
+                "(shorter eval prompts or eval.max_new_tokens)"
+            )
+
     def prefill(self, prompts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Fill the cache with B prompts ((L_b,) ids) -> logits at each prompt's last token (B, V), hidden
         (B, max L_b, S, d) or None. Shorter prompts are right-padded: under the causal mask a real token never sees
@@ -230,6 +245,7 @@ class TargetRunner:
         lengths = [int(p.shape[0]) for p in prompts]
         device = prompts[0].device
         L = max(lengths)
+        self._within_window(L)
         ids = torch.zeros(len(prompts), L, dtype=torch.long, device=device)
         for row, p in enumerate(prompts):
             ids[row, : lengths[row]] = p
@@ -251,6 +267,7 @@ class TargetRunner:
         hidden (B, N, S, d) or None; tree attention sees each row's own prefix only."""
         start = clock(tree.tokens.device)
         self.tree_start = self.cache.get_seq_length()
+        self._within_window(self.tree_start + tree.num_nodes)
         ragged = any(length != self.tree_start for length in self.lengths)
         self.prefix_ends = (
             torch.tensor(self.lengths, device=tree.tokens.device, dtype=torch.int32) if ragged else self.tree_start

@@ -94,6 +94,23 @@ def test_greedy_stops_at_eos(target):
     assert out.tokens == plain_generate(target.model, PROMPT, settings).tokens
 
 
+def test_a_sliding_window_target_decodes_within_its_window_and_is_refused_past_it():
+    """Sliding-window cache layers keep only their last `window` positions, which tree verification and KV commit
+    cannot work with: within the window the output is plain greedy's, past it an error names the window."""
+    config = {"model_type": "mistral", "vocab_size": 96, "hidden_size": 64, "intermediate_size": 128,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "max_position_embeddings": 256,
+              "initializer_range": 0.5, "tie_word_embeddings": False, "sliding_window": 40}  # fmt: skip
+    model = load_target(random_init=config, dtype="float32", seed=0).model
+    settings = DecodeSettings(max_new_tokens=20)
+    plain = plain_generate(model, PROMPT, settings).tokens
+    stub = ScriptedProposer(plain, PROMPT.shape[1], TREE_SHAPES["chain4"], "sometimes", 96)
+    assert speculative_generate(model, stub, PROMPT, settings, "reference").tokens == plain
+    long = torch.cat([PROMPT] * (41 // PROMPT.shape[1] + 1), dim=1)
+    with pytest.raises(ValueError, match=r"sliding-window attention keeps 40 positions, this sequence needs"):
+        speculative_generate(model, ScriptedProposer(plain, long.shape[1], [-1, 0], "never", 96), long, settings)
+
+
 def test_prompt_lookup_decodes_by_the_same_rules_whatever_the_models_generation_config():
     """The prompt-lookup baseline runs transformers' `generate`, which would apply the model's own generation_config
     (here a repetition penalty and a minimum length): it must decode what plain greedy decoding decodes."""

@@ -79,7 +79,8 @@ def register_tree_attention() -> str:
         if unsupported:
             raise ValueError(
                 f"tree_attention kernel: the target's attention uses {unsupported}, which the kernel does not compute; "
-                "evaluate with eval.kernels=reference (the model's own attention under a tree mask)"
+                "evaluate with eval.kernels=reference (the model's own attention under a tree mask), within any "
+                "sliding window"
             )
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         out = tree_attention(
