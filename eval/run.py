@@ -248,7 +248,7 @@ def evaluate_batch(
                 plain = plain_generate(target.model, ids[row][None], row_settings).tokens  # the prompt alone
                 _compare_plain(record, spec.tokens, plain, settings)
                 record["lossless_baseline"] = "plain decoding of the prompt alone (the batched plain output differed)"
-            _judge_mismatch(record, target, prompt["input_ids"], spec.tokens, plain, ev)
+            _judge_mismatch(record, target, prompt["input_ids"], spec.tokens, plain, ev, row_settings)
         if "prompt_lookup" in ev.baselines:
             tokens, seconds = prompt_lookup_generate(target.model, ids[row][None], row_settings)
             record["prompt_lookup"] = {"new_tokens": len(tokens), "wall_s": seconds}
@@ -286,17 +286,41 @@ def _compare_plain(record: dict[str, Any], spec: list[int], plain: list[int], se
 
 
 def _judge_mismatch(
-    record: dict[str, Any], target: Target, prompt: list[int], spec: list[int], plain: list[int], ev: EvalConfig
+    record: dict[str, Any],
+    target: Target,
+    prompt: list[int],
+    spec: list[int],
+    plain: list[int],
+    ev: EvalConfig,
+    settings: DecodeSettings,
 ) -> None:
-    """A greedy output that differs from plain decoding is a failure, unless the first differing position is a
-    near-tie of the target (`eval.checks.near_tie`): then both tokens are the target's own greedy choice up to
-    rounding, the prompt counts as lossless, and the record says where and by how much."""
+    """A greedy output that differs from plain decoding is a failure, unless every differing position is a near-tie
+    of the target (`eval.checks.near_tie`). After a tie the two outputs go separate ways, so the rest of the
+    speculative output is compared with plain greedy decoding continued from its own tokens up to the tie, and so on
+    to its end. The prompt counts as lossless only if every divergence is a tie; the record says where the first one
+    is and by how much (`near_tie`), and lists the later ones (`later_ties`)."""
     if record["lossless"] is not False or record["first_mismatch"] is None:
         return
-    i = record["first_mismatch"]
-    tie = near_tie(target.model, prompt + plain[:i], spec[i], plain[i], tie_margin(ev, target))
-    record["near_tie"] = tie
-    record["lossless"] = tie["tie"]
+    margin, ties = tie_margin(ev, target), []
+    i, reference, start = record["first_mismatch"], plain, 0  # reference[k - start]: plain greedy's token k
+    while True:
+        tie = near_tie(target.model, prompt + spec[:i], spec[i], reference[i - start], margin)
+        ties.append(tie | {"position": i})
+        rest = spec[i + 1 :]
+        if not tie["tie"] or not rest:
+            break
+        prefix = torch.tensor([prompt + spec[: i + 1]], device=target.device)
+        more = plain_generate(target.model, prefix, dataclasses.replace(settings, max_new_tokens=len(rest))).tokens
+        # both stop at the same EOS or at len(rest) tokens: equal tokens mean equal outputs
+        j = next((k for k, (a, b) in enumerate(zip(rest, more)) if a != b), None)
+        if j is None:
+            break
+        i, reference, start = i + 1 + j, more, i + 1
+    record["near_tie"] = ties[0]
+    record["later_ties"] = ties[1:]
+    record["lossless"] = all(t["tie"] for t in ties)
+    if not record["lossless"]:
+        record["first_mismatch"] = next(t["position"] for t in ties if not t["tie"])
 
 
 # --------------------------------------------------------------------------------------------

@@ -503,3 +503,42 @@ def test_near_tie_judges_a_differing_greedy_token_by_the_float32_target():
     assert near_tie(model, prefix, own, worst, margin=0.25)["judge"] == "own_forward"  # worst is far, own is chosen
     mismatch = near_tie(model, prefix, worst, own, margin=0.25)
     assert not mismatch["tie"] and mismatch["judge"] is None and mismatch["margin"] > 0.25
+
+
+def test_the_lossless_check_goes_on_past_a_near_tie(monkeypatch):
+    """After a near-tie the speculative output continues from its own token: the rest is compared with plain greedy
+    decoding continued from there, so a real mismatch later in the output still fails the prompt."""
+    from eval import run as eval_run
+    from eval.baselines import plain_generate
+    from eval.decode import DecodeSettings
+    from train.config import EvalConfig
+
+    config = {"model_type": "llama", "vocab_size": 96, "hidden_size": 64, "intermediate_size": 128,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "initializer_range": 0.2, "tie_word_embeddings": False}  # fmt: skip
+    target = load_target(random_init=config, dtype="float32", seed=0)
+    prompt, settings = [5, 17, 3, 42, 8], DecodeSettings(max_new_tokens=16)
+
+    def greedy(ids: list[int], n: int) -> list[int]:
+        return plain_generate(target.model, torch.tensor([ids]), dataclasses.replace(settings, max_new_tokens=n)).tokens
+
+    plain = greedy(prompt, 16)
+    other = (plain[3] + 1) % 96  # taken at position 3, where the (patched) judge calls it a tie
+    spec = plain[:3] + [other] + greedy(prompt + plain[:3] + [other], 12)
+    judged = []
+
+    def judge(model, prefix, a, b, margin):
+        judged.append(len(prefix) - len(prompt))
+        return {"tie": len(prefix) - len(prompt) == 3, "judge": None, "tokens": [a, b], "margin": 0.0}
+
+    monkeypatch.setattr(eval_run, "near_tie", judge)
+    wrong_later = spec[:12] + [(spec[12] + 1) % 96] + spec[13:]  # a real mismatch after the tie
+    for output, lossless, positions in ((spec, True, [3]), (wrong_later, False, [3, 12])):
+        record = {"index": 0}
+        eval_run._compare_plain(record, output, plain, settings)
+        judged.clear()
+        eval_run._judge_mismatch(record, target, prompt, output, plain, EvalConfig(), settings)
+        assert record["lossless"] is lossless and judged == positions
+        assert record["near_tie"]["position"] == 3 and len(record["later_ties"]) == len(positions) - 1
+        if not lossless:
+            assert record["first_mismatch"] == 12
