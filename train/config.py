@@ -107,6 +107,8 @@ class DataConfig:
     shard_tokens: int = 1 << 20
     """Tokens per shard (a shard closes at the first sample boundary past this)."""
     extract_batch_tokens: int = 8192
+    """Tokens per extraction forward. It decides the batches, whose shape moves features in their last bits: a resumed
+    extraction equals an uninterrupted one byte for byte only with the same value (a resume does not check it)."""
     heldout_fraction: float = 0.02
     verify_checksums: bool = True
     """Check each feature shard's sha256 against the manifest whenever extraction reuses it (a bad one is extracted
