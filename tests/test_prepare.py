@@ -274,6 +274,29 @@ def test_a_cut_turn_keeps_its_end_marker_under_a_trimming_template() -> None:
     assert masked_runs(ids, mask, tok) == ["It is four.", "The weather is nice.<|eot_id|>"]
 
 
+def test_a_turn_cut_to_whitespace_keeps_its_end_marker_under_a_trimming_template() -> None:
+    """A turn the length limit cut after whitespace only renders as nothing under a trimming template: it is an
+    empty turn that ends where it starts, its generated ids stay loss tokens and the template's end marker stays
+    outside it (a template error used to stop self-distillation at this conversation on every resume)."""
+    tok = family("llama3")
+    messages = [
+        {"role": "user", "content": "What is two plus two?"},
+        {"role": "assistant", "content": "\n\n"},  # cut at the length limit before any visible text
+        {"role": "user", "content": "And the weather?"},
+        {"role": "assistant", "content": "The weather is nice."},
+    ]
+    eot = tok.convert_tokens_to_ids("<|eot_id|>")
+    cut = tok("\n\n", add_special_tokens=False)["input_ids"]
+    stopped = tok("The weather is nice.", add_special_tokens=False)["input_ids"] + [eot]
+    ids, mask = render_with_turn_ids(messages, tok, [cut, stopped], frozenset({0}))
+    assert ids.count(eot) == 4 and masked_runs(ids, mask, tok) == ["\n\n", "The weather is nice.<|eot_id|>"]
+    prompt, _ = render_with_turn_ids(messages[:3], tok, [cut], frozenset({0}), generation_prompt=True)
+    assert tok.decode(prompt).count("<|eot_id|>") == 3  # self-distillation's prompt for the next turn
+    record = {"messages": messages, "generation": {"finish_reason": ["length", "stop"]}}
+    with pytest.raises(DataError, match="turn 1: empty assistant turn"):  # the text route: a record to skip
+        tokenize_record(record, tok, "auto", max_len=1000)
+
+
 def write_jsonl(path: Path, lines: list) -> str:
     path.write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines))
     return str(path)
