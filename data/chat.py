@@ -112,15 +112,15 @@ def assistant_char_spans(
         turn = upto[len(before) :].rstrip()
         if not turn:
             raise ChatTemplateError(f"assistant turn {i}: the chat template renders nothing for assistant turns")
-        if len(spans) in cut_turns and not message["content"].strip():
-            # cut before any visible text (a template that trims renders nothing of it): the turn ends where it
-            # starts, and the end marker the template adds stays outside it, as for every cut turn
-            spans.append((len(before), len(before)))
-            continue
-        if len(spans) in cut_turns:
+        if len(spans) in cut_turns and message["content"]:
             # the turn ends with its text, before the end marker; templates that trim (Llama-3's `| trim`) render
             # the text without its outer whitespace
             body = next((b for b in (message["content"], message["content"].strip()) if b and b in turn), None)
+            if body is None and not message["content"].strip():
+                # cut after whitespace only, which a trimming template renders as nothing: the turn ends where it
+                # starts, and the end marker the template adds stays outside it, as for every cut turn
+                spans.append((len(before), len(before)))
+                continue
             if body is None:
                 raise ChatTemplateError(
                     f"assistant turn {i} was cut at the length limit, but the template renders it without its text "

@@ -296,7 +296,10 @@ def vocab_fingerprint(tokenizer: Any) -> str:
 
 def _same_vocabulary(record: dict[str, Any], tokenizer: Any) -> None:
     """Token ids in a record (`completion_ids`, `assistant_ids`) mean tokens of the vocabulary that wrote them."""
-    made = (record.get("generation") or {}).get("vocab")
+    generation = record.get("generation") or {}
+    if not isinstance(generation, dict):
+        raise DataError(f"`generation` must be an object (what self-distillation writes), got {generation!r:.60}")
+    made = generation.get("vocab")
     if made is not None and made != vocab_fingerprint(tokenizer):
         raise DataError(
             f"`generation.vocab`: its token ids were written with another vocabulary ({made}, this target's "

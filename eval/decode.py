@@ -39,6 +39,7 @@ from typing import Any, Literal
 import torch
 from transformers import DynamicCache
 
+from eval import EvalError
 from eval.kernels import TreeOps, get_ops, register_tree_attention, tree_context
 from eval.proposers import DecodeState, Proposer
 from eval.reference import target_probs
@@ -121,6 +122,13 @@ def round_stats(accepted: list[int], extendable: list[bool]) -> dict[str, Any]:
 # Target side: forwards with a DynamicCache, tree masks, KV commit
 
 
+def sliding_window(model: torch.nn.Module) -> int | None:
+    """The smallest sliding window of the model's attention layers (as transformers builds their cache), or None."""
+    layers = DynamicCache(config=model.config).layers
+    windows = [w for w in (getattr(layer, "sliding_window", None) for layer in layers) if w]
+    return min(windows) if windows else None
+
+
 def clock(device: torch.device | str) -> float:
     """perf_counter after the device's queued work has finished: on a GPU, kernels run asynchronously, and a
     span timed without synchronizing would hold only their launches (their run time landing in the next span)."""
@@ -188,14 +196,11 @@ class TargetRunner:
             name = register_tree_attention()
             if model.config._attn_implementation != name:
                 model.set_attn_implementation(name)
-        self.cache = DynamicCache(config=model.config)
         # Sliding-window cache layers keep only their last `window` positions, and tree verification, KV commit and
         # the cropping of rejected rows assume every layer holds the whole sequence: such targets get whole-sequence
         # layers and run only within their window, where sliding-window attention is causal attention.
-        windows = [w for w in (getattr(layer, "sliding_window", None) for layer in self.cache.layers) if w]
-        self.window: int | None = min(windows) if windows else None
-        if self.window is not None:
-            self.cache = DynamicCache()
+        self.window = sliding_window(model)
+        self.cache = DynamicCache() if self.window is not None else DynamicCache(config=model.config)
         self.cache_arg = cache_arg(model)
         self.lengths: list[int] = []  # per row: cached positions that are its own (the rest up to S are stale)
         self.tree_start = 0  # where the last tree block starts in the cache (S before it was appended)
@@ -232,7 +237,7 @@ class TargetRunner:
 
     def _within_window(self, length: int) -> None:
         if self.window is not None and length > self.window:
-            raise ValueError(
+            raise EvalError(
                 f"the target's sliding-window attention keeps {self.window} positions, this sequence needs {length}: "
                 "speculative decoding here keeps whole caches, so sliding-window targets run only within their window "
                 "(shorter eval prompts or eval.max_new_tokens)"

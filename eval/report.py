@@ -37,7 +37,8 @@ def summarize(records: list[dict[str, Any]], meta: dict[str, Any]) -> dict[str, 
     extendable = [e for r in records for e in r["speculative"]["extendable"]]
     speed = {m: _speed(records, m) for m in METHODS}
     checked = [r["lossless"] for r in records if r.get("lossless") is not None]
-    ties = [r["near_tie"] for r in records if r.get("near_tie") and r["near_tie"]["tie"]]
+    # lossless prompts whose output went another way at a near-tie (a prompt that fails later is a failure)
+    ties = [r["near_tie"] for r in records if r.get("lossless") and r.get("near_tie") and r["near_tie"]["tie"]]
     spec_tokens = sum(r["speculative"]["new_tokens"] for r in records)
     return {
         **meta,

@@ -39,7 +39,7 @@ from eval import REPORT_FILES, EvalError, kernels
 from eval.baselines import PROMPT_LOOKUP_TOKENS, plain_generate, plain_generate_batch, prompt_lookup_generate
 from eval.checks import near_tie, tie_margin
 from eval.costs import measure_costs
-from eval.decode import DecodeSettings, GenerationResult, speculative_generate_batch
+from eval.decode import DecodeSettings, GenerationResult, sliding_window, speculative_generate_batch
 from eval.heads import FitData, shard_fit_data, two_stage_projections
 from eval.prompts import load_prompts, stop_token_ids
 from eval.proposers import Proposer, build_proposer
@@ -462,6 +462,14 @@ def run(recipe: Recipe) -> dict[str, Any] | None:
     prompts = load_prompts(ev.prompts, target.tokenizer, ev.max_prompts)
     eos = stop_token_ids(target)
     settings = DecodeSettings.from_recipe(ev, eos)
+    window = sliding_window(target.model)
+    longest = max(len(p["input_ids"]) for p in prompts) + ev.max_new_tokens + ev.tree_total_tokens
+    if window is not None and longest > window:  # refused before hours of decoding, not at the first long prompt
+        raise EvalError(
+            f"{recipe.source}: the target's sliding-window attention keeps {window} positions, and the longest prompt "
+            f"+ eval.max_new_tokens + eval.tree_total_tokens is {longest}: evaluation runs such targets only within "
+            "their window (shorter prompts, eval.max_prompts or eval.max_new_tokens)"
+        )
 
     calibration: list[str] = []  # what the calibrated tree was measured on, for the report
 

@@ -156,13 +156,13 @@ def _written_here(path: Path) -> bool:
 def check_export_dir(out: str | Path, source: str | Path | None = None) -> None:
     """Refuse an export / import destination whose replacement could destroy something: a symbolic link, a file, a
     non-empty directory this project did not write (a model directory, a checkpoint being imported), a leftover
-    `<out>.tmp` it did not write, or (imports) a directory that holds or lies inside the source."""
+    `<out>.tmp` or `<out>.replaced` it did not write, or (imports) a directory that holds or lies inside the source."""
     out = Path(out)
     if source is not None:
         src, dst = Path(source).resolve(), out.resolve()
         if dst == src or src in dst.parents or dst in src.parents:
             raise ExportError(f"--out {out}: overlaps the checkpoint being imported ({source}); choose another --out")
-    for path in (out, out.with_name(out.name + ".tmp")):
+    for path in (out, out.with_name(out.name + ".tmp"), out.with_name(out.name + ".replaced")):
         if path.is_symlink():
             raise ExportError(f"{path}: is a symbolic link; give the directory it points to, or another --out")
         if path.exists() and not path.is_dir():
@@ -170,7 +170,7 @@ def check_export_dir(out: str | Path, source: str | Path | None = None) -> None:
         if path.is_dir() and any(path.iterdir()) and not _written_here(path):
             raise ExportError(
                 f"{path}: holds files no export wrote (no {EXPORT_MARKER}), which replacing it would delete; choose "
-                "another --out, or delete it yourself"
+                "another --out, or delete it yourself (engine exports made before the marker existed carry none)"
             )
 
 

@@ -542,3 +542,8 @@ def test_the_lossless_check_goes_on_past_a_near_tie(monkeypatch):
         assert record["near_tie"]["position"] == 3 and len(record["later_ties"]) == len(positions) - 1
         if not lossless:
             assert record["first_mismatch"] == 12
+        record |= {"speculative": {"accepted": [1], "extendable": [True], "new_tokens": 16, "wall_s": 1.0,
+                                   "target_forwards": 2}, "plain": {"new_tokens": 16, "wall_s": 1.0}}  # fmt: skip
+        # a prompt that fails after a near-tie is a failure, not a near-tie
+        want = "1/1 (1 at a near-tie)" if lossless else "0/1"
+        assert summarize([record], REPORT_META)["lossless_prompts"] == want

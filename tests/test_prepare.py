@@ -295,6 +295,11 @@ def test_a_turn_cut_to_whitespace_keeps_its_end_marker_under_a_trimming_template
     record = {"messages": messages, "generation": {"finish_reason": ["length", "stop"]}}
     with pytest.raises(DataError, match="turn 1: empty assistant turn"):  # the text route: a record to skip
         tokenize_record(record, tok, "auto", max_len=1000)
+    qwen = family("qwen2")  # a template that keeps whitespace: the turn holds its "\n\n", once
+    end = qwen.convert_tokens_to_ids("<|im_end|>")
+    generated = [qwen(text, add_special_tokens=False)["input_ids"] for text in ("\n\n", "The weather is nice.")]
+    ids, _ = render_with_turn_ids(messages, qwen, [generated[0], generated[1] + [end]], frozenset({0}))
+    assert qwen.decode(ids) == qwen.apply_chat_template(messages, tokenize=False)
 
 
 def write_jsonl(path: Path, lines: list) -> str:

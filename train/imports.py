@@ -8,9 +8,9 @@
   `fc.bias` (when `bias`, default true), `layers.{i}.*` for `num_hidden_layers` Llama layers (layer 0 without
   input_layernorm), optionally `embed_tokens.weight` (must equal the target's);
 - `medusa` (FasterDecoding Medusa): `medusa_lm_head.safetensors`, else `medusa_lm_head.pt`; `{h}.{l}.linear.weight|
-  bias` and `{h}.{L}.weight` for `medusa_num_heads` heads (default: the heads in the file) of `medusa_num_layers`
-  (default 1) layers. The consumer shares one ResBlock across a head's layers, so the last layer's tensors are
-  imported into every layer: the native heads compute what the consumer computes.
+  bias` and `{h}.{L}.weight` for every head in the file (as the consumer's loader, whatever `medusa_num_heads`
+  says) of `medusa_num_layers` (default 1) layers. The consumer shares one ResBlock across a head's layers, so
+  the last layer's tensors are imported into every layer: the native heads compute what the consumer computes.
 - `eagle3` (SafeAILab EAGLE-3 / SGLang `LlamaForCausalLMEagle3`) and `speculators` (its EAGLE-3 layout, which vLLM
   reads): `midlayer.*` resp. `layers.0.*`, `fc.weight`, `norm.weight`, `lm_head.weight`, `d2t`, `t2d`, optionally
   `fc_norm.{i}.weight` and `embed_tokens.weight`, into an `eagle3` drafter (`import_eagle3`:
@@ -24,7 +24,7 @@ mapped into our drafter (EAGLE: `fc_norm: false`, `post_norm: false`, `feature_l
 config; Medusa: `num_heads`, `num_layers` from the checkpoint, one lm_head per head), written through `<out>.tmp`
 and a rename, reloaded strictly with `models.io.load_drafter` and compared with the consumer-semantics loader of the
 source (`train.gates`): the same draft logits, else nothing is written. Evaluate the result like any native export,
-into a directory of its own: `python -m eval RECIPE eval.drafter=DIR eval.output_dir=DIR/eval`, with a recipe of the
+into a directory of its own: `python -m eval RECIPE eval.drafter=DIR eval.output_dir=DIR-eval`, with a recipe of the
 same method (eagle2 / medusa1 / eagle3) and target.
 """
 
@@ -273,7 +273,7 @@ def import_medusa(src: Path, config: dict, tensors: dict, weights: Path, target:
     if K == 0:
         raise ExportError(f"{weights}: no Medusa head tensors ({{h}}.{{l}}.linear.weight, {{h}}.{{L}}.weight)")
     said = config.get("medusa_num_heads")
-    if said != K:
+    if said is not None and said != K:
         print(f"note: {where}: medusa_num_heads is {said!r}, {weights.name} holds {K} heads: importing {K}",
               file=sys.stderr)  # fmt: skip
     cfg = MedusaConfig(num_heads=K, num_layers=L, share_lm_head=False)

@@ -158,8 +158,8 @@ def sample_ids(samples, positions) -> list[int | str]:
 def build_loaders(
     recipe: Recipe, target: Target, accelerator: Accelerator
 ) -> tuple[BatchLoader, BatchLoader | None, list[int]]:
-    """(training batches, the evaluated held-out batches or None, every held-out position)."""
-    """(train loader, held-out loader or None): feature shards checked against the target, or token data (online)."""
+    """(training batches, the evaluated held-out batches or None, every held-out position): feature shards checked
+    against the target, or token data (online)."""
     data, cfg = recipe.data, recipe.train
     if cfg.online:
         samples = prepare_dataset(data, target.tokenizer).samples

@@ -32,6 +32,7 @@ from eval.run import heldout_positions  # noqa: E402
 from models.io import load_drafter  # noqa: E402
 from models.target import load_target  # noqa: E402
 from train.config import load_recipe  # noqa: E402
+from train.loop import evaluated_heldout  # noqa: E402
 
 
 class Rate:
@@ -70,11 +71,13 @@ def main() -> None:
 
     dataset = FeatureDataset(demo / "features")
     _, heldout = heldout_positions(recipe, dataset.sample_ids, str(demo / "features"))  # the run's recorded split
-    logged = min(recipe.train.eval_batches * recipe.train.batch_size, len(heldout))  # behind the logged eval/acc@1
+    cap = recipe.train.eval_batches * recipe.train.batch_size
+    scored = set(evaluated_heldout(list(heldout), cap, recipe.train.seed))  # the samples behind the logged eval/acc@1
+    logged = len(scored)
     metric_logged, metric_all, data_all = Rate(), Rate(), Rate()
     by_offset: dict[int, Rate] = {}
     with torch.inference_mode():
-        for n, i in enumerate(heldout):
+        for i in heldout:
             sample = dataset[i]
             ids, mask, feats = sample["input_ids"][None], sample["loss_mask"], sample["hidden"][None].float()
             pred = first_draft_predictions(drafter, feats, ids)
@@ -84,7 +87,7 @@ def main() -> None:
                 if mask[p + 1] > 0:  # the training metric: x_{p+1} is a loss token, compared with the target argmax
                     hit = bool(pred[p] == argmax[p + 1])
                     metric_all.add(hit)
-                    if n < logged:
+                    if i in scored:
                         metric_logged.add(hit)
                 if p + 2 < ids.shape[1] and mask[p + 2] > 0:
                     hit = bool(pred[p] == ids[0, p + 2])
