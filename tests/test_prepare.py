@@ -339,6 +339,7 @@ def test_auto_format_ids_and_stats(tmp_path: Path, pocket) -> None:
         ([1, 2], "must be a JSON object"),
         ({"conversations": [{"from": ["human"], "value": "x"}, {"from": "gpt", "value": "y"}]}, "unknown role"),
         ({"prompt": "p", "completion": "c", "generation": "x"}, "`generation` must be an object"),
+        ({"prompt": "p", "completion": "c", "completion_ids": [1, 2], "generation": "x"}, "`generation` must be an"),
         ({"prompt": "p", "completion": "c", "generation": {"finish_reason": "length"}}, "finish_reason` must be a"),
         ({"prompt": "p", "completion": "c", "generation": {"finish_reason": [5]}}, "finish_reason` must be a list"),
     ],
