@@ -381,6 +381,13 @@ def build_proposer(
     else:
         suffix = "" if vocab is None else f", draft vocab {len(vocab)}"
     if method.proposer == "eagle":  # trees: auto, dynamic, chain
+        if not method.own_vocab and not drafter.drafts_on_own_features() and ev.tree_depth > 1:
+            raise ValueError(
+                f"eval.tree_depth: {ev.tree_depth} with an eagle2 drafter fusing feature layers "
+                f"{drafter.cfg.feature_layers}: it is trained for the first draft step only, and its later steps would "
+                "read its own output, which training never showed it; evaluate it with eval.tree_depth=1, or train "
+                "method eagle3 (training-time test)"
+            )
         if two_stage:
             (vocab,) = vocab  # an EAGLE drafter drafts through one head
         if method.own_vocab:  # its own head over its draft vocabulary (sorted ids), or the N most frequent of them

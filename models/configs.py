@@ -25,7 +25,9 @@ class EagleConfig:
 
     method: Literal["eagle2"] = "eagle2"
     feature_layers: list[int] = field(default_factory=lambda: [-1])
-    """Target hidden-state indices fed to the drafter: [-1] = EAGLE-1/2; several = EAGLE-3-style fusion."""
+    """Target hidden-state indices fed to the drafter: [-1] = EAGLE-1/2. Several = a fusion trained for the first
+    draft step only (later steps would read the drafter's own output, which training never shows it): evaluation
+    takes such drafters at eval.tree_depth 1 only; method eagle3 trains fused layers over several steps."""
     num_layers: int = 1
     """Llama decoder layers in the drafter (layer 0 has no input_layernorm, as in EAGLE-1/2)."""
     fc_norm: bool = True

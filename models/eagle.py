@@ -210,6 +210,7 @@ class EagleDrafter(nn.Module):
         self.cfg = cfg
         self.stored_layers = list(target.stored_layers)
         config = target.config
+        self.num_target_layers = config.num_hidden_layers
         d, eps, n_feat = config.hidden_size, config.rms_norm_eps, len(cfg.feature_layers)
         # Frozen target modules, borrowed by reference and not registered (not in state_dict, .to(), ZeRO).
         self._embed_tokens = FrozenRef(target.embed_tokens)
@@ -240,6 +241,13 @@ class EagleDrafter(nn.Module):
 
     # ---------------------------------------------------------------------------------------
     # Shared path: features + next tokens -> predicted next features
+
+    def drafts_on_own_features(self) -> bool:
+        """Whether draft steps past the first get an input of the kind training shows: the drafter reads only the
+        last hidden state (`-1`, or its index L), so its own prediction f̂ of it goes through the same path. A drafter
+        fusing several layers is trained on the first step only (its later steps would read f̂ directly)."""
+        L = self.num_target_layers
+        return [L if i == -1 else i for i in self.cfg.feature_layers] == [L]
 
     def fuse_features(self, features: torch.Tensor) -> torch.Tensor:
         """Target features (B, T, n_feat, d) at `cfg.feature_layers` -> drafter input g (B, T, d)."""
@@ -353,7 +361,7 @@ class EagleDrafter(nn.Module):
         inputs = inputs.to(self.compute_dtype)
         if from_target:
             g = self.fuse_features(inputs.reshape(B, n, len(self.cfg.feature_layers), d))
-        elif self.cfg.feature_layers == [-1]:
+        elif self.drafts_on_own_features():
             g = self.fuse_features(inputs[:, :, None])
         else:
             g = inputs

@@ -393,3 +393,22 @@ def test_bf16_target_parts_with_fp32_drafter(setup):
         assert torch.isfinite(drafter(batch)["loss"])
     logits, hidden = drafter.eval().step(*step_inputs(batch, drafter, 0, slice(0, 4)), drafter.new_cache())
     assert logits.dtype == torch.float32 and hidden.dtype == torch.float32
+
+
+def test_a_fused_eagle2_drafter_is_evaluated_at_depth_one_only():
+    """A fusion of several layers is trained for the first draft step only: its later steps would read its own
+    output f̂ directly, an input training never shows it, so evaluation refuses deeper trees. The last hidden state
+    named by its index L is the same feature as -1, and drafts through the same path."""
+    from eval.proposers import build_proposer
+    from models.methods import METHODS
+    from train.config import EvalConfig
+
+    model = tiny_target()
+    fused = drafter_for(model, feature_layers=[1, -1])
+    assert not fused.drafts_on_own_features()
+    assert drafter_for(model).drafts_on_own_features()
+    assert drafter_for(model, feature_layers=[2]).drafts_on_own_features()  # index L of this 2-layer target
+    with pytest.raises(ValueError, match=r"^eval.tree_depth: 2 with an eagle2 drafter fusing feature layers \[1, -1\]"):
+        build_proposer(METHODS["eagle2"], fused, EvalConfig(tree="chain", tree_depth=2), calibrate=None)
+    build_proposer(METHODS["eagle2"], fused, EvalConfig(tree="chain", tree_depth=1), calibrate=None)
+    build_proposer(METHODS["eagle2"], drafter_for(model), EvalConfig(tree="chain", tree_depth=2), calibrate=None)
