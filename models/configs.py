@@ -62,7 +62,7 @@ class EagleConfig:
         """No input files of its own."""
 
     def check_recipe(self, recipe, err) -> None:
-        if -1 not in recipe.data.layers and not recipe.train.online:
+        if -1 not in recipe.data.layers:
             err("data.layers", f"EAGLE regresses the last hidden state: -1 must be stored, got {recipe.data.layers}")
 
 
@@ -122,7 +122,7 @@ class Eagle3Config:
         """No input files of its own."""
 
     def check_recipe(self, recipe, err) -> None:
-        if -1 not in recipe.data.layers and not recipe.train.online:
+        if -1 not in recipe.data.layers:
             err(
                 "data.layers",
                 f"EAGLE-3 learns the last hidden state's distribution: -1 must be stored, got {recipe.data.layers}",

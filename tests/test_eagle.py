@@ -86,6 +86,13 @@ def test_config_through_recipe_builder():
     }
     with pytest.raises(RecipeError, match="data.layers"):
         recipe_from_dict(raw)  # the last hidden state (loss target) is not stored
+    online = {**raw, "train": {"online": True}}  # online, the training step computes data.layers only
+    with pytest.raises(RecipeError, match="data.layers"):
+        recipe_from_dict(online)
+    online["data"] = {"train_files": ["x.jsonl"], "layers": [-1]}
+    online["drafter"] = {"method": "eagle2", "feature_layers": [1, -1]}
+    with pytest.raises(RecipeError, match=r"drafter.feature_layers: layer 1 is not stored in data.layers=\[-1\]"):
+        recipe_from_dict(online)
 
 
 @pytest.mark.parametrize(

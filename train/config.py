@@ -407,10 +407,12 @@ def _check_cross_section(recipe: Recipe, err) -> None:
         for i, layer in enumerate(recipe.data.layers):
             if not -1 <= layer <= n_layers:
                 err(f"data.layers[{i}]", f"layer {layer} out of range for a {n_layers}-layer target (-1..{n_layers})")
-    for layer in recipe.drafter.feature_layers:
-        if layer not in recipe.data.layers and not recipe.train.online:
-            err("drafter.feature_layers", f"layer {layer} is not stored in data.layers={recipe.data.layers}")
     method = METHODS[recipe.drafter.method]
+    # offline, the shards hold data.layers; online, the training step computes exactly those (methods that run the
+    # target themselves, e.g. Medusa-2, take what they need)
+    for layer in recipe.drafter.feature_layers:
+        if layer not in recipe.data.layers and not method.online_only:
+            err("drafter.feature_layers", f"layer {layer} is not stored in data.layers={recipe.data.layers}")
     if recipe.eval.tree not in method.trees:
         err("eval.tree", f"{recipe.eval.tree}: a {method.name} drafter drafts {', '.join(method.trees)} trees")
     if method.online_only and not recipe.train.online:
