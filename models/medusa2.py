@@ -62,6 +62,12 @@ class Medusa2Model(nn.Module):
             raise ValueError("Medusa2Model needs the live target model (TargetParts.model, from Target.parts)")
         from peft import LoraConfig, get_peft_model  # here: recipe validation imports Medusa2Config, not peft
 
+        tied = {"lm_head", "embed_tokens"} & set(cfg.lora_target_modules)
+        if tied and getattr(target.model.config, "tie_word_embeddings", False):
+            raise DrafterInputError(
+                f"drafter.lora_target_modules: {sorted(tied)} of a target with tied embeddings: merging the adapter "
+                "would change the one shared matrix, so both the input embedding and the lm_head; leave it out"
+            )
         backbone = _shared_weights_copy(target.model)
         if cfg.gradient_checkpointing:
             backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -165,6 +165,21 @@ def test_loss_matches_hand_computation(target, self_distill):
     assert out["alpha"].item() == alpha
 
 
+def test_lora_on_a_tied_embedding_is_refused():
+    """With tied embeddings the lm_head and the input embedding are one matrix: an adapter on either would, merged,
+    change both, so the merged target would not be the trained one."""
+    from models.common import DrafterInputError
+
+    torch.manual_seed(0)
+    shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+    tied = LlamaForCausalLM(LlamaConfig(vocab_size=V, num_key_value_heads=2, tie_word_embeddings=True, **shape))
+    assert tied.lm_head.weight is tied.model.embed_tokens.weight
+    with pytest.raises(DrafterInputError, match=r"^drafter.lora_target_modules: \['lm_head'\] of a target with tied"):
+        Medusa2Model(config(lora_target_modules=["q_proj", "lm_head"]), parts(tied.eval().requires_grad_(False)))
+    Medusa2Model(config(lora_target_modules=["q_proj"]), parts(tied))
+    Medusa2Model(config(lora_target_modules=["q_proj", "lm_head"]), parts(tiny_target()))  # untied: its own matrix
+
+
 def test_only_lora_and_heads_train(target):
     """Two AdamW steps: LoRA A gets an exactly zero gradient at step 1 (B = 0), so 'all changed' is checked after
     step 2; frozen backbone tensors (the target's own) never change."""

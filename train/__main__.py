@@ -42,6 +42,11 @@ def main(argv: list[str] | None = None) -> None:
         train(recipe, stop_after=args.stop_after)
     except (TrainingError, DataError, ChatTemplateError, TargetError, DrafterInputError) as exc:
         sys.exit(f"error: {exc}")
+    finally:  # join the collectives' threads before the interpreter exits (a teardown abort otherwise, at times)
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":
