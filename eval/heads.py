@@ -95,7 +95,10 @@ def two_stage_projections(
         )
     stored = Path(drafter_dir) / FACTORS_DIR
     if all((stored / f"{head.name}.safetensors").is_file() for head in heads):
-        factors, source = [LowRankHead.load(stored, head.name) for head in heads], f"{stored}"
+        try:
+            factors, source = [LowRankHead.load(stored, head.name) for head in heads], f"{stored}"
+        except ValueError as exc:
+            raise EvalError(f"{exc}: delete it to factorize the head again") from None
         for head, f in zip(heads, factors):
             if f.rank != ev.head_rank:
                 raise EvalError(

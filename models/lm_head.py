@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from data.shards import loss_token_counts  # noqa: F401  (re-exported: the counts `token_weights` takes)
@@ -93,8 +93,16 @@ class LowRankHead:
 
     @classmethod
     def load(cls, directory: str | Path, name: str = FACTORS_NAME) -> LowRankHead:
-        with safe_open(str(Path(directory) / f"{name}.safetensors"), framework="pt") as f:
-            return cls(a=f.get_tensor("a"), b=f.get_tensor("b"))
+        """The factors saved by `save`; a ValueError naming the file when it is unreadable or lacks `a` / `b`."""
+        path = Path(directory) / f"{name}.safetensors"
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                missing = sorted({"a", "b"} - set(f.keys()))
+                if missing:
+                    raise ValueError(f"{path}: no tensor {missing[0]!r} (low-rank factors hold `a` and `b`)")
+                return cls(a=f.get_tensor("a"), b=f.get_tensor("b"))
+        except (OSError, SafetensorError) as exc:
+            raise ValueError(f"{path}: not readable low-rank factors ({exc})") from None
 
 
 def factorize(

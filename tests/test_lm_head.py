@@ -327,3 +327,15 @@ def test_eagle3_export_stores_its_heads_factors_that_eval_reads(tmp_path, monkey
     logits = projection(torch.randn(2, drafter.fc.out_features))  # (2, V) over target ids
     drafted = torch.isfinite(logits).nonzero()[:, 1]
     assert len(drafted) == 64 and drafter.t2d[drafted].all()
+
+
+def test_unreadable_factors_are_named(tmp_path):
+    """A factors file without `b`, or cut short, is refused naming the file (it used to be a bare safetensors error)."""
+    from safetensors.torch import save_file
+
+    save_file({"a": torch.zeros(3, 2)}, str(tmp_path / "x.safetensors"))
+    with pytest.raises(ValueError, match=rf"^{tmp_path / 'x.safetensors'}: no tensor 'b'"):
+        LowRankHead.load(tmp_path, "x")
+    (tmp_path / "y.safetensors").write_bytes(b"12")
+    with pytest.raises(ValueError, match=rf"^{tmp_path / 'y.safetensors'}: not readable low-rank factors"):
+        LowRankHead.load(tmp_path, "y")
