@@ -267,8 +267,10 @@ def load_drafter(export_dir: str | Path, target: Target, check_identity: bool = 
         want = full[name]
         if tensor.shape != want.shape:
             raise ExportError(f"{weights}: {name} has shape {tuple(tensor.shape)}, expected {tuple(want.shape)}")
-        if name not in expected and not torch.equal(tensor.to(want.device, want.dtype), want):
-            raise ExportError(f"{weights}: {name} is a frozen target tensor and differs from the target's")
+        if name not in expected:  # a frozen target tensor: the target's own, compared in the narrower of the two dtypes
+            narrow = min((tensor.dtype, want.dtype), key=lambda dt: torch.finfo(dt).bits)
+            if not torch.equal(tensor.to(want.device, narrow), want.to(narrow)):
+                raise ExportError(f"{weights}: {name} is a frozen target tensor and differs from the target's")
     module.load_state_dict({k: state[k] for k in expected}, strict=False)
     return module.to(target.device).eval()
 

@@ -128,6 +128,20 @@ def test_include_target_weights(runs, tmp_path):
     load_drafter(out, target)  # frozen tensors equal to the target's are accepted
 
 
+def test_target_weights_of_a_bf16_export_reload_onto_the_target_in_float32(tmp_path):
+    """An export carrying the target's tensors, written from a bf16 target, loads onto the same target in float32
+    (compared in bf16); onto another target it is refused."""
+    config = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}  # fmt: skip
+    bf16 = load_target(random_init=config, dtype="bfloat16")
+    recipe = load_recipe(ROOT / "recipes/tiny/eagle2.yaml")
+    drafter = METHODS["eagle2"].module()(recipe.drafter, bf16.parts([-1])).eval()
+    out = save_native(tmp_path / "export", drafter, bf16, include_target_weights=True)
+    load_drafter(out, load_target(random_init=config, dtype="float32"))
+    with pytest.raises(ExportError, match="embed_tokens.weight is a frozen target tensor and differs"):
+        load_drafter(out, load_target(random_init=config, dtype="float32", seed=1))
+
+
 def test_tied_target_weights_export_and_reload(tmp_path):
     """A target with tied embeddings (Qwen2.5 <= 3B, Llama-3.2) has one tensor for embed_tokens and lm_head;
     the export writes both names (safetensors refuses shared memory, so as copies) and reloads."""
