@@ -252,7 +252,8 @@ def load_target(
                 trust_remote_code=trust_remote_code,
                 attn_implementation=attn_implementation,
             )
-        model = model.to(DTYPES[dtype])
+        for param in model.parameters():  # not `.to(dtype)`: buffers (RoPE's inv_freq) stay float32, as
+            param.data = param.data.to(DTYPES[dtype])  # from_pretrained keeps them
         name = f"random_init:{config.model_type}"
     _check_architecture(model)
     model.eval().requires_grad_(False)

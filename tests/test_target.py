@@ -115,3 +115,19 @@ def test_path_roundtrip_and_unsupported_architecture(tmp_path) -> None:
         )
     with pytest.raises(ValueError, match="exactly one"):
         load_target()
+
+
+def test_a_random_bf16_target_computes_what_its_saved_copy_computes(tmp_path):
+    """Random-init targets cast their parameters only: RoPE's inv_freq stays float32, as from_pretrained keeps it,
+    so the same weights saved and reloaded give the same hidden states (a bf16 inv_freq moved them by ~0.05)."""
+    from transformers import AutoModelForCausalLM
+
+    config = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+              "num_hidden_layers": 2, "num_attention_heads": 4}  # fmt: skip
+    target = load_target(random_init=config, dtype="bfloat16")
+    assert all(b.dtype == torch.float32 for name, b in target.model.named_buffers() if "inv_freq" in name)
+    target.model.save_pretrained(tmp_path)
+    copy = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    ids = torch.randint(0, 64, (1, 300), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(target.model(ids).logits, copy(ids).logits, rtol=0, atol=0)
