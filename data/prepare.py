@@ -93,13 +93,18 @@ def detect_format(record: dict[str, Any]) -> str:
     )
 
 
-def cut_turns(record: dict[str, Any]) -> frozenset[int]:
-    """Numbers of the generated turns (completions, assistant turns) a length limit cut off, from the
-    `generation.finish_reason` list self-distillation writes (one reason per generated turn, in order)."""
+def _generation(record: dict[str, Any]) -> dict[str, Any]:
+    """A record's `generation` (what self-distillation wrote about it), {} when absent."""
     generation = record.get("generation") or {}
     if not isinstance(generation, dict):
         raise DataError(f"`generation` must be an object (what self-distillation writes), got {generation!r:.60}")
-    reasons = generation.get("finish_reason") or []
+    return generation
+
+
+def cut_turns(record: dict[str, Any]) -> frozenset[int]:
+    """Numbers of the generated turns (completions, assistant turns) a length limit cut off, from the
+    `generation.finish_reason` list self-distillation writes (one reason per generated turn, in order)."""
+    reasons = _generation(record).get("finish_reason") or []
     if not isinstance(reasons, list) or any(reason not in ("stop", "length") for reason in reasons):
         what = '`generation.finish_reason` must be a list of "stop" / "length", one per generated turn'
         raise DataError(f"{what}, got {reasons!r:.60}")
@@ -296,10 +301,7 @@ def vocab_fingerprint(tokenizer: Any) -> str:
 
 def _same_vocabulary(record: dict[str, Any], tokenizer: Any) -> None:
     """Token ids in a record (`completion_ids`, `assistant_ids`) mean tokens of the vocabulary that wrote them."""
-    generation = record.get("generation") or {}
-    if not isinstance(generation, dict):
-        raise DataError(f"`generation` must be an object (what self-distillation writes), got {generation!r:.60}")
-    made = generation.get("vocab")
+    made = _generation(record).get("vocab")
     if made is not None and made != vocab_fingerprint(tokenizer):
         raise DataError(
             f"`generation.vocab`: its token ids were written with another vocabulary ({made}, this target's "

@@ -55,6 +55,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, 
 
 from data.chat import SHAREGPT_ROLES, ChatTemplateError, DataError, render_with_turn_ids
 from data.prepare import vocab_fingerprint
+from data.shards import durable_replace
 
 
 class SelfDistillError(ValueError):
@@ -398,27 +399,11 @@ def merge_parts(out: Path, prompts: list[tuple[str, dict[str, Any]]]) -> int:
                     by_id.setdefault(str(json.loads(line)["id"]), line)
     order = [rid for rid, _ in prompts if rid in by_id] + sorted(set(by_id) - {rid for rid, _ in prompts})
     tmp = out.with_name(out.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write("".join(by_id[rid] + "\n" for rid in order))
-        f.flush()
-        os.fsync(f.fileno())  # on disk before the parts it replaces are deleted
-    tmp.replace(out)
-    fsync_dir(out.parent)
+    tmp.write_text("".join(by_id[rid] + "\n" for rid in order), encoding="utf-8")
+    durable_replace(tmp, out)  # on disk before the parts it replaces are deleted
     for path in sources[1:]:
         path.unlink()
     return len(order)
-
-
-def fsync_dir(directory: Path) -> None:
-    """Make a rename in `directory` durable (where the platform allows opening a directory)."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def prompts_sha256(records: list[tuple[str, dict[str, Any]]]) -> str:

@@ -250,20 +250,27 @@ def test_cut_off_generations_teach_no_ending(pocket) -> None:
     assert ids == render_with_assistant_mask(CONVERSATION, pocket)[0]  # the same tokens, one mask bit less
 
 
+def cut_conversation(tok, first: str) -> tuple[list[dict], list[list[int]], int]:
+    """Two questions; the first answer, `first`, was cut at the length limit (its ids have no stop token), the second
+    stopped. -> (messages, each answer's generated ids, the end-of-turn id)."""
+    messages = [
+        {"role": "user", "content": "What is two plus two?"},
+        {"role": "assistant", "content": first},
+        {"role": "user", "content": "And the weather?"},
+        {"role": "assistant", "content": "The weather is nice."},
+    ]
+    eot = tok.convert_tokens_to_ids("<|eot_id|>")
+    cut = tok(first, add_special_tokens=False)["input_ids"]
+    stopped = tok("The weather is nice.", add_special_tokens=False)["input_ids"] + [eot]
+    return messages, [cut, stopped], eot
+
+
 def test_a_cut_turn_keeps_its_end_marker_under_a_trimming_template() -> None:
     """Llama-3's template trims each turn's text: a turn cut on a newline is rendered without it. Its span still ends
     before the end marker, so the marker stays in the conversation (self-distillation's next prompt, and the ids
     spliced in for the turn) and is not a loss token."""
     tok = family("llama3")
-    messages = [
-        {"role": "user", "content": "What is two plus two?"},
-        {"role": "assistant", "content": "It is four.\n"},  # cut at the length limit right after a newline
-        {"role": "user", "content": "And the weather?"},
-        {"role": "assistant", "content": "The weather is nice."},
-    ]
-    eot = tok.convert_tokens_to_ids("<|eot_id|>")
-    cut = tok("It is four.\n", add_special_tokens=False)["input_ids"]  # no stop token: the limit cut it
-    stopped = tok("The weather is nice.", add_special_tokens=False)["input_ids"] + [eot]
+    messages, (cut, stopped), eot = cut_conversation(tok, "It is four.\n")  # cut right after a newline
     ids, mask = render_with_turn_ids(messages, tok, [cut, stopped], frozenset({0}))
     assert ids.count(eot) == 4  # both users' turns, the cut turn's (from the template) and the stopped one's
     assert masked_runs(ids, mask, tok) == ["It is four.\n", "The weather is nice.<|eot_id|>"]
@@ -279,15 +286,7 @@ def test_a_turn_cut_to_whitespace_keeps_its_end_marker_under_a_trimming_template
     empty turn that ends where it starts, its generated ids stay loss tokens and the template's end marker stays
     outside it (a template error used to stop self-distillation at this conversation on every resume)."""
     tok = family("llama3")
-    messages = [
-        {"role": "user", "content": "What is two plus two?"},
-        {"role": "assistant", "content": "\n\n"},  # cut at the length limit before any visible text
-        {"role": "user", "content": "And the weather?"},
-        {"role": "assistant", "content": "The weather is nice."},
-    ]
-    eot = tok.convert_tokens_to_ids("<|eot_id|>")
-    cut = tok("\n\n", add_special_tokens=False)["input_ids"]
-    stopped = tok("The weather is nice.", add_special_tokens=False)["input_ids"] + [eot]
+    messages, (cut, stopped), eot = cut_conversation(tok, "\n\n")  # cut before any visible text
     ids, mask = render_with_turn_ids(messages, tok, [cut, stopped], frozenset({0}))
     assert ids.count(eot) == 4 and masked_runs(ids, mask, tok) == ["\n\n", "The weather is nice.<|eot_id|>"]
     prompt, _ = render_with_turn_ids(messages[:3], tok, [cut], frozenset({0}), generation_prompt=True)

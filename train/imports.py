@@ -185,7 +185,7 @@ def import_eagle3(config: dict, tensors: dict[str, torch.Tensor], weights: Path,
         config.get("eagle_config") or {}
     ).get("eagle_aux_hidden_state_layer_ids")
     if ids:
-        check_aux_ids(ids, L, speculators, where)
+        check_aux_ids(ids, L, reader, where)
     # the engines capture each listed layer once, in layer order, and fuse them in that order
     layers = sorted({i + reader.aux_offset for i in ids}) if ids else [2, L // 2, L - 3]
     if speculators and "norm_before_residual" not in config:  # the two readers of this layout disagree here
@@ -246,19 +246,18 @@ def check_layer_fields(layer: dict, tc, where: Path) -> None:
         raise ExportError(f"{where}: {'; '.join(hints)}")
 
 
-def check_aux_ids(ids, num_layers: int, speculators: bool, where: Path) -> None:
+def check_aux_ids(ids, num_layers: int, reader: eagle3_layouts.Eagle3Reader, where: Path) -> None:
     """eagle_aux_hidden_state_layer_ids: distinct integers the engine can capture (vLLM / speculators: inputs of
     layers 0..L-1; SGLang / SafeAILab: outputs of layers 0..L-2, the last one's reaching HF only after the norm)."""
     if not isinstance(ids, list) or any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
         raise ExportError(f"{where}: eagle_aux_hidden_state_layer_ids: expected a list of integers, got {ids!r}")
     if len(set(ids)) != len(ids):
         raise ExportError(f"{where}: eagle_aux_hidden_state_layer_ids: {ids} names a layer twice")
-    hi = num_layers - 1 if speculators else num_layers - 2
+    hi = num_layers - 1 - reader.aux_offset  # the last HF index an engine captures is L - 1
     bad = [i for i in ids if not 0 <= i <= hi]
     if bad:
-        engine = "vLLM / speculators" if speculators else "SGLang / SafeAILab"
         raise ExportError(
-            f"{where}: eagle_aux_hidden_state_layer_ids: {bad} out of range: {engine} captures ids 0..{hi} of a "
+            f"{where}: eagle_aux_hidden_state_layer_ids: {bad} out of range: {reader.name} captures ids 0..{hi} of a "
             f"{num_layers}-layer target"
         )
 
