@@ -272,7 +272,41 @@ def load_drafter(export_dir: str | Path, target: Target, check_identity: bool = 
             if not torch.equal(tensor.to(want.device, narrow), want.to(narrow)):
                 raise ExportError(f"{weights}: {name} is a frozen target tensor and differs from the target's")
     module.load_state_dict({k: state[k] for k in expected}, strict=False)
-    return module.to(target.device).eval()
+    return place_on_target(module, target).eval()
+
+
+def place_on_target(module: nn.Module, target: Target) -> nn.Module:
+    """Move `module`'s own tensors to the target's device and leave the target's tensors where the target put them.
+
+    A drafter that registers target modules (Medusa-2's LoRA backbone is the target's own layers) must not move
+    them: a `target.device_map` spreads them over GPUs, and `.to()` would gather the whole target on one. An own
+    tensor inside a module that also holds target tensors (a LoRA adapter beside its base layer) goes to that
+    module's device, every other one (heads, drafter layers) to `target.device`.
+    """
+    shared = {id(t) for t in (*target.model.parameters(), *target.model.buffers())}
+
+    def first_shared(sub: nn.Module) -> torch.Tensor | None:
+        return next((t for t in (*sub.parameters(), *sub.buffers()) if id(t) in shared), None)
+
+    def place(sub: nn.Module, device: torch.device, top: bool) -> None:
+        held = first_shared(sub)
+        if held is None:
+            sub.to(device)  # nothing of the target's below: the whole subtree is the drafter's
+            return
+        if not top:  # the nearest module holding target tensors decides (a LoRA wrapper: its base layer's device)
+            device = held.device
+        with torch.no_grad():
+            for p in sub.parameters(recurse=False):
+                if id(p) not in shared:
+                    p.data = p.data.to(device)
+            for name, b in sub.named_buffers(recurse=False):
+                if id(b) not in shared:
+                    sub._buffers[name] = b.to(device)
+        for child in sub.children():
+            place(child, device, top=False)
+
+    place(module, target.device, top=True)
+    return module
 
 
 def save_draft_vocab(directory: str | Path, token_ids: torch.Tensor) -> None:

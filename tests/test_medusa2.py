@@ -313,6 +313,29 @@ def test_export_and_eval_loader(target, tmp_path):
     assert torch.equal(eval_heads.head_logits(hidden), model.head_logits(hidden))
 
 
+@pytest.mark.filterwarnings("ignore:.*to a meta parameter")
+def test_loading_moves_only_the_drafters_own_tensors(tmp_path):
+    """A Medusa-2 drafter registers the target's layers (its LoRA backbone): loading it must leave them where the
+    target put them, as a `device_map` spreads them over GPUs. The meta device stands in for a second GPU holding
+    layer 1: that layer and its adapters stay there, the heads go to `target.device`, everything else stays put."""
+    model = Medusa2Model(config(), parts(tiny_target()))
+    randomise_adapters(model)
+    save_native(tmp_path, model, Target(tiny_target(), None, "tiny"))
+    spread = tiny_target()
+    spread.model.layers[1].to("meta")
+    loaded = load_drafter(tmp_path, Target(spread, None, "tiny"), check_identity=False)  # meta: no fingerprint
+    assert all(p.is_meta for p in spread.model.layers[1].parameters())  # `.to(target.device)` raised on this
+    assert not any(p.is_meta for n, p in spread.named_parameters() if not n.startswith("model.layers.1."))
+    own = dict(loaded.named_parameters())
+    lora = {n: p for n, p in own.items() if "lora_" in n}
+    assert lora and all(p.is_meta == (".layers.1." in n) for n, p in lora.items()), sorted(lora)
+    assert all(p.device.type == "cpu" for n, p in own.items() if n.startswith("heads."))
+    # the adapters on the real device were loaded (not left at their initial values)
+    for name, value in model.trainable_state_dict().items():
+        if ".layers.1." not in name:
+            assert torch.equal(own[name].detach(), value), name
+
+
 def test_recipes_load_and_online_is_required():
     for path in ("recipes/tiny/medusa2.yaml", "recipes/pocket/medusa2.yaml", "recipes/medusa2/vicuna-7b-zero2.yaml"):
         recipe = load_recipe(ROOT / path)
