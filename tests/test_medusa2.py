@@ -7,10 +7,12 @@ and the loop end to end (two stages; 2-process DeepSpeed ZeRO-2 = one process).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
 import subprocess
+from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -24,14 +26,16 @@ from tiny import accelerate_launch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaMLP
 
+from data.prepare import prepare_dataset
 from models.common import DraftBatch, TargetParts
 from models.eagle import EagleConfig, EagleDrafter
-from models.io import load_drafter, save_native
+from models.io import load_draft_vocab, load_drafter, save_native
 from models.medusa import MedusaConfig, MedusaHeads
 from models.medusa2 import Medusa2Config, Medusa2Model, load_medusa2
-from models.target import Target
+from models.target import Target, load_target
 from train.checkpoint import DRAFTER_FILE, METRICS_FILE, latest_checkpoint
 from train.config import RecipeError, TrainConfig, load_recipe
+from train.heldout import read_heldout
 from train.loop import TrainingError, _check_zero3_sharing
 from train.optim import build_optimizer
 
@@ -386,7 +390,7 @@ def test_two_stages_train_export_and_decode(in_repo, tmp_path, capsys):
     export(stage1)
     stage2 = tmp_path / "stage2"
     overrides = [f"drafter.stage1_heads={stage1 / 'export'}", f"train.output_dir={stage2}", "train.max_steps=3"]
-    overrides += ["drafter.alpha_schedule=linear", "drafter.alpha_warmup_steps=2", *QUIET]
+    overrides += ["drafter.alpha_schedule=linear", "drafter.alpha_warmup_steps=2", "eval.draft_vocab=32", *QUIET]
     r = load_recipe(TINY["medusa2"], overrides)
     train(r)
     rows = metrics(stage2)
@@ -395,6 +399,16 @@ def test_two_stages_train_export_and_decode(in_repo, tmp_path, capsys):
     reset_accelerate()
     out = export(stage2, merge_lora=True)
     assert {p.name for p in out.iterdir()} >= {"config.json", "model.safetensors", "heads", "adapter", "merged"}
+    # no feature shards (online): the draft vocabulary is counted in the token data, without the held-out samples
+    heldout = set(read_heldout(stage2))
+    counts = Counter()
+    for sample in prepare_dataset(r.data, load_target(**dataclasses.asdict(r.target)).tokenizer).samples:
+        if sample["id"] not in heldout:
+            counts.update(t for t, m in zip(sample["input_ids"], sample["loss_mask"]) if m)
+    vocab = load_draft_vocab(out).tolist()
+    assert len(vocab) == 32 and len(set(vocab)) == 32 and all(counts[t] > 0 for t in vocab)
+    assert [counts[t] for t in vocab] == sorted((counts[t] for t in vocab), reverse=True)
+    assert max(c for t, c in counts.items() if t not in vocab) <= counts[vocab[-1]]
 
     # `python -m eval`: the LoRA merged into the target verifies, the heads draft; greedy output = plain greedy
     prompts = tmp_path / "prompts.jsonl"
@@ -406,7 +420,7 @@ def test_two_stages_train_export_and_decode(in_repo, tmp_path, capsys):
 
     # the two-stage heads: no shards, so their factors are fitted on the LoRA-merged target's hidden states
     ev = [*ev[:2], f"eval.output_dir={tmp_path / 'eval-two-stage'}", *ev[3:], "eval.head=two_stage",
-          "eval.head_rank=8", "eval.head_candidates=16", "eval.tree_top_k=4"]  # fmt: skip
+          "eval.head_rank=8", "eval.head_candidates=16", "eval.tree_top_k=4", "eval.draft_vocab=0"]  # fmt: skip
     summary = run_eval(load_recipe(TINY["medusa2"], [*overrides, *ev]))
     assert summary["lossless"] is True and "two-stage head r8 c16" in summary["tree"]
     assert "two-stage head factors computed from the target's hidden states" in capsys.readouterr().out

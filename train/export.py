@@ -60,6 +60,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from data.chat import DataError
+from data.prepare import prepare_dataset
 from data.shards import FeatureDataset, FeatureMismatchError, loss_token_counts, most_frequent
 from models.io import (
     DRAFT_VOCAB_FILE,
@@ -356,8 +358,9 @@ def write_native(
     run_dir: str | Path,
 ) -> None:
     """The native export and what comes with it: the draft vocabulary (a drafter's own, most frequent first, so that
-    `eval.draft_vocab` needs no shards; else `eval.draft_vocab` / `train.loss_vocab` tokens counted in the shards),
-    the two-stage head's factors (`eval.head: two_stage`), a method's extra files."""
+    `eval.draft_vocab` needs no shards; else `eval.draft_vocab` / `train.loss_vocab` tokens counted in the shards, or,
+    for an online run without them, in the token data it trained on), the two-stage head's factors (`eval.head:
+    two_stage`), a method's extra files."""
     method = METHODS[recipe.drafter.method]
     save_native(out, drafter, target, recipe.to_dict(), include_target_weights)
     features_dir = recipe.data.features_dir
@@ -369,6 +372,12 @@ def write_native(
         features = FeatureDataset(features_dir, verify_checksums=recipe.data.verify_checksums)
         heldout = _heldout(run_dir)  # the tokens training chose from its training split
         counts = loss_token_counts(features, vocab_size=target.config.vocab_size, skip_ids=heldout)
+    elif vocab and recipe.train.online:  # the samples the run read, by the same ids its held-out split names
+        try:
+            samples = prepare_dataset(recipe.data, target.tokenizer).samples
+        except (DataError, FileNotFoundError) as exc:
+            raise ExportError(f"{recipe.source}: eval.draft_vocab: counted in the run's training data: {exc}") from None
+        counts = loss_token_counts(samples, vocab_size=target.config.vocab_size, skip_ids=_heldout(run_dir))
     if method.own_vocab:
         save_draft_vocab(out, load_draft_vocab(run_dir))
     elif vocab and counts is not None:
