@@ -426,6 +426,24 @@ def test_two_stages_train_export_and_decode(in_repo, tmp_path, capsys):
     assert "two-stage head factors computed from the target's hidden states" in capsys.readouterr().out
 
 
+def test_an_online_export_whose_training_data_is_gone_names_it(in_repo, tmp_path):
+    """The draft vocabulary of an online run is counted in its training data at export: a file gone by then is
+    named in one line, and nothing is left that looks like an export."""
+    from train.export import ExportError, export
+    from train.loop import train
+
+    data = tmp_path / "chat.jsonl"
+    data.write_text((ROOT / "tests/fixtures/tiny-chat.jsonl").read_text())
+    run = tmp_path / "run"
+    overrides = ["train.online=true", f"train.output_dir={run}", "train.max_steps=2", "eval.draft_vocab=16", *QUIET]
+    train(load_recipe(TINY["medusa1"], [f"data.train_files=[{data}]", *overrides]))
+    reset_accelerate()
+    data.unlink()
+    with pytest.raises(ExportError, match=f"eval.draft_vocab: counted in the run's training data: .*{data.name}"):
+        export(run)
+    assert not (run / "export").exists()
+
+
 def test_deepspeed_zero2_two_processes_match_one(in_repo, tmp_path):
     """Same global batch (1 x 4 rows vs 2 x 2 rows), dropout off: losses and trained tensors agree."""
     from train.loop import train
