@@ -272,7 +272,15 @@ def load_drafter(export_dir: str | Path, target: Target, check_identity: bool = 
             if not torch.equal(tensor.to(want.device, narrow), want.to(narrow)):
                 raise ExportError(f"{weights}: {name} is a frozen target tensor and differs from the target's")
     module.load_state_dict({k: state[k] for k in expected}, strict=False)
-    return place_on_target(module, target).eval()
+    place_on_target(module, target)
+    offloaded = [name for name, t in module.trainable_state_dict().items() if t.is_meta]
+    if offloaded:  # load_state_dict writes nothing into meta tensors: these would stay untrained
+        raise ExportError(
+            f"{weights}: {offloaded[0]} and {len(offloaded) - 1} more tensors sit on target layers kept offloaded "
+            "(a device_map with 'cpu' or 'disk' entries beside GPUs leaves their weights on the meta device), where "
+            "they cannot be loaded: place every layer on a device (target.device_map, max_memory)"
+        )
+    return module.eval()
 
 
 def place_on_target(module: nn.Module, target: Target) -> nn.Module:

@@ -29,7 +29,7 @@ from transformers.models.llama.modeling_llama import LlamaMLP
 from data.prepare import prepare_dataset
 from models.common import DraftBatch, TargetParts
 from models.eagle import EagleConfig, EagleDrafter
-from models.io import load_draft_vocab, load_drafter, save_native
+from models.io import ExportError, load_draft_vocab, load_drafter, place_on_target, save_native
 from models.medusa import MedusaConfig, MedusaHeads
 from models.medusa2 import Medusa2Config, Medusa2Model, load_medusa2
 from models.target import Target, load_target
@@ -317,27 +317,34 @@ def test_export_and_eval_loader(target, tmp_path):
     assert torch.equal(eval_heads.head_logits(hidden), model.head_logits(hidden))
 
 
+def test_placing_a_drafter_moves_only_its_own_tensors():
+    """A Medusa-2 drafter registers the target's layers (its LoRA backbone): placing it on the target's device must
+    leave them where the target put them (a `device_map` spreads them over GPUs) and keep each adapter beside its
+    layer. The meta device stands in for a `target.device` other than where the layers are."""
+    target = tiny_target()
+    model = Medusa2Model(config(), parts(target))
+    place_on_target(model, SimpleNamespace(model=target, device=torch.device("meta")))
+    assert not any(t.is_meta for t in (*target.parameters(), *target.buffers()))
+    # still the target's own tensors (`.to()` moves them, onto a GPU in place; onto meta it swaps in new ones)
+    assert {id(t) for t in model.peft_model.parameters()} >= {id(t) for t in target.parameters()}
+    own = dict(model.named_parameters())
+    assert all(p.is_meta for n, p in own.items() if n.startswith("heads."))
+    lora = [p for n, p in own.items() if "lora_" in n]
+    assert lora and not any(p.is_meta for p in lora)
+
+
 @pytest.mark.filterwarnings("ignore:.*to a meta parameter")
-def test_loading_moves_only_the_drafters_own_tensors(tmp_path):
-    """A Medusa-2 drafter registers the target's layers (its LoRA backbone): loading it must leave them where the
-    target put them, as a `device_map` spreads them over GPUs. The meta device stands in for a second GPU holding
-    layer 1: that layer and its adapters stay there, the heads go to `target.device`, everything else stays put."""
+def test_adapters_on_offloaded_target_layers_are_refused(tmp_path):
+    """Offloaded layers (a device_map with 'cpu' / 'disk' entries beside GPUs) keep their weights on the meta
+    device, and so do the adapters peft puts beside them, which no state dict can fill: refused, naming them."""
     model = Medusa2Model(config(), parts(tiny_target()))
     randomise_adapters(model)
     save_native(tmp_path, model, Target(tiny_target(), None, "tiny"))
     spread = tiny_target()
     spread.model.layers[1].to("meta")
-    loaded = load_drafter(tmp_path, Target(spread, None, "tiny"), check_identity=False)  # meta: no fingerprint
-    assert all(p.is_meta for p in spread.model.layers[1].parameters())  # `.to(target.device)` raised on this
-    assert not any(p.is_meta for n, p in spread.named_parameters() if not n.startswith("model.layers.1."))
-    own = dict(loaded.named_parameters())
-    lora = {n: p for n, p in own.items() if "lora_" in n}
-    assert lora and all(p.is_meta == (".layers.1." in n) for n, p in lora.items()), sorted(lora)
-    assert all(p.device.type == "cpu" for n, p in own.items() if n.startswith("heads."))
-    # the adapters on the real device were loaded (not left at their initial values)
-    for name, value in model.trainable_state_dict().items():
-        if ".layers.1." not in name:
-            assert torch.equal(own[name].detach(), value), name
+    with pytest.raises(ExportError, match=r"model.safetensors: .*layers\.1\..*lora.* sit on target layers kept off"):
+        load_drafter(tmp_path, Target(spread, None, "tiny"), check_identity=False)  # meta: no weight fingerprint
+    assert all(p.is_meta for p in spread.model.layers[1].parameters())
 
 
 def test_recipes_load_and_online_is_required():
@@ -427,8 +434,8 @@ def test_two_stages_train_export_and_decode(in_repo, tmp_path, capsys):
 
 
 def test_an_online_export_whose_training_data_is_gone_names_it(in_repo, tmp_path):
-    """The draft vocabulary of an online run is counted in its training data at export: a file gone by then is
-    named in one line, and nothing is left that looks like an export."""
+    """The draft vocabulary of an online run is counted in its training data at export: a file gone by then, or
+    data without the run's held-out samples, is named in one line, and nothing is left that looks like an export."""
     from train.export import ExportError, export
     from train.loop import train
 
@@ -438,8 +445,14 @@ def test_an_online_export_whose_training_data_is_gone_names_it(in_repo, tmp_path
     overrides = ["train.online=true", f"train.output_dir={run}", "train.max_steps=2", "eval.draft_vocab=16", *QUIET]
     train(load_recipe(TINY["medusa1"], [f"data.train_files=[{data}]", *overrides]))
     reset_accelerate()
+    records = data.read_text().splitlines()
     data.unlink()
     with pytest.raises(ExportError, match=f"eval.draft_vocab: counted in the run's training data: .*{data.name}"):
+        export(run)
+    assert not (run / "export").exists()
+    assert 0 not in read_heldout(run)  # data rewritten with its first record only: none of the held-out ids left
+    data.write_text(records[0] + "\n")
+    with pytest.raises(ExportError, match="none of the run's .* held-out samples is in it: the run was trained on oth"):
         export(run)
     assert not (run / "export").exists()
 

@@ -362,7 +362,6 @@ def write_native(
     for an online run without them, in the token data it trained on), the two-stage head's factors (`eval.head:
     two_stage`), a method's extra files."""
     method = METHODS[recipe.drafter.method]
-    save_native(out, drafter, target, recipe.to_dict(), include_target_weights)
     features_dir = recipe.data.features_dir
     vocab = 0 if method.own_vocab else max(recipe.eval.draft_vocab, recipe.train.loss_vocab)
     two_stage = recipe.eval.head == "two_stage" and method.inputs == "features"  # fitted on the shards
@@ -372,12 +371,10 @@ def write_native(
         features = FeatureDataset(features_dir, verify_checksums=recipe.data.verify_checksums)
         heldout = _heldout(run_dir)  # the tokens training chose from its training split
         counts = loss_token_counts(features, vocab_size=target.config.vocab_size, skip_ids=heldout)
-    elif vocab and recipe.train.online:  # the samples the run read, by the same ids its held-out split names
-        try:
-            samples = prepare_dataset(recipe.data, target.tokenizer).samples
-        except (DataError, FileNotFoundError) as exc:
-            raise ExportError(f"{recipe.source}: eval.draft_vocab: counted in the run's training data: {exc}") from None
-        counts = loss_token_counts(samples, vocab_size=target.config.vocab_size, skip_ids=_heldout(run_dir))
+    elif vocab and recipe.train.online:
+        counts = _online_loss_counts(recipe, target, run_dir)
+    # the tensors are written once the data has been read: a missing file is named before the slow part
+    save_native(out, drafter, target, recipe.to_dict(), include_target_weights)
     if method.own_vocab:
         save_draft_vocab(out, load_draft_vocab(run_dir))
     elif vocab and counts is not None:
@@ -388,6 +385,23 @@ def write_native(
         save_factors(out, drafter, features, recipe.eval.head_rank, counts)
     if method.export_extra:
         drafter.export_extra(out, target, merge_lora=merge_lora)
+
+
+def _online_loss_counts(recipe: Recipe, target: Target, run_dir: str | Path) -> torch.Tensor:
+    """Loss-token counts of the token data an online run trained on, without its held-out samples (the ids its split
+    recorded are the prepared samples' ids): where its draft vocabulary comes from when it stored no shards."""
+    where = f"{recipe.source}: eval.draft_vocab: counted in the run's training data"
+    try:
+        samples = prepare_dataset(recipe.data, target.tokenizer).samples
+    except (DataError, FileNotFoundError) as exc:
+        raise ExportError(f"{where}: {exc}") from None
+    heldout = _heldout(run_dir)
+    if heldout and set(heldout).isdisjoint(s["id"] for s in samples):
+        raise ExportError(
+            f"{where}: none of the run's {len(heldout)} held-out samples is in it: the run was trained on other data "
+            "than its recipe names"
+        )
+    return loss_token_counts(samples, vocab_size=target.config.vocab_size, skip_ids=heldout)
 
 
 def _heldout(run_dir: str | Path) -> list[int | str]:
