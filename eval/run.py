@@ -463,11 +463,11 @@ def run(recipe: Recipe) -> dict[str, Any] | None:
     eos = stop_token_ids(target)
     settings = DecodeSettings.from_recipe(ev, eos)
     window = sliding_window(target.model)
-    longest = max(len(p["input_ids"]) for p in prompts) + ev.max_new_tokens + ev.tree_total_tokens
-    if window is not None and longest > window:  # refused before hours of decoding, not at the first long prompt
+    needed = max(len(p["input_ids"]) for p in prompts) + ev.max_new_tokens + ev.tree_total_tokens
+    if window is not None and needed > window:  # refused before hours of decoding, not at the first long prompt
         raise EvalError(
             f"{recipe.source}: the target's sliding-window attention keeps {window} positions, and the longest prompt "
-            f"+ eval.max_new_tokens + eval.tree_total_tokens is {longest}: evaluation runs such targets only within "
+            f"+ eval.max_new_tokens + eval.tree_total_tokens is {needed}: evaluation runs such targets only within "
             "their window (shorter prompts, eval.max_prompts or eval.max_new_tokens)"
         )
 

@@ -283,7 +283,7 @@ def load_drafter(export_dir: str | Path, target: Target, check_identity: bool = 
     return module.eval()
 
 
-def place_on_target(module: nn.Module, target: Target) -> nn.Module:
+def place_on_target(module: nn.Module, target: Target) -> None:
     """Move `module`'s own tensors to the target's device and leave the target's tensors where the target put them.
 
     A drafter that registers target modules (Medusa-2's LoRA backbone is the target's own layers) must not move
@@ -314,7 +314,6 @@ def place_on_target(module: nn.Module, target: Target) -> nn.Module:
             place(child, device, top=False)
 
     place(module, target.device, top=True)
-    return module
 
 
 def save_draft_vocab(directory: str | Path, token_ids: torch.Tensor) -> None:
