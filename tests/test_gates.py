@@ -22,7 +22,7 @@ from models.medusa import MedusaHeads
 from models.target import load_target
 from train import export as export_mod
 from train.config import load_recipe
-from train.gates import EAGLE_PT, GATES, MEDUSA_PT, check
+from train.gates import EAGLE_PT, GATES, MEDUSA_PT, check, rope_cos_sin
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = {
@@ -38,8 +38,8 @@ LLAMA3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_fre
           "high_freq_factor": 4.0, "original_max_position_embeddings": 64}  # fmt: skip
 
 
-def tiny_target(rope: dict | None = None):
-    config = dict(TINY, rope_parameters=rope) if rope else TINY
+def tiny_target(rope: dict | None = None, **fields):
+    config = dict(TINY, rope_parameters=rope, **fields) if rope else TINY
     return load_target(random_init=config, dtype="float32")
 
 
@@ -51,6 +51,10 @@ def targets():
         "llama3": tiny_target(LLAMA3),
         "linear": tiny_target({"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}),
         "linear-theta": tiny_target({"rope_type": "linear", "rope_theta": 500000.0, "factor": 4.0}),
+        # NTK scaling that grows the base within the gate's sequences (longer than 8 positions)
+        "dynamic": tiny_target(
+            {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0}, max_position_embeddings=8
+        ),
         "biased": load_target(random_init=dict(TINY, attention_bias=True), dtype="float32"),
         "bf16": load_target(random_init=TINY, dtype="bfloat16"),  # float32 drafters project through a bf16 lm_head
     }
@@ -106,10 +110,13 @@ def test_every_engine_format_has_a_gate():
         ("eagle", "plain", {}, False),
         ("eagle", "linear", {"num_layers": 2}, True),
         ("eagle", "theta", {"fc_bias": False}, False),
+        ("eagle", "dynamic", {}, False),
         ("sglang", "llama3", {}, False),
         ("sglang", "theta", {"fc_bias": False, "num_layers": 2}, False),
+        ("sglang", "dynamic", {}, False),
         ("vllm", "llama3", {"fc_bias": False}, False),
         ("vllm", "plain", {"fc_bias": False, "num_layers": 2}, True),
+        ("vllm", "dynamic", {"fc_bias": False}, False),
     ],
 )
 def test_good_eagle_exports_pass(fmt, rope, cfg, weights, targets, recipe, tmp_path):
@@ -217,6 +224,27 @@ def test_a_target_with_attention_biases_exports_a_drafter_without(fmt, key, targ
     (out / "config.json").write_text(json.dumps(config))
     msg = one_line_error(f"^{fmt} load gate: .* differ by", fmt, out, recipe, target, drafter)
     assert "layers.0.self_attn.q_proj.bias missing" in msg
+
+
+def test_dynamic_rope_grows_its_base_as_transformers_does():
+    """The gate's NTK base for sequences past `max_position_embeddings` is transformers' own (and the default
+    base up to it)."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0}
+    config = LlamaConfig(**TINY, max_position_embeddings=8, rope_parameters=rope)
+    legacy = {"rope_theta": 10000.0, "rope_scaling": {"type": "dynamic", "factor": 4.0}, "max_position_embeddings": 8}
+    for length in (5, 8, 13, 40):
+        positions = torch.arange(length)[None]
+        cos, sin = rope_cos_sin(legacy, 16, positions, [])
+        inv, _ = ROPE_INIT_FUNCTIONS["dynamic"](config, seq_len=length)
+        freqs = positions[0, :, None].float() * inv[None]
+        assert torch.allclose(cos[0], torch.cat([freqs, freqs], -1).cos(), atol=1e-6), length
+        assert torch.allclose(sin[0], torch.cat([freqs, freqs], -1).sin(), atol=1e-6), length
+    notes = []
+    rope_cos_sin({k: v for k, v in legacy.items() if k != "max_position_embeddings"}, 16, positions, notes)
+    assert notes == ["config.json has no max_position_embeddings (the consumer uses 2048)"]
 
 
 def test_an_unknown_rope_type_is_refused_not_guessed(targets, recipe, tmp_path):

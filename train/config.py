@@ -50,7 +50,8 @@ class TargetConfig:
     device_map: str | None = None
     """Evaluation only: spread a target too large for one GPU over the GPUs of each eval process
     (`auto`, `balanced`, `sequential`, as in transformers' `from_pretrained`). Training and
-    extraction place the whole target on each process's device."""
+    extraction refuse it: they place the whole target on each process's device (training shards with DeepSpeed
+    or FSDP)."""
 
     def validate(self, err) -> None:
         if self.seed < 0:
@@ -168,8 +169,9 @@ class TrainConfig:
     taken over that subset (target distribution renormalised on it), Medusa's CE skips positions whose label is
     outside it. The exported drafter is unchanged: it drafts with the target's full lm_head (or `eval.draft_vocab`)."""
     head_lr_mult: float = 1.0
-    """Learning-rate multiplier for parameters the drafter marks as heads: Medusa-2's heads (4 in its recipes),
-    EAGLE-3's own LM head (which starts from the target's rows)."""
+    """Learning-rate multiplier for parameters the drafter marks as heads: Medusa-2's heads against its LoRA
+    adapters (4 in its recipes), EAGLE-3's own LM head (which starts from the target's rows). Every Medusa-1
+    parameter is a head, so there it only rescales `train.lr` (its recipes keep 1)."""
     resume: str | None = None
     """`auto` = continue from the newest checkpoint in output_dir (if any); or a checkpoint directory."""
 
@@ -313,9 +315,9 @@ class ExportConfig:
     """Where the recipe's own `format` goes; defaults to <train.output_dir>/export (native) or
     <train.output_dir>/export-<format> (engine layouts)."""
     include_target_weights: bool = False
-    """Copy frozen target tensors into the export: `native` gets the embeddings and lm_head, the EAGLE layouts
-    `eagle` and `sglang` the embedding; Medusa layouts are unchanged, and the EAGLE-3 `speculators` layout (also what
-    `vllm` writes for EAGLE-3) always carries the embedding."""
+    """Copy frozen target tensors into the export: `native` gets the embeddings and lm_head, the EAGLE-1/2 layouts
+    (`eagle`, `sglang`, `vllm`) the embedding; Medusa layouts are unchanged, and the EAGLE-3 `speculators` layout
+    (also what `vllm` writes for EAGLE-3) always carries the embedding."""
     merge_lora: bool = False
     """Drafters with LoRA adapters (Medusa-2): also write the target with the adapters merged in (`merged/`)."""
 

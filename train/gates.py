@@ -280,7 +280,9 @@ def rope_cos_sin(
     config: dict, head_dim: int, positions: torch.Tensor, notes: list, scaled_reads_theta: bool = True
 ) -> tuple[torch.Tensor, ...]:
     """cos, sin (B, T, hd) as a transformers-4 Llama computes them from `rope_theta` and `rope_scaling`
-    (`scaled_reads_theta=False`: scaled RoPE on base 10000, whatever `rope_theta` says, as SafeAILab builds it)."""
+    (`scaled_reads_theta=False`: scaled RoPE on base 10000, whatever `rope_theta` says, as SafeAILab builds it).
+    Dynamic (NTK) scaling is computed afresh for these positions, as a freshly loaded consumer does: the base for
+    the longest sequence of the batch, unchanged up to `max_position_embeddings`."""
     scaling = config.get("rope_scaling")
     if scaling and not scaled_reads_theta:
         theta = 10000.0
@@ -288,9 +290,14 @@ def rope_cos_sin(
             notes.append(f"rope_theta {config['rope_theta']!r} is ignored: scaled RoPE is built on base 10000")
     else:
         theta = float(config_value(config, "rope_theta", 10000.0, notes))
+    kind = scaling.get("rope_type", scaling.get("type")) if scaling else "default"
+    if kind == "dynamic":  # NTK: the base grows once the sequence outgrows max_position_embeddings
+        trained = int(config_value(config, "max_position_embeddings", 2048, notes))
+        longest = max(int(positions.max()) + 1, trained)
+        factor = scaling["factor"]
+        theta = theta * ((factor * longest / trained) - (factor - 1)) ** (head_dim / (head_dim - 2))
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))  # (hd/2,)
     if scaling:
-        kind = scaling.get("rope_type", scaling.get("type"))
         if kind == "linear":
             inv = inv / scaling["factor"]
         elif kind == "llama3":
@@ -302,10 +309,10 @@ def rope_cos_sin(
             smoothed = (1 - smooth) * scaled / factor + smooth * scaled
             medium = ~(wavelen < old / high) * ~(wavelen > old / low)
             inv = torch.where(medium, smoothed, scaled)
-        elif kind != "default":
+        elif kind not in ("default", "dynamic"):
             raise ExportError(
-                f"config.json: rope_scaling type {kind!r}: the load gate reproduces default, linear and llama3 RoPE "
-                "only (add it to train.gates.rope_cos_sin)"
+                f"config.json: rope_scaling type {kind!r}: the load gate reproduces default, linear, dynamic and "
+                "llama3 RoPE only (add it to train.gates.rope_cos_sin)"
             )
     inv = inv.to(positions.device)
     freqs = (inv[None, :, None].float() @ positions[:, None, :].float()).transpose(1, 2)  # (B, T, hd/2)
