@@ -473,6 +473,10 @@ def broken(out: Path, edit) -> None:
                                           if k.startswith("midlayer.")}), "midlayer.self_attn.q_proj.weight missing"),
         # SGLang captures outputs of layers 0..L-2: on this 4-layer target, shifted ids leave that range
         ("sglang", lambda c, t: c["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[1, 2, 3]), "out of range"),
+        # vLLM and SGLang build dynamic NTK RoPE with a fixed base, not transformers' length-dependent one
+        ("speculators", lambda c, t: c["transformer_layer_config"].update(rope_scaling={"type": "dynamic",
+                                                                                        "factor": 2.0}), "'dynamic'"),
+        ("sglang", lambda c, t: c.update(rope_scaling={"type": "dynamic", "factor": 2.0}), "'dynamic'"),
     ],
 )  # fmt: skip
 def test_gates_catch_what_a_consumer_reads_wrong(fmt, edit, why, run, tmp_path):

@@ -113,10 +113,8 @@ def test_every_engine_format_has_a_gate():
         ("eagle", "dynamic", {}, False),
         ("sglang", "llama3", {}, False),
         ("sglang", "theta", {"fc_bias": False, "num_layers": 2}, False),
-        ("sglang", "dynamic", {}, False),
         ("vllm", "llama3", {"fc_bias": False}, False),
         ("vllm", "plain", {"fc_bias": False, "num_layers": 2}, True),
-        ("vllm", "dynamic", {"fc_bias": False}, False),
     ],
 )
 def test_good_eagle_exports_pass(fmt, rope, cfg, weights, targets, recipe, tmp_path):
@@ -226,6 +224,18 @@ def test_a_target_with_attention_biases_exports_a_drafter_without(fmt, key, targ
     assert "layers.0.self_attn.q_proj.bias missing" in msg
 
 
+@pytest.mark.parametrize("fmt", ["sglang", "vllm"])
+def test_engines_building_dynamic_rope_with_a_fixed_base_are_refused(fmt, targets, recipe, tmp_path):
+    """vLLM and SGLang build dynamic NTK RoPE with one base for every length, not transformers' growing one (the
+    same export passes SafeAILab's gate above)."""
+    target = targets["dynamic"]
+    drafter = eagle(target, fc_bias=fmt != "vllm")
+    out = write(fmt, tmp_path / fmt, recipe, target, drafter)
+    msg = one_line_error("rope_scaling type 'dynamic': this consumer builds NTK scaling with one fixed base", fmt,
+                         out, recipe, target, drafter)  # fmt: skip
+    assert "export --format eagle" in msg
+
+
 def test_dynamic_rope_grows_its_base_as_transformers_does():
     """The gate's NTK base for sequences past `max_position_embeddings` is transformers' own (and the default
     base up to it)."""
@@ -237,13 +247,13 @@ def test_dynamic_rope_grows_its_base_as_transformers_does():
     legacy = {"rope_theta": 10000.0, "rope_scaling": {"type": "dynamic", "factor": 4.0}, "max_position_embeddings": 8}
     for length in (5, 8, 13, 40):
         positions = torch.arange(length)[None]
-        cos, sin = rope_cos_sin(legacy, 16, positions, [])
+        cos, sin = rope_cos_sin(legacy, 16, positions, [], length_dependent_ntk=True)
         inv, _ = ROPE_INIT_FUNCTIONS["dynamic"](config, seq_len=length)
         freqs = positions[0, :, None].float() * inv[None]
         assert torch.allclose(cos[0], torch.cat([freqs, freqs], -1).cos(), atol=1e-6), length
         assert torch.allclose(sin[0], torch.cat([freqs, freqs], -1).sin(), atol=1e-6), length
     notes = []
-    rope_cos_sin({k: v for k, v in legacy.items() if k != "max_position_embeddings"}, 16, positions, notes)
+    rope_cos_sin({k: v for k, v in legacy.items() if k != "max_position_embeddings"}, 16, positions, notes, True, True)
     assert notes == ["config.json has no max_position_embeddings (the consumer uses 2048)"]
 
 

@@ -209,6 +209,8 @@ class EagleRules:
     """Raises ExportError for a config the consumer refuses to load."""
     scaled_rope_reads_theta: bool = True
     """False: the consumer builds scaled RoPE (a `rope_scaling`) on base 10000, whatever `rope_theta` says."""
+    length_dependent_ntk: bool = False
+    """True: the consumer builds dynamic (NTK) RoPE as transformers does, the base growing with the sequence."""
 
 
 def _head_dim_given(config: dict, notes: list) -> int:
@@ -243,6 +245,7 @@ SAFEAILAB = EagleRules(
     head_dim=lambda c, n: c["hidden_size"] // c["num_attention_heads"],
     check_config=_econfig_check,
     scaled_rope_reads_theta=False,
+    length_dependent_ntk=True,  # its own copy of transformers' dynamic NTK rotary embedding
 )
 
 
@@ -277,12 +280,20 @@ VLLM_EAGLE = EagleRules(
 
 
 def rope_cos_sin(
-    config: dict, head_dim: int, positions: torch.Tensor, notes: list, scaled_reads_theta: bool = True
+    config: dict,
+    head_dim: int,
+    positions: torch.Tensor,
+    notes: list,
+    scaled_reads_theta: bool = True,
+    length_dependent_ntk: bool = False,
 ) -> tuple[torch.Tensor, ...]:
     """cos, sin (B, T, hd) as a transformers-4 Llama computes them from `rope_theta` and `rope_scaling`
     (`scaled_reads_theta=False`: scaled RoPE on base 10000, whatever `rope_theta` says, as SafeAILab builds it).
-    Dynamic (NTK) scaling is computed afresh for these positions, as a freshly loaded consumer does: the base for
-    the longest sequence of the batch, unchanged up to `max_position_embeddings`."""
+
+    Dynamic (NTK) scaling only for consumers that build it as transformers does (`length_dependent_ntk`): the base
+    for the longest sequence of the batch, unchanged up to `max_position_embeddings`, computed afresh as a freshly
+    loaded consumer does. vLLM and SGLang build it with one fixed base (which one depends on their version), so the
+    drafter, trained with transformers' RoPE, would draft with another: refused."""
     scaling = config.get("rope_scaling")
     if scaling and not scaled_reads_theta:
         theta = 10000.0
@@ -291,6 +302,12 @@ def rope_cos_sin(
     else:
         theta = float(config_value(config, "rope_theta", 10000.0, notes))
     kind = scaling.get("rope_type", scaling.get("type")) if scaling else "default"
+    if kind == "dynamic" and not length_dependent_ntk:
+        raise ExportError(
+            "config.json: rope_scaling type 'dynamic': this consumer builds NTK scaling with one fixed base (vLLM, "
+            "SGLang), not the length-dependent base of transformers the drafter trained with; export --format eagle "
+            "(EAGLE-1/2), or use a target without dynamic scaling"
+        )
     if kind == "dynamic":  # NTK: the base grows once the sequence outgrows max_position_embeddings
         trained = int(config_value(config, "max_position_embeddings", 2048, notes))
         longest = max(int(positions.max()) + 1, trained)
@@ -367,7 +384,7 @@ def eagle_consumer_logits(
     rows = embed[next_ids.to(embed.device)].to(dev, torch.float32)  # (B, T, d): index first, cast only the rows
     h = F.linear(torch.cat([rows, features.float()], dim=-1), fc_w, fc_b)  # (B, T, d)
     B, T, _ = h.shape
-    cos, sin = rope_cos_sin(config, hd, positions, notes, rules.scaled_rope_reads_theta)
+    cos, sin = rope_cos_sin(config, hd, positions, notes, rules.scaled_rope_reads_theta, rules.length_dependent_ntk)
     cos, sin = cos[:, None], sin[:, None]  # (B, 1, T, hd)
     causal = torch.ones(T, T, dtype=torch.bool, device=dev).tril()
     qkv_bias, o_bias = rules.attn_bias(config, notes)
