@@ -66,11 +66,13 @@ check-consumers: install
 	$(CONS_VENV)/bin/pip install -q torch==2.13.0
 	$(CONS_VENV)/bin/pip install -q torch==2.13.0 'transformers==4.46.3' safetensors sentencepiece 'numpy<2'
 	$(CONS_VENV)/bin/pip install -q --no-deps eagle-llm==1.2.1 medusa-llm==0.1
-	rm -rf runs/consumers-check runs/consumers-check-theta
+	rm -rf runs/consumers-check runs/consumers-check-theta runs/consumers-check-dynamic
 	$(BIN)/python benchmarks/consumers_check.py prepare runs/consumers-check
 	$(CONS_VENV)/bin/python benchmarks/consumers_check.py consume runs/consumers-check
 	$(BIN)/python benchmarks/consumers_check.py prepare runs/consumers-check-theta --rope-theta 500000
 	$(CONS_VENV)/bin/python benchmarks/consumers_check.py consume runs/consumers-check-theta --expect-rope-base-10000
+	$(BIN)/python benchmarks/consumers_check.py prepare runs/consumers-check-dynamic --rope-dynamic
+	$(CONS_VENV)/bin/python benchmarks/consumers_check.py consume runs/consumers-check-dynamic
 
 # SGLang's own EAGLE-2 / EAGLE-3 model code on `--format sglang` exports: the sglang 0.5.23 wheel without its
 # dependencies (it pins a CUDA torch and GPU kernels), CPU torch and what its model code imports (about 2.5 GB).

@@ -1,7 +1,7 @@
 """The real consumers on PyPI of the `eagle` and `medusa` exports load them and must give our draft logits.
 
     make check-consumers            # builds .venv-consumers and runs the cases below
-    .venv/bin/python benchmarks/consumers_check.py prepare OUT [--rope-theta THETA]
+    .venv/bin/python benchmarks/consumers_check.py prepare OUT [--rope-theta THETA | --rope-dynamic]
     .venv-consumers/bin/python benchmarks/consumers_check.py consume OUT
 
 The consumers: SafeAILab's `eagle-llm` 1.2.1 (the EAGLE release on PyPI) and FasterDecoding's `medusa-llm` 0.1
@@ -29,7 +29,9 @@ our hidden states, and compares. Ends with `consumers/max_abs_logit_diff: <x> (g
 Both releases predate `rope_theta`: their Llama code builds RoPE on base 10000 whatever the config says (SafeAILab's
 current code on GitHub reads it). `--rope-theta 500000` shows what that costs: the heads still match on our hidden
 states, but the EAGLE drafter and Medusa's base model compute other logits; `consume --expect-rope-base-10000`
-passes when exactly that shows (`make check-consumers` runs both cases).
+passes when exactly that shows (`make check-consumers` runs both cases). `--rope-dynamic` gives the target dynamic
+(NTK) RoPE scaling with `max_position_embeddings` 8, so the base grows over the 24-token sequence: SafeAILab's
+drafter and Medusa's transformers-4 base model must build it as the project does (a third case of the target).
 """
 
 from __future__ import annotations
@@ -51,7 +53,10 @@ SEQ_LEN = 24
 MEDUSA_HEADS = 5  # what FasterDecoding's loader builds
 
 
-def tiny_target(out: Path, recipe: str, rope_theta: float | None = None) -> Path:
+DYNAMIC_MAX_POSITIONS = 8  # below SEQ_LEN: the dynamic NTK base grows within the compared sequence
+
+
+def tiny_target(out: Path, recipe: str, rope_theta: float | None = None, dynamic: bool = False) -> Path:
     """OUT/target: the tiny recipe's random Llama saved as an HF directory a transformers-4 consumer reads."""
     from models.io import add_legacy_rope
     from models.target import load_target
@@ -63,6 +68,9 @@ def tiny_target(out: Path, recipe: str, rope_theta: float | None = None) -> Path
         config = dict(spec.random_init)
         if rope_theta is not None:
             config["rope_parameters"] = {"rope_type": "default", "rope_theta": rope_theta}
+        if dynamic:
+            config["rope_parameters"] = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0}
+            config["max_position_embeddings"] = DYNAMIC_MAX_POSITIONS
         target = load_target(random_init=config, tokenizer=spec.tokenizer, dtype="float32", seed=spec.seed)
         target.model.save_pretrained(target_dir)
         add_legacy_rope(target_dir)  # as `models.fetch` writes a real target: `rope_theta` for transformers 4
@@ -118,14 +126,14 @@ def drafter_batch(drafter, ids, hidden, layers: list[int]) -> dict:
     }
 
 
-def prepare(out: Path, rope_theta: float | None) -> None:
+def prepare(out: Path, rope_theta: float | None, dynamic: bool = False) -> None:
     sys.path.insert(0, str(ROOT))  # run as a script from the repository root's environment
     import torch
     from safetensors.torch import save_file
 
     os.chdir(ROOT)
     out.mkdir(parents=True, exist_ok=True)
-    target_dir = tiny_target(out, "recipes/tiny/eagle2.yaml", rope_theta)
+    target_dir = tiny_target(out, "recipes/tiny/eagle2.yaml", rope_theta, dynamic)
     eagle_extra = ["drafter.fc_norm=false", "drafter.post_norm=false"]
     medusa_extra = [f"drafter.num_heads={MEDUSA_HEADS}", "drafter.num_layers=1"]
     target, eagle = train_and_export(
@@ -149,8 +157,8 @@ def prepare(out: Path, rope_theta: float | None) -> None:
         "medusa_reference": medusa_reference.float().contiguous(),
     }
     save_file(tensors, str(out / "inputs.safetensors"))
-    theta = rope_theta if rope_theta is not None else "default"
-    print(f"prepared {out}: target rope_theta {theta}, eagle and medusa exports, T={SEQ_LEN}")
+    rope = "dynamic NTK, factor 4, 8 positions" if dynamic else f"rope_theta {rope_theta or 'default'}"
+    print(f"prepared {out}: target RoPE {rope}, eagle and medusa exports, T={SEQ_LEN}")
 
 
 def consume(out: Path) -> LogitDiffs:
@@ -216,7 +224,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("stage", choices=["prepare", "consume"])
     parser.add_argument("out", type=Path)
-    parser.add_argument("--rope-theta", type=float, default=None, help="prepare: the tiny target's RoPE base")
+    rope = parser.add_mutually_exclusive_group()
+    rope.add_argument("--rope-theta", type=float, default=None, help="prepare: the tiny target's RoPE base")
+    rope.add_argument("--rope-dynamic", action="store_true", help="prepare: dynamic NTK RoPE scaling on the target")
     parser.add_argument(
         "--expect-rope-base-10000",
         action="store_true",
@@ -224,7 +234,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     if args.stage == "prepare":
-        prepare(args.out.resolve(), args.rope_theta)
+        prepare(args.out.resolve(), args.rope_theta, args.rope_dynamic)
     else:
         sys.exit(0 if verdict(consume(args.out.resolve()), args.expect_rope_base_10000) else 1)
 
