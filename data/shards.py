@@ -31,6 +31,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from models.common import share_safetensors
+
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 HEADER_KEYS = ("format_version", "target", "layers", "hidden_size", "dtype", "template")
@@ -160,6 +162,7 @@ def write_shard(
     final = Path(directory) / shard_name(index)
     tmp = final.with_name(final.name + ".tmp")
     save_file(tensors, str(tmp))
+    share_safetensors(tmp)
     entry = {
         "file": final.name,
         "index": index,

@@ -1,8 +1,11 @@
-"""Contracts shared by every drafter: the batch it trains on and the frozen target parts it borrows."""
+"""Contracts shared by every drafter: the batch it trains on and the frozen target parts it borrows; and the file
+mode of the safetensors files the project writes."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TypedDict
 
 import torch
@@ -145,3 +148,14 @@ micro-batches and processes) plus scalar metrics (means over the batch), e.g. `"
 def num_loss_tokens(batch: DraftBatch) -> torch.Tensor:
     """The normaliser every drafter loss uses: number of loss (assistant) tokens in the batch, at least 1."""
     return batch["loss_mask"].sum().clamp_min(1.0)
+
+
+def share_safetensors(path: str | Path) -> None:
+    """Give a safetensors file (or every one under a directory) the mode any new file gets under the umask (0644
+    under the usual 022). safetensors creates its files readable by their owner only (0600), so a serving engine
+    running as another user could not read an export."""
+    path = Path(path)
+    mask = os.umask(0)
+    os.umask(mask)
+    for file in [path] if path.is_file() else sorted(path.rglob("*.safetensors")):
+        file.chmod(0o666 & ~mask)

@@ -140,7 +140,7 @@ def save_plain_copy(model, out: Path, dtype) -> None:
     (every key must match: no missing, no unexpected)."""
     import torch
 
-    from models.io import add_legacy_rope
+    from models.io import add_legacy_rope, share_safetensors
 
     config = model.config.to_dict()
     config.pop("quantization_config", None)
@@ -159,6 +159,7 @@ def save_plain_copy(model, out: Path, dtype) -> None:
     twin.config.dtype = dtype
     twin.generation_config = model.generation_config
     twin.save_pretrained(out)
+    share_safetensors(out)  # transformers writes it readable by its owner only
     add_legacy_rope(out)  # consumers on transformers 4 read `rope_theta`, else build the target's RoPE on base 10000
 
 

@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from models.common import borrowed_state_dict
+from models.common import borrowed_state_dict, share_safetensors
 from models.methods import METHODS
 from models.target import Target
 
@@ -60,6 +60,7 @@ def write_safetensors(tensors: dict[str, torch.Tensor], path: str | Path) -> Non
         seen.add(key)
     tmp = path.with_name(path.name + ".tmp")
     save_file(out, str(tmp))
+    share_safetensors(tmp)
     tmp.replace(path)
 
 

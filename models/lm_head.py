@@ -38,6 +38,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from data.shards import loss_token_counts  # noqa: F401  (re-exported: the counts `token_weights` takes)
+from models.common import share_safetensors
 
 FACTORS_NAME = "factors"
 """File stem of a drafter's one head's factors (`factors.safetensors`); Medusa head k's are `factors-head{k}`."""
@@ -89,6 +90,7 @@ class LowRankHead:
         directory.mkdir(parents=True, exist_ok=True)
         path = directory / f"{name}.safetensors"
         save_file({"a": self.a.contiguous(), "b": self.b.contiguous()}, str(path))
+        share_safetensors(path)
         return path
 
     @classmethod

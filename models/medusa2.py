@@ -160,7 +160,7 @@ class Medusa2Model(nn.Module):
         """Interoperable files next to the native export: `heads/` (a Medusa-1 native export, loadable with
         `models.io.load_drafter`), `adapter/` (peft: adapter_config.json + adapter_model.safetensors) and,
         with `merge_lora`, `merged/` (the target with the adapters merged in, HF safetensors)."""
-        from models.io import add_legacy_rope, save_native
+        from models.io import add_legacy_rope, save_native, share_safetensors
 
         out = Path(out_dir)
         save_native(out / HEADS_DIR, self.heads, target)
@@ -171,6 +171,7 @@ class Medusa2Model(nn.Module):
             add_legacy_rope(out / MERGED_DIR)  # for serving stacks on transformers 4
             if target.tokenizer is not None:
                 target.tokenizer.save_pretrained(str(out / MERGED_DIR))
+        share_safetensors(out)  # peft and transformers write them readable by their owner only
 
     def adapt_target(self, target) -> MedusaHeads:
         """For evaluation: merge the adapters into `target.model`'s own weights (in place) and return the heads.

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import stat
 from pathlib import Path
 
 import pytest
@@ -413,3 +414,16 @@ def test_native_export_carries_the_draft_vocabulary(runs, tmp_path):
     with pytest.raises(EvalError, match="No feature shards at data.features_dir"):
         draft_vocabulary(no_shards, str(out), 32)
     assert load_draft_vocab(export(runs["eagle2"], tmp_path / "plain")) is None  # drafts over the whole vocabulary
+
+
+def test_exports_and_shards_are_readable_as_any_new_file(runs, tmp_path):
+    """safetensors creates its files readable by their owner only; a serving engine running as another user must
+    be able to read an export, so every file gets the mode the umask gives any new file (0644 under 022)."""
+    (tmp_path / "probe").write_text("")
+    expected = stat.S_IMODE((tmp_path / "probe").stat().st_mode)
+    native = export(runs["eagle2-vocab"], tmp_path / "native")
+    sglang = export(runs["eagle2-plain"], tmp_path / "sglang", fmt="sglang")
+    features = runs["eagle2"].parent / "features"
+    files = [f for d in (native, sglang, features, runs["eagle2"]) for f in d.rglob("*.safetensors")]
+    assert {f.parent.name for f in files} >= {"native", "sglang", "features"} and any("step-" in str(f) for f in files)
+    assert {str(f): oct(stat.S_IMODE(f.stat().st_mode)) for f in files} == {str(f): oct(expected) for f in files}

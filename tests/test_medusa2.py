@@ -303,6 +303,9 @@ def test_export_and_eval_loader(target, tmp_path):
     # merged/: a plain HF model, with the RoPE base where transformers-4 serving code reads it
     saved = json.loads((tmp_path / "merged" / "config.json").read_text())
     assert saved["rope_theta"] == saved["rope_parameters"]["rope_theta"]
+    # peft and transformers write safetensors readable by their owner only: the export gives them a config's mode
+    modes = {f.stat().st_mode for f in tmp_path.rglob("*") if f.suffix in (".json", ".safetensors")}
+    assert len(modes) == 1 and len(list(tmp_path.rglob("*.safetensors"))) >= 3
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
     torch.testing.assert_close(merged(ids).logits, want, rtol=1e-4, atol=1e-5)
     # eval's entry point: LoRA attached (target untouched) or merged into the fresh target in place
