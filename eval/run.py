@@ -48,6 +48,7 @@ from models.io import ExportError, load_draft_vocab, load_drafter, read_config
 from models.medusa import MedusaHeads
 from models.methods import METHODS, Method
 from models.target import Target, TargetError, load_target
+from train.checkpoint import latest_checkpoint, read_state
 from train.config import EvalConfig, Recipe, RecipeError
 from train.heldout import HELDOUT_FILE, HeldoutError, read_heldout
 
@@ -368,6 +369,22 @@ def _settings(recipe: dict[str, Any]) -> dict[str, Any]:
     return flat
 
 
+def check_export_is_current(recipe: Recipe, drafter_dir: str, config: dict[str, Any]) -> None:
+    """Refuse the run's export when the run has trained on since it was made: evaluating it would measure an older
+    drafter under the run's name. Exports that record no step (older ones, imports) are taken as they are."""
+    exported = config.get("trained_steps")
+    newest = latest_checkpoint(recipe.train.output_dir) if Path(recipe.train.output_dir).is_dir() else None
+    if not isinstance(exported, int) or newest is None:
+        return
+    trained = read_state(newest)["step"]
+    if trained > exported:
+        run = recipe.train.output_dir
+        raise EvalError(
+            f"{drafter_dir}: exported at step {exported}, but {run} has trained on to step {trained}: re-export "
+            f"(python -m train.export {run}), or set eval.drafter={drafter_dir} to evaluate this export as it is"
+        )
+
+
 def check_output_dir(recipe: Recipe, out_dir: str) -> None:
     """Refuse an `eval.output_dir` that holds a report made with other settings, as training refuses an output_dir
     that holds checkpoints: the new report would silently replace a measurement of something else. A report made
@@ -432,7 +449,8 @@ def run(recipe: Recipe) -> dict[str, Any] | None:
         raise EvalError(f"{recipe.source}: eval.prompts: is required (a JSONL file of prompts)")
     drafter_dir = drafter_directory(recipe.to_dict())
     out_dir = output_dir(recipe)
-    exported = read_config(drafter_dir)["method"]  # before any heavy work: the export exists and is a drafter
+    config = read_config(drafter_dir)  # before any heavy work: the export exists and is a drafter
+    exported = config["method"]
     if exported != recipe.drafter.method:
         method = recipe.drafter.method
         raise EvalError(
@@ -440,6 +458,8 @@ def run(recipe: Recipe) -> dict[str, Any] | None:
             f"drafter.method={method}; evaluate it with a {exported} recipe, or point eval.drafter at an export of a "
             f"{method} drafter"
         )
+    if ev.drafter is None:  # the run's own export, picked implicitly: it must be of the run's newest checkpoint
+        check_export_is_current(recipe, drafter_dir, config)
     check_output_dir(recipe, out_dir)
     # on CPU-only machines (or ACCELERATE_USE_CPU) processes talk gloo: `accelerate launch --multi_gpu` there
     state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU") or not torch.cuda.is_available())

@@ -70,8 +70,10 @@ def save_native(
     target: Target,
     recipe: dict[str, Any] | None = None,
     include_target_weights: bool = False,
+    trained_steps: int | None = None,
 ) -> Path:
-    """Write `drafter` (a method's module, trained against `target`) as a native export."""
+    """Write `drafter` (a method's module, trained against `target`) as a native export; `trained_steps`: the
+    training step of the checkpoint it comes from, which evaluation compares with the run's newest."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tensors = dict(drafter.trainable_state_dict())
@@ -87,6 +89,8 @@ def save_native(
         "stored_layers": list(drafter.stored_layers),
         "recipe": recipe,
     }
+    if trained_steps is not None:
+        config["trained_steps"] = trained_steps
     write_safetensors(tensors, out / WEIGHTS_FILE)
     (out / CONFIG_FILE).write_text(json.dumps(config, indent=2, default=str) + "\n")
     return out

@@ -547,3 +547,25 @@ def test_the_lossless_check_goes_on_past_a_near_tie(monkeypatch):
         # a prompt that fails after a near-tie is a failure, not a near-tie
         want = "1/1 (1 at a near-tie)" if lossless else "0/1"
         assert summarize([record], REPORT_META)["lossless_prompts"] == want
+
+
+def test_the_runs_own_export_must_be_of_its_newest_checkpoint(tmp_path, monkeypatch):
+    """A run that trained on after its export: evaluating `<output_dir>/export` by default would measure the older
+    drafter under the run's name, so it is refused; named with eval.drafter it is taken as it is."""
+    from eval.run import run as eval_run
+    from train.export import export
+    from train.loop import train
+
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])
+    path = _recipe(tmp_path, "eagle2", {}, {"max_prompts": 1, "max_new_tokens": 2, "baselines": []}, online=True)
+    quick = ["train.batch_size=2", "train.eval_every=0", "logging.tracker=none"]
+    train(load_recipe(path, [*quick, "train.max_steps=2"]))
+    out = export(tmp_path / "run")
+    assert json.loads((out / "config.json").read_text())["trained_steps"] == 2
+    train(load_recipe(path, [*quick, "train.max_steps=4", "train.resume=auto"]))
+    with pytest.raises(EvalError, match=r"export: exported at step 2, but .*run has trained on to step 4: re-export"):
+        eval_run(load_recipe(path))
+    summary = eval_run(load_recipe(path, [f"eval.drafter={out}"]))  # named: evaluated as it is
+    assert summary["num_prompts"] == 1
+    export(tmp_path / "run")  # re-exported: the default pick is current again
+    assert eval_run(load_recipe(path, ["eval.output_dir=" + str(tmp_path / "again")]))["num_prompts"] == 1

@@ -219,7 +219,9 @@ class EvalConfig(SamplingConfig):
     """Acceptance-length evaluation (`python -m eval`); the decoding fields come from `SamplingConfig`."""
 
     drafter: str | None = None
-    """Exported drafter directory (train.export output); defaults to `export.out`, else <train.output_dir>/export."""
+    """Exported drafter directory (train.export output); defaults to `export.out`, else <train.output_dir>/export,
+    which must then be of the run's newest checkpoint (exports record their step): a run that trained on since is
+    refused until re-exported. A directory named here is evaluated as it is."""
     prompts: str | None = None
     """JSONL prompts (chat or plain)."""
     output_dir: str | None = None

@@ -319,8 +319,10 @@ def export(
     include_target_weights: bool | None = None,
     merge_lora: bool | None = None,
 ) -> Path:
-    """Export a run's drafter; arguments left None come from the recipe's `export` section."""
+    """Export a run's drafter (from its newest checkpoint, or `checkpoint`); arguments left None come from the
+    recipe's `export` section."""
     recipe, target, drafter = load_run(run_dir, checkpoint)
+    steps = read_state(checkpoint if checkpoint is not None else latest_checkpoint(run_dir))["step"]
     fmt = fmt or recipe.export.format
     if fmt not in FORMATS:
         raise ExportError(f"export.format: {fmt!r} is not implemented yet (available: {', '.join(FORMATS)})")
@@ -342,7 +344,7 @@ def export(
             gate_check(fmt, tmp, recipe, target, drafter)  # reloaded as its consumer does, before the rename
         else:
             merge = recipe.export.merge_lora if merge_lora is None else merge_lora
-            write_native(tmp, recipe, target, drafter, include_target_weights, merge, run_dir)
+            write_native(tmp, recipe, target, drafter, include_target_weights, merge, run_dir, steps)
             native = f"native/{method.name}"  # strict reload (load_drafter), same logits
             gate_check(native if native in GATES else "native", tmp, recipe, target, drafter)
     return out
@@ -356,6 +358,7 @@ def write_native(
     include_target_weights: bool,
     merge_lora: bool,
     run_dir: str | Path,
+    trained_steps: int | None = None,
 ) -> None:
     """The native export and what comes with it: the draft vocabulary (a drafter's own, most frequent first, so that
     `eval.draft_vocab` needs no shards; else `eval.draft_vocab` / `train.loss_vocab` tokens counted in the shards, or,
@@ -374,7 +377,7 @@ def write_native(
     elif vocab and recipe.train.online:
         counts = _online_loss_counts(recipe, target, run_dir)
     # the tensors are written once the data has been read: a missing file is named before the slow part
-    save_native(out, drafter, target, recipe.to_dict(), include_target_weights)
+    save_native(out, drafter, target, recipe.to_dict(), include_target_weights, trained_steps)
     if method.own_vocab:
         save_draft_vocab(out, load_draft_vocab(run_dir))
     elif vocab and counts is not None:
