@@ -410,20 +410,24 @@ CPU = {"ACCELERATE_USE_CPU": "true"}
 
 # Global batch 4 = 1 process x 4 = 2 processes x 2 (x 1 accumulation) = 2 x 1 x 2 (ZeRO-2 accumulates).
 @pytest.mark.parametrize(
-    "backend,launch_args,env,batch",
+    "backend,launch_args,env,batch,kind",
     [
-        ("ddp", shipped_config("ddp"), CPU, [2, 1]),
-        ("zero2", shipped_config("zero2"), {}, [1, 2]),
-        ("zero3", shipped_config("zero3"), {}, [2, 1]),
+        ("ddp", shipped_config("ddp"), CPU, [2, 1], "MULTI_CPU"),
+        ("zero2", shipped_config("zero2"), {}, [1, 2], "DEEPSPEED"),
+        ("zero3", shipped_config("zero3"), {}, [2, 1], "DEEPSPEED"),
     ],
 )
-def test_two_processes_match_one(backend, launch_args, env, batch, features, single_process_run, tmp_path):
+def test_two_processes_match_one(backend, launch_args, env, batch, kind, features, single_process_run, tmp_path):
     out = tmp_path / backend
     overrides = [
         f"data.features_dir={features}", f"train.output_dir={out}", *QUIET,
         "train.max_steps=3", f"train.batch_size={batch[0]}", f"train.grad_accum={batch[1]}", "train.lr=0.01",
     ]  # fmt: skip
-    launch([*launch_args, "-m", "train", str(RECIPES["eagle2"]), *overrides], env)
+    proc = launch([*launch_args, "-m", "train", str(RECIPES["eagle2"]), *overrides], env)
+    global_batch = (
+        f"on 2 processes ({kind}, cpu): global batch 4 = train.batch_size {batch[0]} x grad_accum {batch[1]} x 2"
+    )
+    assert global_batch in proc.stdout  # said up front: a launch that came up with fewer processes is visible
     torch.testing.assert_close(losses(out), losses(single_process_run), rtol=1e-4, atol=1e-5)
     one, two = trained(single_process_run), trained(out)
     for name in one:

@@ -421,6 +421,13 @@ def train(recipe: Recipe, stop_after: int | None = None) -> Path:
                 f"{step} it follows the recipe's ({cfg.warmup_steps} warm-up steps, cosine to 0 at {cfg.max_steps})"
             )
     if accelerator.is_main_process:
+        n, kind = accelerator.num_processes, accelerator.device.type
+        kind = kind if n == 1 else f"{accelerator.distributed_type.value}, {kind}"
+        print(  # a launch that came up with fewer processes than meant trains on smaller batches: say it up front
+            f"training {recipe.drafter.method} on {n} process{'es' if n > 1 else ''} ({kind}): global batch "
+            f"{cfg.batch_size * cfg.grad_accum * n} = train.batch_size {cfg.batch_size} x grad_accum {cfg.grad_accum} "
+            f"x {n}, to step {cfg.max_steps} -> {out_dir}"
+        )
         out_dir.mkdir(parents=True, exist_ok=True)
         recipe.save(out_dir / RECIPE_FILE)
         truncate_metrics(out_dir / METRICS_FILE, step)
