@@ -61,7 +61,7 @@ CASES: dict[str, Case] = {
     # data.prepare: recipe, data files, target
     "prepare/unknown-key": Case("data.prepare", f"{M1} data.trian_files=[x]", ("{m1}", "data.trian_files", "unknown")),
     "prepare/no-recipe": Case("data.prepare", "{w}/nope.yaml", ("nope.yaml", "no such recipe file")),
-    "prepare/recipe-not-yaml": Case("data.prepare", "{w}/bad.yaml", ("bad.yaml", "not valid YAML")),
+    "prepare/recipe-not-yaml": Case("data.prepare", "{w}/bad.yaml", ("bad.yaml", "not valid YAML: line 2, column 1:")),
     "prepare/recipe-not-utf8": Case("data.prepare", "{w}/latin1.yaml", ("latin1.yaml", "not UTF-8")),
     "prepare/missing-data-file": Case(
         "data.prepare", f"{M1} data.train_files=[{{w}}/missing.jsonl]", ("data.train_files[0]", "missing.jsonl")
@@ -116,6 +116,9 @@ CASES: dict[str, Case] = {
     "train/negative-weight-decay": Case("train", f"{M1} train.weight_decay=-0.1", ("train.weight_decay", ">= 0")),
     "train/wrong-type": Case("train", f"{M1} train.max_steps=ten", ("train.max_steps", "expected int")),
     "train/override-without-value": Case("train", f"{M1} train.lr", ("train.lr", "section.key=value")),
+    "train/override-not-yaml": Case(
+        "train", f"{M1} train.betas=[0.9", ("train.betas=[0.9", "not a YAML value: character 5")
+    ),
     "train/missing-stage1-heads": Case(
         "train",
         "{m2} drafter.stage1_heads={w}/no-stage1 train.output_dir={out}",

@@ -162,3 +162,14 @@ def test_eagle_refuses_medusa_trees():
         RecipeError, match="eval.tree: mc_sim_7b_63: a eagle2 drafter drafts auto, dynamic, chain, cost trees"
     ):
         load_recipe(eagle, ["eval.tree=mc_sim_7b_63"])
+
+
+def test_a_yaml_error_names_where_it_is_and_where_its_construct_started(tmp_path):
+    path = tmp_path / "broken.yaml"
+    path.write_text("train:\n  lr: [1\n")
+    with pytest.raises(RecipeError) as err:
+        load_recipe(path)
+    assert str(err.value) == (
+        f"{path}: not valid YAML: line 3, column 1: expected ',' or ']', but got '<stream end>' (while parsing a flow "
+        "sequence started at line 2, column 7)"
+    )

@@ -23,7 +23,7 @@ from typing import Any, Literal
 import yaml
 
 from models.methods import METHODS
-from train.schema import RecipeError, apply_overrides, build_dataclass
+from train.schema import RecipeError, apply_overrides, build_dataclass, yaml_problem
 
 # --------------------------------------------------------------------------------------------
 # Sections
@@ -476,7 +476,7 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None, inputs: ty
     try:
         raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     except yaml.YAMLError as exc:
-        raise RecipeError(f"{source}: not valid YAML: {exc}".splitlines()[0]) from None
+        raise RecipeError(f"{source}: not valid YAML: {yaml_problem(exc)}") from None
     except UnicodeDecodeError as exc:
         byte = exc.object[exc.start]
         raise RecipeError(f"{source}: not UTF-8 text (byte {byte:#04x} at offset {exc.start})") from None

@@ -116,6 +116,22 @@ def build_dataclass(cls: type, raw: Any, prefix: str, err) -> Any:
     return obj
 
 
+def yaml_problem(exc: yaml.YAMLError, lines: bool = True) -> str:
+    """One line from a YAML error: where it is (line and column, 1-based; `lines=False` for an override's value: the
+    character), what is wrong, and while doing what."""
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    context = getattr(exc, "context", None)
+    if mark is None:
+        where = ""
+    else:
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if lines else f"character {mark.column + 1}: "
+    started = getattr(exc, "context_mark", None)
+    if context and started is not None and lines:
+        context += f" started at line {started.line + 1}, column {started.column + 1}"
+    return where + problem + (f" ({context})" if context else "")
+
+
 def _parse_override(item: str, source: str) -> tuple[list[str], Any]:
     if "=" not in item:
         raise RecipeError(f"{source}: override {item!r} must look like section.key=value")
@@ -123,7 +139,7 @@ def _parse_override(item: str, source: str) -> tuple[list[str], Any]:
     try:
         return key.strip().split("."), yaml.safe_load(text) if text != "" else None
     except yaml.YAMLError as exc:
-        raise RecipeError(f"{source}: override {item!r}: not a YAML value: {exc}".splitlines()[0]) from None
+        raise RecipeError(f"{source}: override {item!r}: not a YAML value: {yaml_problem(exc, lines=False)}") from None
 
 
 def apply_overrides(raw: dict, overrides: list[str], source: str) -> dict:
