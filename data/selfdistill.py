@@ -330,24 +330,33 @@ def target_identity(target: str) -> dict[str, Any]:
     return {"path": str(path.resolve()), "files": files}
 
 
-def same_run(previous: dict[str, Any] | None, meta: dict[str, Any]) -> bool:
-    """Whether OUT's recorded settings and target are this run's. A weight file recorded by its size alone (before
-    samples of its bytes were hashed) matches on its size, so a run started then can still be finished."""
-    if previous is None or previous.get("settings") != meta["settings"]:
-        return False
+def run_difference(previous: dict[str, Any] | None, meta: dict[str, Any]) -> str | None:
+    """What differs between OUT's recorded settings and target and this run's (None: the same run). A weight file
+    recorded by its size alone (before samples of its bytes were hashed) matches on its size, so a run started then
+    can still be finished."""
+    if previous is None:
+        return "no readable record of its settings"
+    before_settings, now_settings = previous.get("settings") or {}, meta["settings"]
+    for key in [*now_settings, *(k for k in before_settings if k not in now_settings)]:  # the settings' order
+        old, new = before_settings.get(key), now_settings.get(key)
+        if old != new:
+            if key == "prompts":
+                return "other prompts (the prompt file's content differs)"
+            return f"--{key.replace('_', '-')} {old!r} there, {new!r} now"
     before, now = previous.get("target") or {}, meta["target"]
     if "files" not in before or "files" not in now:
-        return before == now
-    if {k: v for k, v in before.items() if k != "files"} != {k: v for k, v in now.items() if k != "files"}:
-        return False
+        return None if before == now else "another target"
+    changed = sorted(k for k in before.keys() | now.keys() if k != "files" and before.get(k) != now.get(k))
+    if changed:
+        return f"another target (its {changed[0]} differs)"
     if before["files"].keys() != now["files"].keys():
-        return False
+        return "another target (other weight files)"
     for name, old in before["files"].items():
         new = now["files"][name]
         by_size_only = isinstance(old, str) and old.startswith("bytes:") and "," not in old
         if old != new and not (by_size_only and new.split(",")[0] == old):
-            return False
-    return True
+            return f"another target (its {name} differs)"
+    return None
 
 
 def read_done(out: Path) -> set[str]:
@@ -466,10 +475,11 @@ def main(argv: list[str] | None = None) -> None:
                 previous = json.loads(meta_path.read_text()) if meta_path.exists() else None
             except (json.JSONDecodeError, UnicodeDecodeError):
                 previous = None  # unreadable: treated as other settings
-            if not same_run(previous, meta):
+            why = run_difference(previous, meta)
+            if why is not None:
                 raise SelfDistillError(
-                    f"{args.out} holds records made from other prompts, with other settings or another target "
-                    f"(see {meta_path}); refusing to resume: delete it (and its .part files) to start over"
+                    f"{args.out} holds records made with {why} (see {meta_path}); refusing to resume: delete it "
+                    "(and its .part files) to start over, or write to another --out"
                 )
             merge_parts(args.out, every)  # parts left by an interrupted run join OUT before anything is skipped
         args.out.parent.mkdir(parents=True, exist_ok=True)

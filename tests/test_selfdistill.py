@@ -138,11 +138,21 @@ def test_chat_records_keep_the_targets_token_ids(tiny_target, tmp_path):
             assert tokenizer.decode(body, skip_special_tokens=True, clean_up_tokenization_spaces=False) == text
 
 
-@pytest.mark.parametrize("change", [["--temperature", "0.7"], ["--batch-size", "3"], ["--seed", "1"]])
-def test_refuses_resume_with_other_settings_or_prompts(tiny_target, tmp_path, change):
+@pytest.mark.parametrize(
+    "change,why",
+    [
+        (["--temperature", "0.7"], "--temperature 0.0 there, 0.7 now"),
+        (["--batch-size", "3"], r"--batch-size \d+ there, 3 now"),
+        (["--seed", "1"], "--seed 0 there, 1 now"),
+        ([], r"other prompts \(the prompt file's content differs\)"),
+    ],
+)
+def test_refuses_resume_with_other_settings_or_prompts_naming_what_differs(tiny_target, tmp_path, change, why):
     prompts = write_jsonl(tmp_path / "p.jsonl", PLAIN)
     run(tiny_target, prompts, tmp_path / "out.jsonl", "--limit", "2")
-    with pytest.raises(SelfDistillError, match="refusing to resume"):
+    if not change:
+        write_jsonl(prompts, PLAIN[::-1])
+    with pytest.raises(SelfDistillError, match=f"out.jsonl holds records made with {why} .*refusing to resume"):
         run(tiny_target, prompts, tmp_path / "out.jsonl", "--limit", "2", *change)
 
 
@@ -178,7 +188,7 @@ def test_refuses_resume_onto_a_target_with_other_weights_of_the_same_size(tiny_t
         f.seek(size // 2)
         f.write(bytes(b ^ 0x01 for b in chunk))
     assert weights.stat().st_size == size
-    with pytest.raises(SelfDistillError, match="another target"):
+    with pytest.raises(SelfDistillError, match=r"made with another target \(its model.safetensors differs\)"):
         run(target, prompts, tmp_path / "out.jsonl", "--limit", "3")
     # a run whose meta recorded weight files by size alone (earlier versions) still resumes on a same-size file
     meta_path = tmp_path / "out.jsonl.meta.json"
