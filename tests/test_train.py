@@ -243,7 +243,11 @@ def test_resume_refuses_another_recipe(features, tmp_path):
     train(recipe("eagle2", features, tmp_path / "run", "train.max_steps=2"))
     reset_accelerate()
     other = recipe("eagle2", features, tmp_path / "run", "train.max_steps=3", "train.resume=auto", "drafter.w_ce=0.5")
-    with pytest.raises(TrainingError, match="different target/data/drafter settings"):
+    with pytest.raises(TrainingError, match=r"step-000002: saved with drafter.w_ce=0.1, .* has 0.5; resume with"):
+        train(other)
+    reset_accelerate()
+    (tmp_path / "run" / "recipe.yaml").write_text("target: {}\n")  # not the recipe it was trained with: sections
+    with pytest.raises(TrainingError, match="saved with other target/data/drafter settings than"):
         train(other)
     reset_accelerate()
     resized = recipe(

@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from train import TrainingError
 from train.checkpoint import (
+    RECIPE_FILE,
     CheckpointError,
     latest_checkpoint,
     list_checkpoints,
@@ -30,7 +31,7 @@ from train.checkpoint import (
     read_state,
     save_checkpoint,
 )
-from train.config import Recipe
+from train.config import Recipe, RecipeError, load_recipe
 from train.state import gather_state, restore_state, rng_state, set_rng_state
 
 
@@ -52,6 +53,33 @@ def truncate_metrics(path: Path, step: int) -> None:
         if record["step"] <= step:
             kept.append(line)
     path.write_text("".join(line + "\n" for line in kept))
+
+
+def _what_differs(path: Path, saved: dict[str, Any], recipe: Recipe) -> str:
+    """The first target/data/drafter key whose value differs from the one the checkpoint was trained with, read from
+    the run's recipe.yaml (when that is the recipe the checkpoint records); else the sections."""
+    sections = ("target", "data", "drafter")
+    generic = f"other target/data/drafter settings than {recipe.source}"
+    try:
+        trained = load_recipe(path.parent.parent / RECIPE_FILE)
+    except (RecipeError, OSError):
+        return generic
+    if trained.section_hash(*sections) != saved["recipe_hash"]:
+        return generic
+
+    def flat(value: Any, key: str, out: dict[str, Any]) -> dict[str, Any]:
+        if isinstance(value, dict) and value:
+            for k, v in value.items():
+                flat(v, f"{key}.{k}", out)
+        else:
+            out[key] = value
+        return out
+
+    before = {k: v for s in sections for k, v in flat(trained.to_dict()[s], s, {}).items()}
+    now = {k: v for s in sections for k, v in flat(recipe.to_dict()[s], s, {}).items()}
+    skip = {"data.verify_checksums"}  # a check, not a setting (not part of the hash)
+    key = next((k for k in [*before, *now] if k not in skip and before.get(k) != now.get(k)), None)
+    return generic if key is None else f"{key}={before.get(key)!r}, {recipe.source} has {now.get(key)!r}"
 
 
 def checkpoint_to_resume(recipe: Recipe, accelerator: Accelerator) -> Path | None:
@@ -79,8 +107,8 @@ def checkpoint_to_resume(recipe: Recipe, accelerator: Accelerator) -> Path | Non
         raise TrainingError(str(exc)) from None
     if saved["recipe_hash"] != recipe.section_hash("target", "data", "drafter"):
         raise TrainingError(
-            f"{path}: saved with different target/data/drafter settings than {recipe.source}; "
-            "resume with the recipe it was trained with (see its recipe.yaml)"
+            f"{path}: saved with {_what_differs(path, saved, recipe)}; resume with the recipe it was "
+            "trained with (see its recipe.yaml), or start a new run in another train.output_dir"
         )
     plan, want = saved.get("batch_plan", {}), batch_plan(recipe, accelerator.num_processes)
     changed = sorted(k for k in want if plan.get(k, want[k] if k in LATER_PLAN_KEYS else None) != want[k])
