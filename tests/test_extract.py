@@ -173,7 +173,8 @@ def test_flipped_shard_is_refused_then_repaired(recipe_path: Path, reference: Pa
             GradientState._reset_state()
     message = str(refused.value.code)
     assert message.startswith("error: ") and "\n" not in message
-    assert f"{victim}: sha256 " in message and f"re-run `python -m data.extract {recipe_path}` to repair it" in message
+    command = f"python -m data.extract {recipe_path} data.features_dir={features} train.output_dir={tmp_path / 'run'}"
+    assert f"{victim}: sha256 " in message and f"re-run `{command}` to repair it" in message
     assert message.count("data.extract") == 1  # the fix, said once, naming the recipe
 
     # extraction re-extracts exactly that shard, to the same bytes as a clean extraction

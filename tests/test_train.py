@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import shlex
 import shutil
 import subprocess
 from pathlib import Path
@@ -547,7 +548,8 @@ def test_a_bad_shard_hashed_by_one_process_stops_every_process(features, tmp_pat
     proc = launch([*shipped_config("ddp"), *slow, "-m", "train", str(RECIPES["eagle2"]), *args], CPU, ok=False)
     assert proc.returncode != 0
     start = f"error: {RECIPES['eagle2']}: data.features_dir: {victim}: sha256 "
-    end = f"; re-run `python -m data.extract {RECIPES['eagle2']}` to repair it"
+    # the repair command as the user ran training: the recipe and its overrides, so it repairs these features
+    end = f"; re-run `python -m data.extract {shlex.join([str(RECIPES['eagle2']), *args])}` to repair it"
     # once per process (both write to one pipe, so the two lines may come interleaved)
     assert proc.stderr.count(start) == proc.stderr.count(end) == 2, proc.stderr[-4000:]
     assert proc.stderr.count("data.extract") == 2  # the fix said once per message

@@ -15,6 +15,7 @@ import dataclasses
 import hashlib
 import json
 import re
+import shlex
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -343,11 +344,18 @@ class Recipe:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     source: str = "<memory>"
     """File the recipe was loaded from (not a YAML key)."""
+    overrides: tuple[str, ...] = ()
+    """The `section.key=value` overrides it was loaded with (not a YAML key)."""
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out.pop("source")
+        out.pop("overrides")
         return out
+
+    def command(self, module: str) -> str:
+        """`python -m MODULE` on this recipe as it was loaded (file and overrides), for hints a user can paste."""
+        return " ".join(["python -m", module, *(shlex.quote(arg) for arg in (self.source, *self.overrides))])
 
     def save(self, path: str | Path) -> None:
         """Write the resolved recipe (YAML) next to an output."""
@@ -483,5 +491,6 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None, inputs: ty
     if not isinstance(raw, dict):
         raise RecipeError(f"{source}: <top>: a recipe must be a mapping of sections, got {type(raw).__name__}")
     recipe = recipe_from_dict(apply_overrides(raw, overrides or [], source), source)
+    recipe.overrides = tuple(overrides or ())
     check_inputs(recipe, inputs)
     return recipe

@@ -139,13 +139,16 @@ def _check_zero3_sharing(accelerator: Accelerator, recipe: Recipe, target: Targe
         )
 
 
-def _features_problem(message: str, source: str) -> str:
-    """A feature error's message saying once how to fix it, with the recipe named: shard errors already say to
-    re-run `python -m data.extract RECIPE` (which re-extracts exactly the bad shards), settings mismatches do not."""
+def _features_problem(message: str, extract: str) -> str:
+    """A feature error's message saying once how to fix it, with `extract` (the extraction command of the recipe as
+    loaded, overrides included): shard errors already say to re-run `python -m data.extract RECIPE` (which
+    re-extracts exactly the bad shards) or to extract again, settings mismatches say neither."""
     generic = "python -m data.extract RECIPE"
     if generic in message:
-        return message.replace(generic, f"python -m data.extract {source}")
-    return f"{message} (re-extract with `python -m data.extract {source}`)"
+        return message.replace(generic, extract)
+    if "extract again" in message:
+        return message.replace("extract again", f"extract again with `{extract}`")
+    return f"{message} (re-extract with `{extract}`)"
 
 
 def sample_ids(samples, positions) -> list[int | str]:
@@ -168,7 +171,7 @@ def build_loaders(
         if data.features_dir is None:
             raise TrainingError(
                 f"{recipe.source}: data.features_dir is not set: offline training reads feature shards "
-                f"(run `python -m data.extract {recipe.source}`) or set train.online=true"
+                f"(run `{recipe.command('data.extract')}`) or set train.online=true"
             )
         # Each process hashes every N-th shard (1/N of the hashing each) and all of them share the verdicts: the
         # first problem found on any process stops every process with the same message, before any of them
@@ -182,7 +185,7 @@ def build_loaders(
                 verify_shards=(accelerator.process_index, accelerator.num_processes),
             )
         except (FeatureMismatchError, FileNotFoundError) as exc:
-            problem = _features_problem(str(exc), recipe.source)
+            problem = _features_problem(str(exc), recipe.command("data.extract"))
         problems = [p for p in gather_object([problem]) if p is not None]
         if problems:
             raise TrainingError(f"{recipe.source}: data.features_dir: {problems[0]}")
