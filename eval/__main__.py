@@ -15,15 +15,17 @@ import os
 import sys
 
 
-def use_interpreter_without_gpu() -> None:
+def use_interpreter_without_gpu(say: bool = True) -> None:
     """Without a GPU, run the Triton kernels under the Triton interpreter (TRITON_INTERPRET=1): slow, but the same
     kernels. Must run before `eval.kernels` (or triton) is imported: the interpreter is chosen when kernels are
-    defined. The report names what ran them (`kernels_backend`)."""
+    defined. The report names what ran them (`kernels_backend`); `say`: print it too (not when the recipe runs the
+    PyTorch twins instead)."""
     import torch  # importing torch does not import triton
 
     if not torch.cuda.is_available():
         os.environ["TRITON_INTERPRET"] = "1"
-        print("eval: no GPU: the Triton kernels run under the Triton interpreter (TRITON_INTERPRET=1)")
+        if say:
+            print("eval: no GPU: the Triton kernels run under the Triton interpreter (TRITON_INTERPRET=1)")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -31,12 +33,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("recipe", help="YAML recipe (see recipes/)")
     parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
     args = parser.parse_args(argv)
-    use_interpreter_without_gpu()
-    from eval.run import INPUT_ERRORS, output_dir, run, summary_line
-    from train.config import load_recipe
+    from train.config import RecipeError, load_recipe  # imports neither torch nor triton
 
     try:
         recipe = load_recipe(args.recipe, args.overrides, inputs=("target.path", "target.tokenizer", "eval.prompts"))
+    except RecipeError as exc:
+        sys.exit(f"error: {exc}")
+    use_interpreter_without_gpu(say=recipe.eval.kernels == "triton")
+    from eval.run import INPUT_ERRORS, output_dir, run, summary_line
+
+    try:
         summary = run(recipe)
     except INPUT_ERRORS as exc:
         sys.exit(f"error: {exc}")

@@ -61,6 +61,9 @@ CASES: dict[str, Case] = {
     # data.prepare: recipe, data files, target
     "prepare/unknown-key": Case("data.prepare", f"{M1} data.trian_files=[x]", ("{m1}", "data.trian_files", "unknown")),
     "prepare/no-recipe": Case("data.prepare", "{w}/nope.yaml", ("nope.yaml", "no such recipe file")),
+    "prepare/recipe-is-a-directory": Case(
+        "data.prepare", "{w}", ("{w}: a directory, not a recipe file (it holds", "bad.yaml")
+    ),
     "prepare/recipe-not-yaml": Case("data.prepare", "{w}/bad.yaml", ("bad.yaml", "not valid YAML: line 2, column 1:")),
     "prepare/recipe-not-utf8": Case("data.prepare", "{w}/latin1.yaml", ("latin1.yaml", "not UTF-8")),
     "prepare/missing-data-file": Case(

@@ -340,6 +340,9 @@ def test_engine_formats_refuse_what_they_cannot_hold(runs, tmp_path):
         export(runs["medusa1"], tmp_path / "c", fmt="sglang")
     with pytest.raises(ExportError, match="drafter.fc_bias=false"):  # vLLM would drop fc.bias without a word
         export(runs["eagle2-plain"], tmp_path / "d", fmt="vllm")
+    # a drafter no EAGLE-1/2 layout holds hears that first, not advice to export to layouts that refuse it too
+    with pytest.raises(ExportError, match="no FC-Norm, post-norm or feature fusion; .* or export --format native$"):
+        export(runs["eagle2"], tmp_path / "e", fmt="vllm")
     assert not list(tmp_path.iterdir())  # a refused export leaves nothing, not even its temporary directory
 
 

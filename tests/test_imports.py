@@ -19,7 +19,7 @@ from tiny import perturbed
 
 from models.configs import EagleConfig, MedusaConfig
 from models.eagle import EagleDrafter
-from models.io import ExportError, load_drafter
+from models.io import ExportError, load_drafter, save_native
 from models.medusa import MedusaHeads
 from train import export as export_mod
 from train.config import load_recipe
@@ -287,3 +287,15 @@ def test_an_existing_directory_is_not_overwritten(medusa_src, tmp_path):
             main([str(medusa_src), "--format", "medusa", "--target", MEDUSA_RECIPE, "--out", str(out)])
     assert sorted(p.name for p in medusa_src.iterdir()) == before
     shutil.rmtree(other)
+
+
+def test_a_checkpoint_in_another_layout_is_named_with_the_format_to_use(eagle_src, medusa_src, target, tmp_path):
+    """A wrong --format used to fail on the first field the other layout lacks ("hidden_size is None")."""
+    refused(eagle_src, "speculators", tmp_path / "a", "files are in the eagle layout", "import it with --format eagle")
+    refused(medusa_src, "eagle", tmp_path / "b", "no model.safetensors or pytorch_model.bin")  # Medusa's own files
+    config = json.loads((eagle_src / "config.json").read_text())
+    (eagle_src / "config.json").write_text(json.dumps({**config, "transformer_layer_config": {}}))
+    refused(eagle_src, "eagle3", tmp_path / "c", "files are in the speculators layout", "--format speculators")
+    native = tmp_path / "native"
+    save_native(native, perturbed(EagleDrafter(EagleConfig(), target.parts([-1]))), target)
+    refused(native, "eagle", tmp_path / "d", "already a native export", f"eval.drafter={native}")

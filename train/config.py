@@ -479,6 +479,11 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None, inputs: ty
     """Load, override and validate a YAML recipe; then check the input files of `inputs` (see `check_inputs`)."""
     path = Path(path)
     source = str(path)
+    if path.is_dir():
+        found = sorted(p.name for p in path.glob("*.yaml"))
+        raise RecipeError(
+            f"{source}: a directory, not a recipe file" + (f" (it holds {', '.join(found)})" if found else "")
+        )
     if not path.is_file():
         raise RecipeError(f"{source}: no such recipe file")
     try:

@@ -217,6 +217,7 @@ def write_vllm(out: Path, recipe: Recipe, target: Target, drafter: nn.Module, in
     `method: eagle` reads (vLLM wraps the Llama config itself). vLLM builds that drafter's fc without a bias and
     skips weights it has no parameter for, so drafters trained with an fc bias are refused, not exported wrong."""
     if METHODS[recipe.drafter.method].proposer == "eagle":
+        check_eagle_layout(drafter.cfg)  # first: what it cannot hold in any EAGLE-1/2 layout
         if drafter.cfg.fc_bias:
             raise ExportError(
                 "export.format: vllm builds the EAGLE fc without bias and would silently drop fc.bias; train with "
@@ -226,15 +227,20 @@ def write_vllm(out: Path, recipe: Recipe, target: Target, drafter: nn.Module, in
     write_vllm_medusa(out, recipe, target, drafter)
 
 
-def _write_eagle(out: Path, target: Target, drafter: nn.Module, include_target_weights: bool, fmt: str) -> None:
-    """The EAGLE-1/2 layout for `fmt`: "eagle" (SafeAILab), "vllm" (which reads SafeAILab's layout through
-    transformers' config) or "sglang"."""
-    cfg = drafter.cfg
+def check_eagle_layout(cfg) -> None:
+    """Refuse an EAGLE drafter that no EAGLE-1/2 layout (`eagle`, `sglang`, `vllm`) can hold."""
     if cfg.fc_norm or cfg.post_norm or cfg.feature_layers != [-1]:
         raise ExportError(
             "export.format: the EAGLE-1/2 layout has no FC-Norm, post-norm or feature fusion; train with "
             "drafter.fc_norm=false drafter.post_norm=false drafter.feature_layers=[-1], or export --format native"
         )
+
+
+def _write_eagle(out: Path, target: Target, drafter: nn.Module, include_target_weights: bool, fmt: str) -> None:
+    """The EAGLE-1/2 layout for `fmt`: "eagle" (SafeAILab), "vllm" (which reads SafeAILab's layout through
+    transformers' config) or "sglang"."""
+    cfg = drafter.cfg
+    check_eagle_layout(cfg)
     tensors = dict(drafter.trainable_state_dict())
     if include_target_weights:  # engines then use this copy instead of the target's embedding
         tensors["embed_tokens.weight"] = drafter.embed_tokens.weight
@@ -322,7 +328,8 @@ def export(
     """Export a run's drafter (from its newest checkpoint, or `checkpoint`); arguments left None come from the
     recipe's `export` section."""
     recipe, target, drafter = load_run(run_dir, checkpoint)
-    steps = read_state(checkpoint if checkpoint is not None else latest_checkpoint(run_dir))["step"]
+    ckpt = checkpoint if checkpoint is not None else latest_checkpoint(run_dir)
+    steps = read_state(ckpt)["step"] if ckpt is not None else None  # recorded for evaluation's staleness check
     fmt = fmt or recipe.export.format
     if fmt not in FORMATS:
         raise ExportError(f"export.format: {fmt!r} is not implemented yet (available: {', '.join(FORMATS)})")

@@ -42,6 +42,7 @@ from torch import nn
 
 from models.configs import Eagle3Config, EagleConfig, MedusaConfig
 from models.io import (
+    FORMAT,
     ExportError,
     check_export_dir,
     legacy_rope,
@@ -103,6 +104,36 @@ def read_source(src: Path, fmt: str) -> tuple[dict, dict[str, torch.Tensor], Pat
             tensors = read_safetensors(path) if name.endswith(".safetensors") else read_pt(path)
             return config, tensors, path
     raise ExportError(f"{src}: no {' or '.join(WEIGHTS[fmt])} (a {fmt} checkpoint's weights)")
+
+
+def looks_like(config: dict, tensors: dict[str, torch.Tensor]) -> tuple[str, str] | None:
+    """(format, evidence) a checkpoint's own fields point to, when they point clearly; None when they do not."""
+    if config.get("format") == FORMAT:
+        return "native", f"config.json says format {FORMAT!r}"
+    if "transformer_layer_config" in config or "speculators_model_type" in config:
+        return "speculators", "config.json has transformer_layer_config"
+    if "LlamaForCausalLMEagle3" in (config.get("architectures") or []) or any(
+        k.startswith("midlayer.") for k in tensors
+    ):
+        return "eagle3", "LlamaForCausalLMEagle3 / midlayer.* tensors"
+    if tensors and all(_MEDUSA_NAME.match(k) for k in tensors):
+        return "medusa", "FasterDecoding's {head}.{layer}.linear.* tensors"
+    if "fc.weight" in tensors and any(k.startswith("layers.") for k in tensors) and "d2t" not in tensors:
+        return "eagle", "fc.weight and layers.* without a draft vocabulary"
+    return None
+
+
+def check_layout(src: Path, fmt: str, config: dict, tensors: dict[str, torch.Tensor]) -> None:
+    """Name the layout a checkpoint is in when `--format` asks for another, before any field is read."""
+    found = looks_like(config, tensors)
+    if found is None or found[0] == fmt:
+        return
+    layout, evidence = found
+    if layout == "native":
+        raise ExportError(f"{src}: already a native export ({evidence}): evaluate it with eval.drafter={src}")
+    raise ExportError(
+        f"{src}: its files are in the {layout} layout ({evidence}), not {fmt}: import it with --format {layout}"
+    )
 
 
 def _int_field(config: dict, key: str, default: int | None, where: Path) -> int:
@@ -325,6 +356,7 @@ def import_checkpoint(src: str | Path, fmt: str, target: Target, out: str | Path
     src, out = Path(src), Path(out)
     check_export_dir(out, source=src)  # never replaces the checkpoint itself, or a directory no export wrote
     config, tensors, weights = read_source(src, fmt)
+    check_layout(src, fmt, config, tensors)
     reader = None
     if fmt in ("eagle3", "speculators"):
         drafter, reader = import_eagle3(config, tensors, weights, target, fmt == "speculators")
