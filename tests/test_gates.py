@@ -233,7 +233,7 @@ def test_engines_building_dynamic_rope_with_a_fixed_base_are_refused(fmt, target
     out = write(fmt, tmp_path / fmt, recipe, target, drafter)
     msg = one_line_error("rope_scaling type 'dynamic': this consumer builds NTK scaling with one fixed base", fmt,
                          out, recipe, target, drafter)  # fmt: skip
-    assert "export --format eagle" in msg
+    assert "only --format eagle, for EAGLE-1/2 drafters" in msg
 
 
 def test_dynamic_rope_grows_its_base_as_transformers_does():

@@ -305,8 +305,8 @@ def rope_cos_sin(
     if kind == "dynamic" and not length_dependent_ntk:
         raise ExportError(
             "config.json: rope_scaling type 'dynamic': this consumer builds NTK scaling with one fixed base (vLLM, "
-            "SGLang), not the length-dependent base of transformers the drafter trained with; export --format eagle "
-            "(EAGLE-1/2), or use a target without dynamic scaling"
+            "SGLang), not the length-dependent base of transformers the drafter trained with (of the engine formats "
+            "only --format eagle, for EAGLE-1/2 drafters, builds that one)"
         )
     if kind == "dynamic":  # NTK: the base grows once the sequence outgrows max_position_embeddings
         trained = int(config_value(config, "max_position_embeddings", 2048, notes))
