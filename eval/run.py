@@ -49,7 +49,7 @@ from models.medusa import MedusaHeads
 from models.methods import METHODS, Method
 from models.target import Target, TargetError, load_target
 from train.checkpoint import latest_checkpoint, read_state
-from train.config import EvalConfig, Recipe, RecipeError
+from train.config import EvalConfig, Recipe, RecipeError, dotted_settings
 from train.heldout import HELDOUT_FILE, HeldoutError, read_heldout
 
 CALIBRATION_SAMPLES = 64
@@ -352,17 +352,7 @@ def drafter_directory(recipe: dict[str, Any]) -> str:
 def _settings(recipe: dict[str, Any]) -> dict[str, Any]:
     """The flat (dotted keys) settings a report depends on: target, data, drafter and eval sections, the evaluated
     export's resolved directory instead of eval.drafter, and not eval.output_dir (where the report goes)."""
-    flat: dict[str, Any] = {}
-
-    def walk(value: Any, key: str) -> None:
-        if isinstance(value, dict) and value:
-            for k, v in value.items():
-                walk(v, f"{key}.{k}")
-        else:
-            flat[key] = value
-
-    for section in ("target", "data", "drafter", "eval"):
-        walk(recipe.get(section) or {}, section)
+    flat = dotted_settings(recipe, ("target", "data", "drafter", "eval"))
     flat.pop("eval.output_dir", None)
     flat.pop("data.verify_checksums", None)  # a check, not a setting
     flat["eval.drafter"] = str(Path(drafter_directory(recipe)).resolve())
@@ -373,7 +363,7 @@ def check_export_is_current(recipe: Recipe, drafter_dir: str, config: dict[str, 
     """Refuse the run's export when the run has trained on since it was made: evaluating it would measure an older
     drafter under the run's name. Exports that record no step (older ones, imports) are taken as they are."""
     exported = config.get("trained_steps")
-    newest = latest_checkpoint(recipe.train.output_dir) if Path(recipe.train.output_dir).is_dir() else None
+    newest = latest_checkpoint(recipe.train.output_dir)  # None without checkpoints (or without the directory)
     if not isinstance(exported, int) or newest is None:
         return
     trained = read_state(newest)["step"]

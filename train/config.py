@@ -370,6 +370,23 @@ class Recipe:
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
+def dotted_settings(recipe: dict[str, Any], sections: typing.Iterable[str]) -> dict[str, Any]:
+    """A recipe mapping's `sections` as flat `section.key` -> value (nested mappings walked, lists kept whole), in
+    the recipe's order: what refusals compare to name the first setting that differs."""
+    flat: dict[str, Any] = {}
+
+    def walk(value: Any, key: str) -> None:
+        if isinstance(value, dict) and value:
+            for k, v in value.items():
+                walk(v, f"{key}.{k}")
+        else:
+            flat[key] = value
+
+    for section in sections:
+        walk(recipe.get(section) or {}, section)
+    return flat
+
+
 SECTIONS: dict[str, type] = {
     "target": TargetConfig,
     "data": DataConfig,

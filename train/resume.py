@@ -31,7 +31,7 @@ from train.checkpoint import (
     read_state,
     save_checkpoint,
 )
-from train.config import Recipe, RecipeError, load_recipe
+from train.config import Recipe, RecipeError, dotted_settings, load_recipe
 from train.state import gather_state, restore_state, rng_state, set_rng_state
 
 
@@ -66,17 +66,7 @@ def _what_differs(path: Path, saved: dict[str, Any], recipe: Recipe) -> str:
         return generic
     if trained.section_hash(*sections) != saved["recipe_hash"]:
         return generic
-
-    def flat(value: Any, key: str, out: dict[str, Any]) -> dict[str, Any]:
-        if isinstance(value, dict) and value:
-            for k, v in value.items():
-                flat(v, f"{key}.{k}", out)
-        else:
-            out[key] = value
-        return out
-
-    before = {k: v for s in sections for k, v in flat(trained.to_dict()[s], s, {}).items()}
-    now = {k: v for s in sections for k, v in flat(recipe.to_dict()[s], s, {}).items()}
+    before, now = dotted_settings(trained.to_dict(), sections), dotted_settings(recipe.to_dict(), sections)
     skip = {"data.verify_checksums"}  # a check, not a setting (not part of the hash)
     key = next((k for k in [*before, *now] if k not in skip and before.get(k) != now.get(k)), None)
     return generic if key is None else f"{key}={before.get(key)!r}, {recipe.source} has {now.get(key)!r}"
