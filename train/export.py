@@ -217,24 +217,30 @@ def write_vllm(out: Path, recipe: Recipe, target: Target, drafter: nn.Module, in
     `method: eagle` reads (vLLM wraps the Llama config itself). vLLM builds that drafter's fc without a bias and
     skips weights it has no parameter for, so drafters trained with an fc bias are refused, not exported wrong."""
     if METHODS[recipe.drafter.method].proposer == "eagle":
+        check_eagle_layout(drafter.cfg)  # first what no EAGLE-1/2 layout holds, then what vLLM's cannot
+        if drafter.cfg.fc_bias:
+            raise ExportError(
+                "export.format: vllm builds the EAGLE fc without bias and would silently drop fc.bias; train with "
+                "drafter.fc_bias=false, or export --format eagle / sglang (which keep the bias)"
+            )
         return _write_eagle(out, target, drafter, include_target_weights, "vllm")
     write_vllm_medusa(out, recipe, target, drafter)
+
+
+def check_eagle_layout(cfg) -> None:
+    """Refuse an EAGLE drafter that no EAGLE-1/2 layout (`eagle`, `sglang`, `vllm`) can hold."""
+    if cfg.fc_norm or cfg.post_norm or cfg.feature_layers != [-1]:
+        raise ExportError(
+            "export.format: the EAGLE-1/2 layout has no FC-Norm, post-norm or feature fusion; train with "
+            "drafter.fc_norm=false drafter.post_norm=false drafter.feature_layers=[-1], or export --format native"
+        )
 
 
 def _write_eagle(out: Path, target: Target, drafter: nn.Module, include_target_weights: bool, fmt: str) -> None:
     """The EAGLE-1/2 layout for `fmt`: "eagle" (SafeAILab), "vllm" (which reads SafeAILab's layout through
     transformers' config) or "sglang"."""
     cfg = drafter.cfg
-    if cfg.fc_norm or cfg.post_norm or cfg.feature_layers != [-1]:  # first what no EAGLE-1/2 layout holds
-        raise ExportError(
-            "export.format: the EAGLE-1/2 layout has no FC-Norm, post-norm or feature fusion; train with "
-            "drafter.fc_norm=false drafter.post_norm=false drafter.feature_layers=[-1], or export --format native"
-        )
-    if fmt == "vllm" and cfg.fc_bias:
-        raise ExportError(
-            "export.format: vllm builds the EAGLE fc without bias and would silently drop fc.bias; train with "
-            "drafter.fc_bias=false, or export --format eagle / sglang (which keep the bias)"
-        )
+    check_eagle_layout(cfg)
     tensors = dict(drafter.trainable_state_dict())
     if include_target_weights:  # engines then use this copy instead of the target's embedding
         tensors["embed_tokens.weight"] = drafter.embed_tokens.weight
