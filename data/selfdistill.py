@@ -170,10 +170,10 @@ class PerRowSampler(LogitsProcessor):
 class Generator:
     """Batched left-padded generation with one target, returning text and finish reason per input."""
 
-    def __init__(self, model, tokenizer, settings: GenerationSettings):
+    def __init__(self, model, tokenizer, settings: GenerationSettings, extra_stop_ids: list[int] = ()):
         self.model, self.tokenizer, self.settings = model, tokenizer, settings
         stop = model.generation_config.eos_token_id
-        stop = set(stop if isinstance(stop, list) else [stop]) | {tokenizer.eos_token_id}
+        stop = set(stop if isinstance(stop, list) else [stop]) | {tokenizer.eos_token_id} | set(extra_stop_ids)
         if "<|end|>" in tokenizer.get_vocab():
             stop.add(tokenizer.convert_tokens_to_ids("<|end|>"))
         self.stop_ids = sorted(i for i in stop if i is not None)

@@ -9,6 +9,11 @@ A recipe set is a directory with `pipeline.yaml` and one training recipe per met
 
     target: artifacts/smollm2-135m-instruct     # the HF directory every recipe of the set names in target.path
     fetch: smollm2-135m-instruct                # optional: `python -m models.fetch NAME` when the target is missing
+    synthesize:                                 # optional first step: the target writes user requests itself
+      out: artifacts/smollm2-run/synth-prompts.jsonl   # (data.synthesize: no prompt dataset needed)
+      count: 4224                               # candidates; the filtered ones go to `out`
+      kinds: recipes/smollm2/prompts/synth_kinds.yaml  # optional steering (and max_new_tokens, batch_size, dtype,
+      processes: 2                              # temperature, top_p, seed, min_words, max_words, language, ...)
     selfdistill:                                # the target writes the answers the drafters learn (data.selfdistill)
       prompts: recipes/smollm2/prompts/train.jsonl
       out: artifacts/smollm2-run/selfdistill.jsonl   # the recipes' data.train_files
@@ -17,6 +22,7 @@ A recipe set is a directory with `pipeline.yaml` and one training recipe per met
       batch_size: 32
       dtype: bfloat16
       processes: 2                              # `accelerate launch` processes (CPU: gloo)
+    # or a list of such jobs, each with its own prompts and out (e.g. a dataset's prompts and synthesize's out)
     recipes: {eagle2: recipes/smollm2/eagle2.yaml, medusa1: recipes/smollm2/medusa1.yaml}
     shipped: {eagle2: recipes/smollm2/drafters/eagle2}   # optional: committed exports, for --shipped
     shipped_overrides: {medusa1: [eval.tree=chain]}      # optional: eval overrides for --shipped, per method
@@ -59,6 +65,10 @@ from train.checkpoint import latest_checkpoint, read_state
 ROOT = Path(__file__).resolve().parents[1]
 PIPELINE = "pipeline.yaml"
 SELFDISTILL_KEYS = {"prompts", "out", "limit", "max_new_tokens", "batch_size", "dtype", "processes", "temperature"}
+SYNTHESIZE_KEYS = {
+    "out", "count", "kinds", "max_new_tokens", "batch_size", "dtype", "processes", "temperature", "top_p", "seed",
+    "min_words", "max_words", "language", "near_duplicate",
+}  # fmt: skip
 
 
 def banner(text: str) -> None:
@@ -98,7 +108,8 @@ def load_pipeline(directory: Path) -> dict[str, Any]:
         sys.exit(f"run: {path}: no such file (a recipe set is a directory with {PIPELINE}; see --help)")
     spec = yaml.safe_load(path.read_text()) or {}
     where = shown(path)
-    known = {"target", "fetch", "selfdistill", "recipes", "shipped", "shipped_overrides", "large_trees", "extra_evals"}
+    known = {"target", "fetch", "synthesize", "selfdistill", "recipes", "shipped", "shipped_overrides", "large_trees"}
+    known |= {"extra_evals"}
     unknown = set(spec) - known
     if unknown:
         sys.exit(f"run: {where}: unknown keys {sorted(unknown)}")
@@ -109,11 +120,25 @@ def load_pipeline(directory: Path) -> dict[str, Any]:
     for method, recipe in spec["recipes"].items():
         if not (ROOT / recipe).is_file():
             sys.exit(f"run: {where}: recipes.{method}: {recipe} does not exist")
-    distill = spec.get("selfdistill")
-    if distill is not None and (not isinstance(distill, dict) or set(distill) - SELFDISTILL_KEYS):
-        sys.exit(f"run: {where}: selfdistill: takes the keys {sorted(SELFDISTILL_KEYS)}")
-    if distill is not None and not {"prompts", "out"} <= set(distill):
-        sys.exit(f"run: {where}: selfdistill: needs prompts and out")
+    synth = spec.get("synthesize")
+    if synth is not None and (not isinstance(synth, dict) or set(synth) - SYNTHESIZE_KEYS):
+        sys.exit(f"run: {where}: synthesize: takes the keys {sorted(SYNTHESIZE_KEYS)}")
+    if synth is not None and not {"out", "count"} <= set(synth):
+        sys.exit(f"run: {where}: synthesize: needs out and count")
+    jobs = spec.get("selfdistill")
+    if isinstance(jobs, dict):
+        spec["selfdistill"] = jobs = [jobs]
+    if jobs is not None and not isinstance(jobs, list):
+        sys.exit(f"run: {where}: selfdistill: a mapping of settings, or a list of them")
+    for i, distill in enumerate(jobs or ()):
+        key = "selfdistill" if len(jobs) == 1 else f"selfdistill[{i}]"
+        if not isinstance(distill, dict) or set(distill) - SELFDISTILL_KEYS:
+            sys.exit(f"run: {where}: {key}: takes the keys {sorted(SELFDISTILL_KEYS)}")
+        if not {"prompts", "out"} <= set(distill):
+            sys.exit(f"run: {where}: {key}: needs prompts and out")
+    outs = [d["out"] for d in jobs or ()]
+    if len(set(outs)) < len(outs):
+        sys.exit(f"run: {where}: selfdistill: two jobs write the same out")
     return spec
 
 
@@ -145,16 +170,26 @@ def read_recipe(path: str) -> dict[str, Any]:
     return yaml.safe_load((ROOT / path).read_text())
 
 
-def selfdistill_cmd(distill: dict[str, Any], target: str) -> list[str]:
-    py, n = sys.executable, int(distill.get("processes", 1))
+def launch_cmd(module: str, settings: dict[str, Any], target: str, flags: list[str]) -> list[str]:
+    """`python -m MODULE --target TARGET --key value ...` for the `flags` set in `settings`, through `accelerate
+    launch` when `settings` asks for several processes."""
+    py, n = sys.executable, int(settings.get("processes", 1))
     launch = [py, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(n), "--num_machines", "1"]
     launch += ["--mixed_precision", "no", "--dynamo_backend", "no"]
-    cmd = (launch if n > 1 else [py]) + ["-m", "data.selfdistill", "--target", target]
-    cmd += ["--prompts", distill["prompts"], "--out", distill["out"], "--seed", "0"]
-    for key in ("limit", "max_new_tokens", "batch_size", "dtype", "temperature"):
-        if key in distill:
-            cmd += [f"--{key.replace('_', '-')}", str(distill[key])]
+    cmd = (launch if n > 1 else [py]) + ["-m", module, "--target", target]
+    for key in flags:
+        if key in settings:
+            cmd += [f"--{key.replace('_', '-')}", str(settings[key])]
     return cmd
+
+
+def selfdistill_cmd(distill: dict[str, Any], target: str) -> list[str]:
+    flags = ["prompts", "out", "seed", "limit", "max_new_tokens", "batch_size", "dtype", "temperature"]
+    return launch_cmd("data.selfdistill", {"seed": 0} | distill, target, flags)
+
+
+def synthesize_cmd(synth: dict[str, Any], target: str) -> list[str]:
+    return launch_cmd("data.synthesize", {"seed": 0} | synth, target, sorted(SYNTHESIZE_KEYS - {"processes"}))
 
 
 def shown(path: Path) -> str:
@@ -164,6 +199,29 @@ def shown(path: Path) -> str:
 
 def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def distill_provenance(distill: dict[str, Any]) -> dict[str, Any] | None:
+    """A self-distillation job's recorded settings and record count (None before it ran)."""
+    meta = ROOT / (distill["out"] + ".meta.json")
+    if not meta.is_file():
+        return None
+    return (
+        {"out": distill["out"]}
+        | json.loads(meta.read_text())["settings"]
+        | {"records": records_in(ROOT / distill["out"])}
+    )
+
+
+def synthesis_provenance(synth: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The synthesized prompts' settings, filters and counts (None without that step)."""
+    meta = ROOT / (synth["out"] + ".meta.json") if synth else None
+    if meta is None or not meta.is_file():
+        return None
+    recorded = json.loads(meta.read_text())
+    return {"out": synth["out"]} | {
+        k: recorded.get(k) for k in ("settings", "filters", "candidates", "kept", "removed")
+    }
 
 
 def ship(spec: dict[str, Any], method: str, recipe: dict[str, Any], directory: Path) -> None:
@@ -183,8 +241,6 @@ def ship(spec: dict[str, Any], method: str, recipe: dict[str, Any], directory: P
     shutil.copyfile(run_dir / "metrics.jsonl", dest / "metrics.jsonl")
     # The target's architecture, so that the drafter can be checked (and loaded) without the target's weights.
     shutil.copyfile(ROOT / spec["target"] / "config.json", dest / "target_config.json")
-    distill = spec.get("selfdistill") or {}
-    meta = ROOT / (distill.get("out", "") + ".meta.json")
     target_provenance = ROOT / spec["target"] / "provenance.json"
     files = {f.name: sha256(f) for f in sorted(dest.iterdir()) if f.is_file() and f.name != "PROVENANCE.json"}
     provenance = {
@@ -193,9 +249,8 @@ def ship(spec: dict[str, Any], method: str, recipe: dict[str, Any], directory: P
         "pipeline": shown(directory / PIPELINE),
         "command": f"python recipes/run.py {shown(directory)} --methods {method} --ship",
         "target": json.loads(target_provenance.read_text()) if target_provenance.is_file() else spec["target"],
-        "selfdistill": json.loads(meta.read_text())["settings"] | {"records": records_in(ROOT / distill["out"])}
-        if meta.is_file()
-        else None,
+        "synthesize": synthesis_provenance(spec.get("synthesize")),
+        "selfdistill": [distill_provenance(distill) for distill in spec.get("selfdistill") or ()],
         "training": {"steps": trained_steps(run_dir), "batch_size": recipe["train"]["batch_size"]},
         "commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip(),
         "files_sha256": files,
@@ -290,12 +345,18 @@ def main() -> None:
         sys.exit(f"run: {spec['target']}: no target there (config.json missing), and the set names no `fetch`")
 
     if not args.shipped:
-        distill = spec.get("selfdistill")
-        if distill is not None:
+        synth = spec.get("synthesize")
+        if synth is not None:
+            banner(f"synthesis: the target writes {synth['count']} candidate requests into {synth['out']}")
+            # always run: it generates only the candidates still missing and filters them again (cheap)
+            run_step("synthesize", synthesize_cmd(synth, spec["target"]), log_dir, distill_env)
+        jobs = spec.get("selfdistill") or []
+        for i, distill in enumerate(jobs):
             banner(f"self-distillation: the target answers {distill['prompts']} ({distill.get('limit', 'all')})")
             # always run: it writes only the records still missing, and refuses a file made with other prompts,
             # settings or another target (a count of records would not see those)
-            run_step("selfdistill", selfdistill_cmd(distill, spec["target"]), log_dir, distill_env)
+            step = "selfdistill" if i == 0 else f"selfdistill-{i}"
+            run_step(step, selfdistill_cmd(distill, spec["target"]), log_dir, distill_env)
 
         by_dir: dict[str, str] = {}  # features_dir -> the first method whose recipe names it extracts them for all
         for method, conf in confs.items():

@@ -118,7 +118,8 @@ def test_the_driver_runs_every_step_then_resumes_by_skipping_them(recipe_set):
     for method in METHODS:  # --ship copied the exports with their provenance
         shipped = recipe_set / "shipped" / method
         provenance = json.loads((shipped / "PROVENANCE.json").read_text())
-        assert provenance["selfdistill"]["records"] == 8 and provenance["training"]["steps"] == 3
+        assert provenance["selfdistill"][0]["records"] == 8 and provenance["training"]["steps"] == 3
+        assert provenance["synthesize"] is None
         assert set(provenance["files_sha256"]) == {
             "config.json", "model.safetensors", "draft_vocab.safetensors", "metrics.jsonl", "target_config.json"
         }  # fmt: skip
@@ -153,3 +154,44 @@ def test_a_set_without_pipeline_yaml_is_one_line(tmp_path):
     done = subprocess.run([sys.executable, "recipes/run.py", str(tmp_path)], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode != 0 and "Traceback" not in done.stderr
     assert done.stderr.strip().startswith(f"run: {tmp_path / 'pipeline.yaml'}: no such file")
+
+
+def write_pipeline(root: Path, **keys) -> Path:
+    recipe_file = root / "r.yaml"
+    recipe_file.write_text("{}\n")
+    (root / "pipeline.yaml").write_text(yaml.safe_dump({"target": "t", "recipes": {"eagle2": str(recipe_file)}} | keys))
+    return root
+
+
+def test_synthesis_and_several_self_distillation_jobs_become_their_commands(tmp_path):
+    from recipes.run import load_pipeline, selfdistill_cmd, synthesize_cmd
+
+    synth = {"out": "s.jsonl", "count": 64, "kinds": "k.yaml", "processes": 2, "language": "any", "top_p": 0.9}
+    jobs = [{"prompts": "a.jsonl", "out": "a-out.jsonl", "limit": 8}, {"prompts": "s.jsonl", "out": "s-out.jsonl"}]
+    spec = load_pipeline(write_pipeline(tmp_path, synthesize=synth, selfdistill=jobs))
+    cmd = synthesize_cmd(spec["synthesize"], "t")
+    assert cmd[cmd.index("-m", 3) :] == ["-m", "data.synthesize", "--target", "t", "--count", "64", "--kinds",
+        "k.yaml", "--language", "any", "--out", "s.jsonl", "--seed", "0", "--top-p", "0.9"]  # fmt: skip
+    assert "--num_processes" in cmd and cmd[cmd.index("--num_processes") + 1] == "2"
+    second = selfdistill_cmd(spec["selfdistill"][1], "t")
+    assert second[1:] == ["-m", "data.selfdistill", "--target", "t", "--prompts", "s.jsonl", "--out", "s-out.jsonl",
+        "--seed", "0"]  # fmt: skip
+    one = load_pipeline(write_pipeline(tmp_path, selfdistill=jobs[0]))  # a single job as a mapping, as before
+    assert one["selfdistill"] == [jobs[0]]
+
+
+@pytest.mark.parametrize(
+    "keys, message",
+    [
+        ({"synthesize": {"out": "s.jsonl"}}, "synthesize: needs out and count"),
+        ({"synthesize": {"out": "s.jsonl", "count": 4, "topics": "x"}}, "synthesize: takes the keys"),
+        ({"selfdistill": [{"prompts": "a"}, {"prompts": "b", "out": "o"}]}, r"selfdistill\[0\]: needs prompts and out"),
+        ({"selfdistill": [{"prompts": "a", "out": "o"}, {"prompts": "b", "out": "o"}]}, "two jobs write the same out"),
+        ({"selfdistill": "a.jsonl"}, "selfdistill: a mapping of settings, or a list of them"),
+    ],
+)
+def test_bad_synthesis_and_self_distillation_settings_are_one_line(tmp_path, keys, message):
+    from recipes.run import load_pipeline
+
+    with pytest.raises(SystemExit, match=message):
+        load_pipeline(write_pipeline(tmp_path, **keys))

@@ -33,7 +33,9 @@ def test_files_match_their_recorded_hashes(shipped):
         assert hashlib.sha256((shipped / name).read_bytes()).hexdigest() == digest, name
     assert (shipped / "model.safetensors").stat().st_size <= MAX_BYTES
     assert provenance["target"]["source"]["sha256"]  # the GGUF the target was converted from
-    assert provenance["selfdistill"]["records"] > 0 and provenance["training"]["steps"] > 0
+    jobs = provenance["selfdistill"]  # one self-distillation job, or a list of them (documentation + synthesized)
+    assert all(job["records"] > 0 for job in (jobs if isinstance(jobs, list) else [jobs]))
+    assert provenance["training"]["steps"] > 0
 
 
 @pytest.mark.parametrize("shipped", SHIPPED, ids=lambda p: f"{p.parts[-3]}/{p.name}")
