@@ -57,6 +57,7 @@ def summarize(records: list[dict[str, Any]], meta: dict[str, Any]) -> dict[str, 
         "near_tie_margins": [t["margin"] for t in ties],
         "tokens_per_round_histogram": _histogram([a + 1 for a in accepted]),
         "by_group": _by_group(records),
+        "by_context": _by_context(records),
         "by_tree_size": _by_tree_size(records),
         "time_per_round": _time_per_round(records),
         "batches": _batches(records),
@@ -146,6 +147,26 @@ def _by_group(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         stats = round_stats([a for x in spec for a in x["accepted"]], [e for x in spec for e in x["extendable"]])
         speedup = _ratio(_speed(rows, "speculative"), _speed(rows, "plain"))
         out[name] = {"prompts": len(rows), **stats, "speedup_vs_plain": speedup}
+    return out
+
+
+def _by_context(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """τ, acceptance by depth and speed-up per context length asked for (`eval.context_lengths`), with the prompts'
+    mean length in tokens; empty without context lengths."""
+    lengths: dict[int, list[dict[str, Any]]] = {}
+    for r in records:
+        if r.get("context") is not None:
+            lengths.setdefault(int(r["context"]), []).append(r)
+    out = {}
+    for length, rows in sorted(lengths.items()):
+        spec = [r["speculative"] for r in rows]
+        stats = round_stats([a for x in spec for a in x["accepted"]], [e for x in spec for e in x["extendable"]])
+        out[str(length)] = {
+            "prompts": len(rows),
+            "prompt_tokens": sum(r["prompt_tokens"] for r in rows) / len(rows),
+            **stats,
+            "speedup_vs_plain": _ratio(_speed(rows, "speculative"), _speed(rows, "plain")),
+        }
     return out
 
 
@@ -240,6 +261,7 @@ def to_markdown(s: dict[str, Any]) -> str:
             markdown_table(SUMMARY_HEADER, [summary_row(s)]),
             "## Acceptance by depth\n\n" + markdown_table(depth_header, depth_rows),
             *([_group_table(s["by_group"])] if s.get("by_group") else []),
+            *([_context_table(s["by_context"])] if s.get("by_context") else []),
             *([_size_table(s["by_tree_size"])] if len(s.get("by_tree_size") or {}) > 1 else []),
             *([_time_table(s["time_per_round"])] if s.get("time_per_round") else []),
             "## Per prompt\n\n" + markdown_table(["prompt", "new tokens", "τ", "speedup", "lossless"], prompt_rows),
@@ -269,6 +291,22 @@ def _group_table(groups: dict[str, dict[str, Any]]) -> str:
     return "## By prompt group (category / kind)\n\n" + markdown_table(header, rows)
 
 
+def _context_table(lengths: dict[str, dict[str, Any]]) -> str:
+    rows = [
+        [
+            "prompt alone" if name == "0" else f"≤ {int(name):,}",
+            str(c["prompts"]),
+            f"{c['prompt_tokens']:,.0f}",
+            _fmt(c["accept_len"]),
+            " / ".join(_fmt(x) for x in c["accept_rate_by_depth"][:4]),
+            _fmt(c["speedup_vs_plain"], 2, "×"),
+        ]
+        for name, c in lengths.items()
+    ]
+    header = ["context (tokens)", "prompts", "mean prompt tokens", "τ", "acceptance by depth", "vs plain"]
+    return "## τ by context length (each prompt behind earlier conversation)\n\n" + markdown_table(header, rows)
+
+
 def _time_table(t: dict[str, float]) -> str:
     keys = ["target_s", "draft_s", "loop_s", "plain_token_s"]
     names = {"target_s": "verify (target)", "draft_s": "draft", "loop_s": "loop", "plain_token_s": "one plain token"}
@@ -288,15 +326,17 @@ def _batch_note(s: dict[str, Any]) -> str:
 
 
 def plot(s: dict[str, Any], path: Path) -> None:
-    """Acceptance rate by depth (bars), the histogram of tokens per round (whose mean is τ) and, when tree sizes vary
-    per round, τ by tree size."""
+    """Acceptance rate by depth (bars), the histogram of tokens per round (whose mean is τ), τ by tree size when tree
+    sizes vary per round, and τ by context length when the run measured several."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     sizes = s.get("by_tree_size") or {}
-    fig, axes = plt.subplots(1, 3 if len(sizes) > 1 else 2, figsize=(13.5 if len(sizes) > 1 else 9, 3.5))
+    contexts = s.get("by_context") or {}
+    panels = 2 + (len(sizes) > 1) + (len(contexts) > 1)
+    fig, axes = plt.subplots(1, panels, figsize=(4.5 * panels, 3.5))
     ax1, ax2 = axes[0], axes[1]
     rates = [x or 0.0 for x in s["accept_rate_by_depth"]]
     ax1.bar(range(1, len(rates) + 1), rates, color="tab:blue")
@@ -321,6 +361,15 @@ def plot(s: dict[str, Any], path: Path) -> None:
             twin = axes[2].twinx()
             twin.plot(ns, speeds, color="tab:red", marker="x", linestyle=":")
             twin.set_ylabel("tok/s in those rounds", color="tab:red")
+    if len(contexts) > 1:  # eval.context_lengths: τ against the prompts' mean length
+        ax = axes[-1]
+        tokens = [c["prompt_tokens"] for c in contexts.values()]
+        ax.plot(tokens, [c["accept_len"] for c in contexts.values()], marker="o", color="tab:purple")
+        for c, x in zip(contexts.values(), tokens):
+            ax.annotate(f"{c['accept_len']:.2f}", (x, c["accept_len"]), textcoords="offset points", xytext=(0, 6))
+        ax.set_xscale("log")
+        top = max(c["accept_len"] or 0 for c in contexts.values())
+        ax.set(xlabel="prompt tokens (mean, log scale)", ylabel="τ", ylim=(0, top * 1.2 + 0.1), title="τ by context")
     fig.suptitle(f"{s['method']} ({s['tree']})")
     fig.tight_layout()
     fig.savefig(path, dpi=100)

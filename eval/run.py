@@ -41,7 +41,7 @@ from eval.checks import near_tie, tie_margin
 from eval.costs import measure_costs
 from eval.decode import DecodeSettings, GenerationResult, sliding_window, speculative_generate_batch
 from eval.heads import FitData, shard_fit_data, two_stage_projections
-from eval.prompts import load_prompts, stop_token_ids
+from eval.prompts import load_conversations, load_prompts, stop_token_ids
 from eval.proposers import Proposer, build_proposer
 from eval.report import summarize, write_report
 from models.io import ExportError, load_draft_vocab, load_drafter, read_config
@@ -263,6 +263,7 @@ def _record(target: Target, prompt: dict[str, Any], spec: GenerationResult) -> d
         "id": prompt["id"],
         "prompt_tokens": len(prompt["input_ids"]),
         "group": prompt.get("group"),
+        **({"context": prompt["context"]} if "context" in prompt else {}),
         "speculative": spec.stats()
         | {
             "accepted": spec.accepted,
@@ -469,11 +470,19 @@ def run(recipe: Recipe) -> dict[str, Any] | None:
     if method.adapts_target:  # Medusa-2: the LoRA-merged target verifies, and is the baseline too
         drafter = drafter.adapt_target(target)
         target_desc += f" + {recipe.drafter.method} LoRA (merged)"
-    prompts = load_prompts(ev.prompts, target.tokenizer, ev.max_prompts)
+    conversations = load_conversations(ev.context_source) if any(ev.context_lengths) else None
+    prompts = load_prompts(ev.prompts, target.tokenizer, ev.max_prompts, ev.context_lengths, conversations)
     eos = stop_token_ids(target)
     settings = DecodeSettings.from_recipe(ev, eos)
     window = sliding_window(target.model)
     needed = max(len(p["input_ids"]) for p in prompts) + ev.max_new_tokens + ev.tree_total_tokens
+    positions = target.config.to_dict().get("max_position_embeddings")  # not every architecture states one
+    if positions is not None and needed > positions:
+        key = "eval.context_lengths" if ev.context_lengths else "eval.prompts"
+        raise EvalError(
+            f"{recipe.source}: {key}: the longest prompt + eval.max_new_tokens + eval.tree_total_tokens is {needed} "
+            f"tokens, beyond the target's max_position_embeddings ({positions})"
+        )
     if window is not None and needed > window:  # refused before hours of decoding, not at the first long prompt
         raise EvalError(
             f"{recipe.source}: the target's sliding-window attention keeps {window} positions, and the longest prompt "
@@ -546,6 +555,7 @@ def run(recipe: Recipe) -> dict[str, Any] | None:
         "batch_size": ev.batch_size,
         "prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS,
         "tree_calibration": calibration[0] if calibration else None,
+        "context_source": ev.context_source if any(ev.context_lengths) else None,
     }
     summary = summarize(records, meta)
     write_report(summary, out_dir)

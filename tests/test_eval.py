@@ -569,3 +569,95 @@ def test_the_runs_own_export_must_be_of_its_newest_checkpoint(tmp_path, monkeypa
     assert summary["num_prompts"] == 1
     export(tmp_path / "run")  # re-exported: the default pick is current again
     assert eval_run(load_recipe(path, ["eval.output_dir=" + str(tmp_path / "again")]))["num_prompts"] == 1
+
+
+def _conversations_file(tmp_path) -> Path:
+    """Earlier conversation for `eval.context_lengths`: chat records (one with a system turn, one unanswered) and a
+    plain prompt / completion record."""
+    path = tmp_path / "context.jsonl"
+    records = [
+        {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"Topic {i}?"},
+                      {"role": "assistant", "content": f"An answer about topic {i}. " * 6}]}
+        for i in range(6)
+    ] + [
+        {"messages": [{"role": "user", "content": "never answered"}]},
+        {"prompt": "A plain question?", "completion": "A plain answer. " * 5},
+    ]  # fmt: skip
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def test_prompts_follow_earlier_conversation_up_to_each_length(tmp_path, target):
+    """Each chat prompt once per length: whole conversations from the source (system turns dropped, unanswered ones
+    skipped) precede it, as many as fit; 0 is the prompt alone; the prompt's own ids end every input."""
+    from eval.prompts import load_conversations
+
+    conversations = load_conversations(str(_conversations_file(tmp_path)))
+    assert len(conversations) == 7 and all(c[0]["role"] == "user" for c in conversations)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"id": "a", "messages": [{"role": "user", "content": "Count to five."}]}) + "\n")
+    alone = load_prompts(str(prompts), target.tokenizer, None)[0]["input_ids"]
+    out = load_prompts(str(prompts), target.tokenizer, None, [0, 80, 200, 10_000], conversations)
+    assert [p["id"] for p in out] == ["a@0", "a@80", "a@200", "a@10000"] and [p["context"] for p in out] == [
+        0,
+        80,
+        200,
+        10000,
+    ]
+    assert out[0]["input_ids"] == alone
+    lengths = [len(p["input_ids"]) for p in out]
+    assert lengths[0] < lengths[1] <= 80 < lengths[2] <= 200 < lengths[3]
+    tail = target.tokenizer.apply_chat_template([{"role": "user", "content": "Count to five."}], tokenize=False,
+                                                add_generation_prompt=True)  # fmt: skip
+    for p in out[1:]:
+        text = target.tokenizer.decode(p["input_ids"])
+        assert text.endswith(tail.removeprefix(target.tokenizer.bos_token or "")) and "Topic" in text
+        assert "never answered" not in text and "Be brief." not in text
+    everything = target.tokenizer.decode(out[3]["input_ids"])  # room for all: each conversation once
+    assert all(everything.count(f"Topic {i}?") == 1 for i in range(6)) and "A plain question?" in everything
+
+
+def test_eval_reports_tau_by_context_length(tmp_path, target):
+    torch.manual_seed(0)
+    drafter = EagleDrafter(EagleConfig(), target.parts([-1]))
+    save_native(tmp_path / "run" / "export", drafter, target)
+    section = {"tree": "dynamic", "tree_depth": 2, "tree_top_k": 2, "tree_total_tokens": 4, "max_prompts": 2,
+               "context_lengths": [0, 120], "context_source": str(_conversations_file(tmp_path))}  # fmt: skip
+    main([_recipe(tmp_path, "eagle2", {}, section)])
+    out = tmp_path / "run" / "eval"
+    report = json.loads((out / "report.json").read_text())
+    assert report["num_prompts"] == 4 and report["lossless"] is True
+    assert [r["context"] for r in report["per_prompt"]] == [0, 0, 120, 120]
+    by = report["by_context"]
+    assert set(by) == {"0", "120"} and by["0"]["prompt_tokens"] < by["120"]["prompt_tokens"] <= 120
+    rows = [r for r in report["per_prompt"] if r["context"] == 120]
+    assert by["120"]["rounds"] == sum(len(r["speculative"]["accepted"]) for r in rows)
+    assert "## τ by context length" in (out / "report.md").read_text()
+    assert report["context_source"].endswith("context.jsonl")
+
+
+@pytest.mark.parametrize(
+    "section, message",
+    [
+        ({"context_lengths": [0, 512]}, "eval.context_source: is required"),
+        ({"context_lengths": [512, 512], "context_source": "x"}, "eval.context_lengths: lists a length twice"),
+        ({"context_lengths": [-1], "context_source": "x"}, "eval.context_lengths: must be token counts >= 0"),
+    ],
+)
+def test_bad_context_settings_are_named(tmp_path, section, message):
+    from train.config import RecipeError
+
+    with pytest.raises(RecipeError, match=message):
+        load_recipe(_recipe(tmp_path, "eagle2", {}, section))
+
+
+def test_context_beyond_the_targets_positions_is_refused_before_decoding(tmp_path, target):
+    torch.manual_seed(0)
+    save_native(tmp_path / "run" / "export", EagleDrafter(EagleConfig(), target.parts([-1])), target)
+    long = [{"role": "user", "content": "word " * 3000}, {"role": "assistant", "content": "ok"}]
+    (tmp_path / "long.jsonl").write_text(json.dumps({"messages": long}) + "\n")
+    section = {"context_lengths": [5000], "context_source": str(tmp_path / "long.jsonl"), "max_prompts": 1}
+    with pytest.raises(EvalError, match=r"eval.context_lengths: .* beyond the target's max_position_embeddings"):
+        from eval.run import run
+
+        run(load_recipe(_recipe(tmp_path, "eagle2", {}, section)))

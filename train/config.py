@@ -263,6 +263,13 @@ class EvalConfig(SamplingConfig):
     batches). Speeds are then batch throughputs. Prompt lookup decodes one prompt at a time: with batch_size > 1,
     `baselines` must leave it out."""
     seed: int = 0
+    context_lengths: list[int] = field(default_factory=list)
+    """Also measure τ at long context: every prompt is decoded once per length here, preceded by whole conversations
+    from `context_source` (as many as fit) so that its input reaches at most that many tokens; 0 = the prompt alone.
+    The report gives τ per length (a table and a plot), e.g. [0, 1024, 2048, 4096]; chat prompts only."""
+    context_source: str | None = None
+    """JSONL conversations that precede the prompts under `context_lengths`: chat records with assistant turns, or
+    {prompt, completion} records (e.g. data.selfdistill's answers to prompts the drafter never trained on)."""
 
     def validate(self, err) -> None:
         if self.max_new_tokens < 1:
@@ -302,6 +309,15 @@ class EvalConfig(SamplingConfig):
             )
         if self.tie_margin is not None and not 0 <= self.tie_margin < float("inf"):
             err("eval.tie_margin", f"must be a finite number >= 0, got {self.tie_margin}")
+        if any(not isinstance(n, int) or n < 0 for n in self.context_lengths):
+            err("eval.context_lengths", f"must be token counts >= 0 (0: the prompt alone), got {self.context_lengths}")
+        elif len(set(self.context_lengths)) < len(self.context_lengths):
+            err("eval.context_lengths", f"lists a length twice: {self.context_lengths}")
+        if any(self.context_lengths) and self.context_source is None:
+            err(
+                "eval.context_source",
+                "is required with eval.context_lengths above 0 (the conversations before a prompt)",
+            )
         if self.acceptance == "typical" and self.temperature == 0:
             err("eval.acceptance", "typical acceptance needs temperature > 0 (greedy is already exact)")
 
