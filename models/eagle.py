@@ -64,6 +64,26 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(d_in, self.num_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, d, bias=False)
 
+    def project(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (B, n, d_in) -> q (B, H, n, hd), k and v (B, Hkv, n, hd), RoPE applied to q and k."""
+        B, n, _ = x.shape
+        q = self.q_proj(x).view(B, n, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, n, hd)
+        k = self.k_proj(x).view(B, n, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, n, hd)
+        v = self.v_proj(x).view(B, n, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, n, hd)
+        cos, sin = rope[0][:, None], rope[1][:, None]  # (B, 1, n, hd)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
+
+    def repeat_kv(self, t: torch.Tensor) -> torch.Tensor:
+        """(B, Hkv, S, hd) -> (B, H, S, hd). Explicit: SDPA's enable_gqa has no memory-efficient masked GPU kernel."""
+        return t.repeat_interleave(self.num_heads // self.num_kv_heads, dim=1)
+
+    def output(self, out: torch.Tensor) -> torch.Tensor:
+        """(B, H, n, hd) attention output -> (B, n, d)."""
+        B, _, n, _ = out.shape
+        return self.o_proj(out.transpose(1, 2).reshape(B, n, self.num_heads * self.head_dim))
+
     def forward(
         self,
         x: torch.Tensor,
@@ -72,20 +92,11 @@ class Attention(nn.Module):
         cache: DraftCache | None,
         layer_idx: int,
     ) -> torch.Tensor:
-        B, n, _ = x.shape
-        q = self.q_proj(x).view(B, n, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, n, hd)
-        k = self.k_proj(x).view(B, n, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, n, hd)
-        v = self.v_proj(x).view(B, n, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, n, hd)
-        cos, sin = rope[0][:, None], rope[1][:, None]  # (B, 1, n, hd)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        q, k, v = self.project(x, rope)
         if cache is not None:
             k, v = cache.update(layer_idx, k, v)  # (B, Hkv, S + n, hd)
-        # Repeat KV heads explicitly: SDPA's enable_gqa has no memory-efficient masked kernel on GPU.
-        groups = self.num_heads // self.num_kv_heads
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # (B, H, S + n, hd)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])  # (B, H, n, hd)
-        return self.o_proj(out.transpose(1, 2).reshape(B, n, self.num_heads * self.head_dim))  # (B, n, d)
+        out = F.scaled_dot_product_attention(q, self.repeat_kv(k), self.repeat_kv(v), attn_mask=mask[:, None])
+        return self.output(out)  # (B, n, d)
 
 
 class MLP(nn.Module):

@@ -23,7 +23,7 @@ from models.common import (
     FrozenRef,
     TargetParts,
     num_loss_tokens,
-    packed_causal_mask,
+    segment_ids,
     shifted_valid,
 )
 from models.configs import Eagle3Config
@@ -51,6 +51,79 @@ class Eagle3Layer(nn.Module):
         residual = normed if self.norm_before_residual else g
         h = residual + self.self_attn(torch.cat([self.input_layernorm(emb), normed], dim=-1), rope, mask, cache, 0)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+    def unrolled(
+        self, emb: torch.Tensor, g: torch.Tensor, rope, past: list[KeyValue], seg: torch.Tensor, real: torch.Tensor
+    ) -> tuple[torch.Tensor, KeyValue]:
+        """One training-time-test step over a whole batch: emb, g (B, T, d), the keys and values of the earlier steps
+        (`past`, step 0 first), the packed samples' ids and real-token flags (B, T) -> h (B, T, d) and this step's
+        keys and values. Attention as in `ttt_attention`, in memory linear in T."""
+        normed = self.hidden_norm(g)
+        residual = normed if self.norm_before_residual else g
+        attn = self.self_attn
+        q, k, v = attn.project(torch.cat([self.input_layernorm(emb), normed], dim=-1), rope)
+        steps = [*past, (k, v)]
+        keys = [attn.repeat_kv(key) for key, _ in steps]  # (B, H, T, hd) each
+        values = [attn.repeat_kv(value) for _, value in steps]
+        h = residual + attn.output(ttt_attention(q, keys, values, seg, real))
+        return h + self.mlp(self.post_attention_layernorm(h)), (k, v)
+
+
+KeyValue = tuple[torch.Tensor, torch.Tensor]
+TTT_QUERY_CHUNK = 256
+"""Queries per block of `ttt_attention`: its memory is O(chunk x T) per block, recomputed in the backward pass."""
+
+
+def ttt_attention(
+    q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], seg: torch.Tensor, real: torch.Tensor
+) -> torch.Tensor:
+    """Attention of unrolled step j = len(keys) - 1: q (B, H, T, hd); keys / values of steps 0..j (B, H, T, hd) each;
+    packed sample ids `seg` and real-token flags `real` (B, T). Query t attends to the step-0 keys of its own sample up
+    to t (never to padding; t itself always, so that no row is empty) and to its own keys of steps 1..j.
+
+    That is the dense (B, T, (j+1)·T) mask `[causal | own | ... | own]` that drafting with a cache uses, computed in
+    blocks of TTT_QUERY_CHUNK queries over the keys up to the block's end, the own keys as one score each: with
+    activation checkpointing per block, memory grows linearly with T instead of quadratically (4k-token rows)."""
+    T = q.shape[2]
+    blocks = []
+    for start in range(0, T, TTT_QUERY_CHUNK):
+        end = min(start + TTT_QUERY_CHUNK, T)
+        args = (
+            q[:, :, start:end],
+            keys[0][:, :, :end],
+            values[0][:, :, :end],
+            torch.stack([k[:, :, start:end] for k in keys[1:]], dim=3) if len(keys) > 1 else None,
+            torch.stack([v[:, :, start:end] for v in values[1:]], dim=3) if len(values) > 1 else None,
+            seg[:, :end],
+            real[:, :end],
+            start,
+        )
+        if torch.is_grad_enabled() and q.requires_grad:
+            blocks.append(torch.utils.checkpoint.checkpoint(_ttt_block, *args, use_reentrant=False))
+        else:
+            blocks.append(_ttt_block(*args))
+    return torch.cat(blocks, dim=2)  # (B, H, T, hd)
+
+
+def _ttt_block(q, k0, v0, own_k, own_v, seg, real, start: int) -> torch.Tensor:
+    """Queries start..start+c (B, H, c, hd) over step-0 keys 0..end (B, H, end, hd) and their own keys of the later
+    steps (B, H, c, j, hd) -> (B, H, c, hd)."""
+    c, end = q.shape[2], k0.shape[2]
+    scale = q.shape[-1] ** -0.5
+    scores = (q @ k0.transpose(-1, -2)).float() * scale  # (B, H, c, end)
+    qpos = torch.arange(start, start + c, device=q.device)
+    kpos = torch.arange(end, device=q.device)
+    allowed = (kpos[None, :] <= qpos[:, None]) & (seg[:, start : start + c, None] == seg[:, None, :])  # (B, c, end)
+    allowed = (allowed & real[:, None, :]) | (kpos[None, :] == qpos[:, None])
+    scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+    if own_k is not None:
+        own = (q[:, :, :, None] * own_k).sum(-1).float() * scale  # (B, H, c, j)
+        scores = torch.cat([scores, own], dim=-1)
+    probs = scores.softmax(-1).to(q.dtype)  # (B, H, c, end [+ j])
+    out = probs[..., :end] @ v0  # (B, H, c, hd)
+    if own_v is not None:
+        out = out + (probs[..., end:, None] * own_v).sum(-2)
+    return out
 
 
 class Eagle3Drafter(nn.Module):
@@ -154,9 +227,8 @@ class Eagle3Drafter(nn.Module):
             features = features + (torch.rand_like(features) * 2 - 1) * self.cfg.input_noise
         ids, positions = batch["input_ids"], batch["position_ids"]
         B, T = ids.shape
-        causal = packed_causal_mask(batch)  # (B, T, T)
-        own = torch.eye(T, dtype=torch.bool, device=ids.device).expand(B, T, T)
-        cache = self.new_cache()
+        seg, real = segment_ids(positions), batch["attention_mask"].bool()  # (B, T) each
+        past: list[KeyValue] = []
         g = self.fuse_features(features)  # (B, T, d)
         outputs = []
         # Always `ttt_steps` steps, even when a batch is too short for the later ones to have any target: every
@@ -164,8 +236,11 @@ class Eagle3Drafter(nn.Module):
         ahead = torch.arange(T, device=ids.device)
         for j in range(self.cfg.ttt_steps):
             next_ids = ids.gather(1, (ahead + j + 1).clamp(max=T - 1).expand(B, T))  # x_{t+j+1} (the last id past T)
-            mask = torch.cat([causal] + [own] * j, dim=-1)  # (B, T, (j+1)·T): the prefix, then t's own steps
-            h, normed = self._predict(g, next_ids, positions + j, mask, cache)
+            emb = self.embed_tokens(next_ids).to(g.dtype)
+            # step j stands at t + j and attends to t's prefix (step 0) and to t's own steps 1..j
+            h, kv = self.midlayer.unrolled(emb, g, self.rotary_emb(g, positions + j), past, seg, real)
+            past.append(kv)
+            normed = self.norm(h)
             outputs.append(normed)
             g = normed if self.cfg.norm_output else h
         return outputs

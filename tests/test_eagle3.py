@@ -635,3 +635,48 @@ def test_draft_vocab_warning_only_below_the_threshold():
     assert draft_vocab_warning(MIN_IN_VOCAB, recipe) is None and draft_vocab_warning(0.97, recipe) is None
     warning = draft_vocab_warning(0.42, recipe)
     assert warning.startswith(f"warning: {RECIPE}: only 42% of held-out loss positions") and "\n" not in warning
+
+
+def test_unrolled_attention_in_blocks_gives_the_same_outputs_and_gradients(setup, monkeypatch):
+    """`ttt_attention` computed in blocks of 3 queries (several blocks, checkpointed) equals one block over the whole
+    packed batch: outputs and every trained tensor's gradient."""
+    from models import eagle3
+
+    model, _, _, packed = setup
+    results = []
+    for chunk in (1000, 3):
+        monkeypatch.setattr(eagle3, "TTT_QUERY_CHUNK", chunk)
+        drafter = drafter_for(model, ttt_steps=3, fc_norm=True).train()
+        drafter.cfg = drafter.cfg.__class__(**{**drafter.cfg.__dict__, "input_noise": 0.0})
+        out = drafter(packed)
+        out["loss"].backward()
+        grads = {n: p.grad.clone() for n, p in drafter.named_parameters() if p.requires_grad}
+        results.append((out["loss"].detach(), torch.stack([s.detach() for s in drafter.unroll(packed)]), grads))
+    (loss_a, steps_a, grads_a), (loss_b, steps_b, grads_b) = results
+    torch.testing.assert_close(steps_b, steps_a, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(loss_b, loss_a, rtol=1e-6, atol=1e-7)
+    for name, grad in grads_a.items():
+        torch.testing.assert_close(grads_b[name], grad, rtol=1e-4, atol=1e-7, msg=name)
+
+
+def test_unrolled_attention_memory_grows_linearly_with_length(monkeypatch):
+    """The memory autograd keeps for the backward pass of `ttt_attention` (checkpointed blocks: their inputs, views
+    of the whole keys) doubles when the sequence doubles; dense attention scores would quadruple."""
+    from models.eagle3 import ttt_attention
+
+    def saved_bytes(T: int) -> int:
+        storages = {}  # block inputs are views of the whole keys: count each storage once
+
+        def pack(t):
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        q = torch.randn(1, 2, T, 8, requires_grad=True)
+        kv = [torch.randn(1, 2, T, 8, requires_grad=True) for _ in range(6)]
+        seg, real = torch.ones(1, T, dtype=torch.long), torch.ones(1, T, dtype=torch.bool)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            ttt_attention(q, kv[:3], kv[3:], seg, real)
+        return sum(storages.values())
+
+    small, large = saved_bytes(1024), saved_bytes(2048)
+    assert 1.8 < large / small < 2.3, (small, large)
