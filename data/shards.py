@@ -12,8 +12,9 @@ The manifest carries a *header* (format version, target identity, layer indices,
 storage dtype, template fingerprint) that readers and resumed extractions compare against what
 they expect, plus per-shard sha256, size, sample ids and lengths, and totals. It names its shards by
 bare file name: an entry naming a path (`../x`, `/abs/x`, `sub/x`) is refused. A shard whose size or
-sha256 differs from its entry (bit rot, an edit, another run's shard) is refused by readers, naming
-the shard, and extracted again by a re-run of `data.extract`.
+sha256 differs from its entry (bit rot, an edit, another run's shard), or that is a symbolic link to a file
+outside the directory, is refused by readers, naming the shard, and extracted again by a re-run of `data.extract`
+(which replaces the link, not what it points to).
 """
 
 from __future__ import annotations
@@ -87,9 +88,15 @@ def check_shard_names(manifest: dict[str, Any], where: str | Path) -> None:
 def shard_problem(
     path: Path, entry: dict[str, Any], verify_checksums: bool = True, manifest: str | Path = "the manifest"
 ) -> str | None:
-    """How the file at `path` differs from its `manifest` entry (missing, another size, another sha256), or None."""
+    """How the file at `path` differs from its `manifest` entry (missing, another size, another sha256, a symbolic
+    link out of its directory), or None."""
     if not path.is_file():
         return f"missing, listed in {manifest}"
+    if path.is_symlink() and not path.resolve().is_relative_to(path.parent.resolve()):
+        return (
+            f"a symbolic link to {path.resolve()}, outside {path.parent}: a feature directory's shards are its own "
+            "files, and one outside it is not read"
+        )
     size = path.stat().st_size
     if size != entry["bytes"]:
         return f"{size} bytes where {manifest} says {entry['bytes']}: a truncated, edited or foreign shard"

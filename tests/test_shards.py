@@ -137,6 +137,28 @@ def test_foreign_shard_is_refused(tmp_path) -> None:
     FeatureDataset(tmp_path / "theirs")
 
 
+def test_a_shard_that_links_out_of_its_directory_is_refused(tmp_path) -> None:
+    """A faithful copy of the shard outside the directory, linked in its place: same bytes, same sha256, and still
+    refused (with or without hashing); a link to a file inside the directory is read."""
+    features = tmp_path / "features"
+    write(features, random_samples(6))
+    shard = features / "shard-00001.safetensors"
+    outside = tmp_path / "elsewhere.safetensors"
+    outside.write_bytes(shard.read_bytes())
+    shard.unlink()
+    shard.symlink_to(outside)
+    for verify in (True, False):
+        with pytest.raises(FeatureMismatchError) as refused:
+            FeatureDataset(features, verify_checksums=verify)
+        message = str(refused.value)
+        assert message.startswith(f"{shard}: a symbolic link to {outside}, outside {features}") and "\n" not in message
+    shard.unlink()
+    inside = features / "kept.bin"
+    inside.write_bytes(outside.read_bytes())
+    shard.symlink_to(inside.name)
+    assert len(FeatureDataset(features)) == 6
+
+
 @pytest.mark.parametrize("name", ["../x.safetensors", "ABSOLUTE", "sub/x.safetensors", "..", ""])
 def test_manifest_names_only_bare_file_names(tmp_path, name: str) -> None:
     features = tmp_path / "features"
