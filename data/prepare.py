@@ -125,9 +125,14 @@ def _tokenize_plain(record: dict[str, Any], tokenizer: Any) -> TokenizedRecord:
     prompt = tokenizer(record["prompt"], add_special_tokens=False)["input_ids"]
     bos = [] if tokenizer.bos_token_id is None else [tokenizer.bos_token_id]
     if record.get("completion_ids") is not None:  # self-distilled: the target's own tokens, its stop token included
+        if record["completion_ids"] == []:
+            raise DataError("`completion_ids` is empty (a generation holds at least its stop token)")
         _same_vocabulary(record, tokenizer)
         completion, eos = _token_ids(record["completion_ids"], len(tokenizer)), []
     else:
+        # An empty answer (written by hand, or cut to nothing) would teach the drafter to end every such text at once.
+        if not record["completion"].strip():
+            raise DataError("empty completion (nothing to learn but the end of the text)")
         completion = tokenizer(record["completion"], add_special_tokens=False)["input_ids"]
         # A completion cut off by a length limit did not end: no EOS for the drafter to learn there.
         eos = [] if tokenizer.eos_token_id is None or 0 in cut_turns(record) else [tokenizer.eos_token_id]
