@@ -18,6 +18,39 @@ from eval import named_trees
 
 LLAMA_LINEAR_LAYERS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
+# Upper bounds on the drafter's sizes, checked at load time (the recipe schema's other bounds: `train.config`). Always
+# these; and against the target where its config is readable without loading it (`TargetConfig.size`): layers
+# within its num_hidden_layers, vocabularies within its vocab_size, LoRA rank within its hidden_size.
+MAX_LAYERS = 64
+"""drafter.num_layers (EAGLE decoder layers; Medusa residual blocks per head)."""
+MAX_HEADS = 64
+"""drafter.num_heads (Medusa; the papers use 3-5)."""
+MAX_TTT_STEPS = 64
+"""drafter.ttt_steps (EAGLE-3 unrolled steps; the paper uses 7)."""
+MAX_VOCAB = 1 << 22
+"""drafter.draft_vocab, drafter.topk_metric."""
+MAX_RANK = 1 << 16
+"""drafter.lora_r (Medusa-2's adapters; its recipes use 32)."""
+
+
+def at_most(err, key: str, value: int, limit: int | None, what: str = "the upper bound") -> None:
+    """err(key, ...) when `limit` is known and value > limit."""
+    if limit is not None and value > limit:
+        err(key, f"{value} is more than {what} ({limit})")
+
+
+def check_target_sizes(cfg, recipe, err) -> None:
+    """A drafter's layers within the target's (a drafter deeper than its target is never what was meant), its
+    vocabularies within the target's vocabulary."""
+    layers, vocab = recipe.target.size("num_hidden_layers"), recipe.target.size("vocab_size")
+    if hasattr(cfg, "num_layers"):
+        at_most(err, "drafter.num_layers", cfg.num_layers, layers, "the target's num_hidden_layers")
+    for key in ("draft_vocab", "topk_metric"):
+        if hasattr(cfg, key):
+            at_most(err, f"drafter.{key}", getattr(cfg, key), vocab, "the target's vocab_size")
+    if hasattr(cfg, "lora_r"):
+        at_most(err, "drafter.lora_r", cfg.lora_r, recipe.target.size("hidden_size"), "the target's hidden_size")
+
 
 @dataclass
 class EagleConfig:
@@ -57,11 +90,14 @@ class EagleConfig:
             err("drafter.w_feat", f"w_feat and w_ce must be >= 0 and not both 0, got {self.w_feat}, {self.w_ce}")
         if self.topk_metric < 1:
             err("drafter.topk_metric", f"must be >= 1, got {self.topk_metric}")
+        at_most(err, "drafter.num_layers", self.num_layers, MAX_LAYERS)
+        at_most(err, "drafter.topk_metric", self.topk_metric, MAX_VOCAB)
 
     def check_inputs(self, err) -> None:
         """No input files of its own."""
 
     def check_recipe(self, recipe, err) -> None:
+        check_target_sizes(self, recipe, err)
         if -1 not in recipe.data.layers:
             err("data.layers", f"EAGLE regresses the last hidden state: -1 must be stored, got {recipe.data.layers}")
 
@@ -105,6 +141,9 @@ class Eagle3Config:
             err("drafter.input_noise", f"must be >= 0, got {self.input_noise}")
         if self.topk_metric < 1:
             err("drafter.topk_metric", f"must be >= 1, got {self.topk_metric}")
+        at_most(err, "drafter.draft_vocab", self.draft_vocab, MAX_VOCAB)
+        at_most(err, "drafter.ttt_steps", self.ttt_steps, MAX_TTT_STEPS)
+        at_most(err, "drafter.topk_metric", self.topk_metric, MAX_VOCAB)
 
     def resolved_layers(self, num_layers: int) -> list[int]:
         """`feature_layers`, or low / mid / high of a `num_layers`-layer target; ValueError when there is none."""
@@ -122,6 +161,7 @@ class Eagle3Config:
         """No input files of its own."""
 
     def check_recipe(self, recipe, err) -> None:
+        check_target_sizes(self, recipe, err)
         if -1 not in recipe.data.layers:
             err(
                 "data.layers",
@@ -174,11 +214,14 @@ class MedusaConfig:
             err("drafter.num_layers", f"must be >= 1, got {self.num_layers}")
         if not 0.0 < self.decay <= 1.0:
             err("drafter.decay", f"must be in (0, 1], got {self.decay}")
+        at_most(err, "drafter.num_heads", self.num_heads, MAX_HEADS)
+        at_most(err, "drafter.num_layers", self.num_layers, MAX_LAYERS)
 
     def check_inputs(self, err) -> None:
         """No input files of its own."""
 
     def check_recipe(self, recipe, err) -> None:
+        check_target_sizes(self, recipe, err)
         tree = recipe.eval.tree
         if tree in ("chain", "calibrated") and recipe.eval.tree_depth > self.num_heads:
             err("eval.tree_depth", f"{recipe.eval.tree_depth} exceeds the number of Medusa heads ({self.num_heads})")
@@ -247,6 +290,7 @@ class Medusa2Config(MedusaConfig):
             err("drafter.head_loss_coef", f"must be >= 0, got {self.head_loss_coef}")
         if self.alpha_warmup_steps < 0:
             err("drafter.alpha_warmup_steps", f"must be >= 0, got {self.alpha_warmup_steps}")
+        at_most(err, "drafter.lora_r", self.lora_r, MAX_RANK)
 
     def check_inputs(self, err) -> None:
         """Before training: the stage-1 heads exist in one of the forms `load_stage1_heads` reads."""

@@ -6,6 +6,7 @@ pytest tests/test_recipes.py
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 
 import pytest
@@ -100,6 +101,56 @@ BAD = {
     "unknown baseline": (["eval.baselines=[plane]"], "eval.baselines", "unknown ['plane']"),
     "empty eval batches": (["eval.batch_size=0"], "eval.batch_size", "must be >= 1"),
     "prompt lookup in a batch": (["eval.batch_size=4"], "eval.batch_size", "eval.baselines=[plain]"),
+    # sizes: each bounded at load time, against the target where its config says (the tiny target: 2 layers, 8192
+    # tokens; max_position_embeddings set by the case) and always against a documented upper bound
+    "endless decoding": (["eval.max_new_tokens=1000000000000"], "eval.max_new_tokens", "more than the upper bound"),
+    "decoding past the target's positions": (
+        ["target.random_init.max_position_embeddings=256", "eval.max_new_tokens=300"],
+        "eval.max_new_tokens",
+        "300 is more than the target's max_position_embeddings (256)",
+    ),
+    "a tree past the target's positions": (
+        ["target.random_init.max_position_embeddings=256", "eval.tree_total_tokens=300"],
+        "eval.tree_total_tokens",
+        "max_position_embeddings (256)",
+    ),
+    "sequences past the target's positions": (
+        ["target.random_init.max_position_embeddings=64"],
+        "data.max_len",
+        "128 is more than the target's max_position_embeddings (64)",
+    ),
+    "a huge context": (
+        ["eval.context_lengths=[0,1000000000000]", "eval.context_source=c.jsonl"],
+        "eval.context_lengths[1]",
+        "upper bound",
+    ),
+    "huge batch": (["train.batch_size=1000000000000"], "train.batch_size", "more than the upper bound (4096)"),
+    "huge accumulation": (["train.grad_accum=1000000000000"], "train.grad_accum", "upper bound (4096)"),
+    "huge step": (
+        ["train.batch_size=4096", "train.grad_accum=4096"],
+        "train.batch_size",
+        "tokens per process and step",
+    ),
+    "huge eval batch": (["eval.batch_size=1000000000000", "eval.baselines=[plain]"], "eval.batch_size", "upper bound"),
+    "huge sequences": (["data.max_len=1000000000000"], "data.max_len", "upper bound"),
+    "huge shards": (["data.shard_tokens=1000000000000"], "data.shard_tokens", "upper bound"),
+    "huge extraction batches": (["data.extract_batch_tokens=1000000000000"], "data.extract_batch_tokens", "upper"),
+    "huge heads": (["drafter.num_heads=1000000000000"], "drafter.num_heads", "more than the upper bound (64)"),
+    "huge head blocks": (["drafter.num_layers=1000000000000"], "drafter.num_layers", "upper bound (64)"),
+    "head blocks past the target's layers": (
+        ["drafter.num_layers=3"],
+        "drafter.num_layers",
+        "3 is more than the target's num_hidden_layers (2)",
+    ),
+    "huge tree": (["eval.tree_total_tokens=1000000000000"], "eval.tree_total_tokens", "upper bound"),
+    "deep tree": (["eval.tree_depth=1000000000000"], "eval.tree_depth", "upper bound (64)"),
+    "wide tree": (["eval.tree_top_k=1000000000000"], "eval.tree_top_k", "upper bound"),
+    "draft vocabulary past the target's": (
+        ["eval.draft_vocab=9000"],
+        "eval.draft_vocab",
+        "9000 is more than the target's vocab_size (8192)",
+    ),
+    "loss vocabulary past the target's": (["train.loss_vocab=9000"], "train.loss_vocab", "vocab_size (8192)"),
     "mc_sim_7b_63 over a tiny draft vocabulary": (
         ["drafter.num_heads=4", "eval.tree=mc_sim_7b_63", "eval.tree_top_k=4", "eval.draft_vocab=4"],
         "eval.draft_vocab",
@@ -173,3 +224,54 @@ def test_a_yaml_error_names_where_it_is_and_where_its_construct_started(tmp_path
         f"{path}: not valid YAML: line 3, column 1: expected ',' or ']', but got '<stream end>' (while parsing a flow "
         "sequence started at line 2, column 7)"
     )
+
+
+EAGLE3 = ROOT / "recipes/tiny/eagle3.yaml"  # a 4-layer target of 8192 tokens
+
+
+@pytest.mark.parametrize(
+    "overrides, key, phrase",
+    [
+        (["drafter.draft_vocab=9000"], "drafter.draft_vocab", "9000 is more than the target's vocab_size (8192)"),
+        (["drafter.draft_vocab=1000000000000"], "drafter.draft_vocab", "upper bound"),
+        (["drafter.ttt_steps=1000000000000"], "drafter.ttt_steps", "more than the upper bound (64)"),
+    ],
+)
+def test_eagle3_sizes_are_bounded(overrides, key, phrase):
+    with pytest.raises(RecipeError, match=rf"^{EAGLE3}: {key}: .*{re.escape(phrase)}"):
+        load_recipe(EAGLE3, overrides)
+
+
+def test_eagle_drafter_layers_are_bounded_by_the_targets():
+    eagle = ROOT / "recipes/tiny/eagle2.yaml"  # a 2-layer target
+    with pytest.raises(RecipeError, match=r"drafter.num_layers: 3 is more than the target's num_hidden_layers \(2\)"):
+        load_recipe(eagle, ["drafter.num_layers=3"])
+    assert load_recipe(eagle, ["drafter.num_layers=2"]).drafter.num_layers == 2
+
+
+NINE = "[" + ", ".join(["*a"] * 9) + "]"
+BOMB = (
+    "[&a [1, 1, 1, 1, 1, 1, 1, 1, 1], "
+    + ", ".join(f"&{name} " + NINE.replace("a", below) for below, name in zip("abcdefgh", "bcdefghi"))
+    + "]"
+)
+"""A 'billion laughs': nine levels of nine aliases, over 9**9 numbers once expanded (in 300 bytes of YAML)."""
+
+
+def test_an_alias_bomb_is_refused_at_load(tmp_path):
+    """Nested aliases expand exponentially; anything quoting or saving the value (here: the wrong-type message
+    quoting it) would never finish. Refused as the file is read, in one line naming it and where; a recipe may
+    still use aliases within reason."""
+    path = tmp_path / "bomb.yaml"
+    text = TINY.read_text()
+    line = text.splitlines().index("  max_steps: 20") + 1
+    path.write_text(text.replace("  max_steps: 20", f"  max_steps: {BOMB}"))
+    with pytest.raises(RecipeError, match=rf"^{path}: line {line}, column \d+: aliases expand this node to more than"):
+        load_recipe(path)
+    with pytest.raises(RecipeError, match=r"override 'train.max_steps=.*: aliases expand"):
+        load_recipe(TINY, [f"train.max_steps={BOMB}"])
+    path.write_text(text + "loop: &l [*l]\n")
+    with pytest.raises(RecipeError, match=rf"^{path}: line \d+, column \d+: a node that contains itself"):
+        load_recipe(path)
+    path.write_text(text.replace("  max_steps: 20", "  max_steps: &n 20\n  keep_checkpoints: *n"))
+    assert load_recipe(path).train.keep_checkpoints == 20

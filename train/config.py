@@ -23,14 +23,46 @@ from typing import Any, Literal
 
 import yaml
 
+from data.lock import NotADirectory, check_output_path
 from models.methods import METHODS
-from train.schema import RecipeError, apply_overrides, build_dataclass, yaml_problem
+from train.schema import RecipeError, YAMLTooLarge, apply_overrides, build_dataclass, safe_load, yaml_problem
 
 # --------------------------------------------------------------------------------------------
 # Sections
 
 
 _EXPONENT_FLOAT = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+")
+
+# Upper bounds on sizes, checked at load time with one line naming the key. Against the target where its config is
+# readable without loading it (`TargetConfig.size`): token counts (data.max_len, eval.max_new_tokens, eval tree sizes,
+# eval.context_lengths) within its max_position_embeddings, vocabulary sizes (train.loss_vocab, eval.draft_vocab,
+# eval.tree_top_k, eval.head_candidates, the drafter's) within its vocab_size, the drafter's layers within its
+# layers (`models.configs`). And always within these, sane beyond any recipe here (10-100x the largest):
+MAX_TOKENS = 1 << 20
+"""Any one sequence: data.max_len, eval.max_new_tokens, each of eval.context_lengths."""
+MAX_SHARD_TOKENS = 1 << 24
+"""data.shard_tokens (extraction holds one shard's features in memory)."""
+MAX_FORWARD_TOKENS = 1 << 20
+"""data.extract_batch_tokens: padded tokens in one forward of the target."""
+MAX_BATCH = 4096
+"""train.batch_size and train.grad_accum (samples per micro-batch; micro-batches per step)."""
+MAX_STEP_TOKENS = 1 << 24
+"""train.batch_size x train.grad_accum x data.max_len: the tokens one process holds for one optimizer step (every
+micro-batch of a step is read before the first backward)."""
+MAX_EVAL_BATCH = 1024
+"""eval.batch_size: prompts decoded together."""
+MAX_TREE_DEPTH = 64
+"""eval.tree_depth: draft steps per round (published trees are 4-8 deep)."""
+MAX_TREE_TOKENS = 4096
+"""eval.tree_total_tokens (and eval.tree_top_k): tokens one round verifies (published trees: 60-63)."""
+MAX_VOCAB = 1 << 22
+"""Vocabulary sizes (train.loss_vocab, eval.draft_vocab, eval.head_candidates, drafter.draft_vocab, ...)."""
+
+
+def check_at_most(err, key: str, value: int, limit: int, what: str = "") -> None:
+    """err(key, ...) when value > limit; `what` says what the limit is (default: this project's upper bound)."""
+    if value > limit:
+        err(key, f"{value} is more than {what or 'the upper bound'} ({limit})")
 
 
 @dataclass
@@ -74,16 +106,28 @@ class TargetConfig:
     def num_layers(self) -> int | None:
         """Number of decoder layers when known without loading the model (random_init, or a local directory's
         config.json); else None."""
+        return self.size("num_hidden_layers")
+
+    def size(self, key: str) -> int | None:
+        """A positive integer field of the target's transformers config (`num_hidden_layers`, `vocab_size`,
+        `max_position_embeddings`, `hidden_size`) when known without loading the model: from `random_init`, or a
+        local directory's config.json (a multimodal config's `text_config` too); else None."""
         if self.random_init is not None:
-            return self.random_init.get("num_hidden_layers")
-        config = Path(self.path) / "config.json" if self.path else None
-        if config is None or not config.is_file():
+            config: Any = self.random_init
+        else:
+            path = Path(self.path) / "config.json" if self.path else None
+            if path is None or not path.is_file():
+                return None
+            try:
+                config = json.loads(path.read_text(encoding="utf-8"))
+            except (OSError, ValueError, UnicodeDecodeError):
+                return None  # loading the target reports an unreadable config with its own message
+        if not isinstance(config, dict):
             return None
-        try:
-            value = json.loads(config.read_text(encoding="utf-8")).get("num_hidden_layers")
-        except (ValueError, UnicodeDecodeError, AttributeError):
-            return None  # loading the target reports an unreadable config with its own message
-        return value if isinstance(value, int) else None
+        value = config.get(key)
+        if value is None and isinstance(config.get("text_config"), dict):
+            value = config["text_config"].get(key)
+        return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 @dataclass
@@ -134,6 +178,9 @@ class DataConfig:
         for key in ("shard_tokens", "extract_batch_tokens"):
             if getattr(self, key) < 1:
                 err(f"data.{key}", f"must be >= 1, got {getattr(self, key)}")
+        check_at_most(err, "data.max_len", self.max_len, MAX_TOKENS)
+        check_at_most(err, "data.shard_tokens", self.shard_tokens, MAX_SHARD_TOKENS)
+        check_at_most(err, "data.extract_batch_tokens", self.extract_batch_tokens, MAX_FORWARD_TOKENS)
 
 
 @dataclass
@@ -199,6 +246,9 @@ class TrainConfig:
             err("train.loss_vocab", f"must be 0 (the whole vocabulary) or a token count, got {self.loss_vocab}")
         if self.loss_vocab and self.online:
             err("train.loss_vocab", "counts tokens in the feature shards: offline training only (train.online=false)")
+        check_at_most(err, "train.batch_size", self.batch_size, MAX_BATCH)
+        check_at_most(err, "train.grad_accum", self.grad_accum, MAX_BATCH)
+        check_at_most(err, "train.loss_vocab", self.loss_vocab, MAX_VOCAB)
 
 
 @dataclass
@@ -320,6 +370,15 @@ class EvalConfig(SamplingConfig):
             )
         if self.acceptance == "typical" and self.temperature == 0:
             err("eval.acceptance", "typical acceptance needs temperature > 0 (greedy is already exact)")
+        check_at_most(err, "eval.max_new_tokens", self.max_new_tokens, MAX_TOKENS)
+        for i, n in enumerate(self.context_lengths):
+            check_at_most(err, f"eval.context_lengths[{i}]", n, MAX_TOKENS)
+        check_at_most(err, "eval.tree_depth", self.tree_depth, MAX_TREE_DEPTH)
+        check_at_most(err, "eval.tree_top_k", self.tree_top_k, MAX_TREE_TOKENS)
+        check_at_most(err, "eval.tree_total_tokens", self.tree_total_tokens, MAX_TREE_TOKENS)
+        check_at_most(err, "eval.batch_size", self.batch_size, MAX_EVAL_BATCH)
+        for key in ("draft_vocab", "head_rank", "head_candidates"):
+            check_at_most(err, f"eval.{key}", getattr(self, key), MAX_VOCAB)
 
 
 EVAL_BASELINES = ("plain", "prompt_lookup")
@@ -444,9 +503,40 @@ def recipe_from_dict(raw: dict, source: str = "<memory>") -> Recipe:
     return recipe
 
 
+def _check_sizes(recipe: Recipe, err) -> None:
+    """Sizes that span sections or depend on the target: the tokens one training step holds, and token counts and
+    vocabulary sizes within the target's max_position_embeddings and vocab_size (when its config is readable)."""
+    train, data, ev = recipe.train, recipe.data, recipe.eval
+    if train.batch_size * train.grad_accum * data.max_len > MAX_STEP_TOKENS:
+        err(
+            "train.batch_size",
+            f"train.batch_size x train.grad_accum x data.max_len = {train.batch_size} x {train.grad_accum} x "
+            f"{data.max_len} tokens per process and step, more than the upper bound ({MAX_STEP_TOKENS})",
+        )
+    positions = recipe.target.size("max_position_embeddings")
+    if positions is not None:
+        what = "the target's max_position_embeddings"
+        check_at_most(err, "data.max_len", data.max_len, positions, what)
+        check_at_most(err, "eval.max_new_tokens", ev.max_new_tokens, positions, what)
+        check_at_most(err, "eval.tree_total_tokens", ev.tree_total_tokens, positions, what)
+        for i, n in enumerate(ev.context_lengths):
+            check_at_most(err, f"eval.context_lengths[{i}]", n, positions, what)
+    vocab = recipe.target.size("vocab_size")
+    if vocab is not None:
+        what = "the target's vocab_size"
+        check_at_most(err, "train.loss_vocab", train.loss_vocab, vocab, what)
+        for key in ("draft_vocab", "tree_top_k", "head_candidates"):
+            check_at_most(err, f"eval.{key}", getattr(ev, key), vocab, what)
+    hidden = recipe.target.size("hidden_size")
+    if hidden is not None and ev.head == "two_stage":
+        check_at_most(err, "eval.head_rank", ev.head_rank, hidden, "the target's hidden_size")
+
+
 def _check_cross_section(recipe: Recipe, err) -> None:
-    """Constraints that span sections: layers in range, drafter needs vs stored features, what the method declares
-    (`models.methods`: the trees it drafts, online-only training), then the method's own limits."""
+    """Constraints that span sections: sizes (`_check_sizes`), layers in range, drafter needs vs stored features,
+    what the method declares (`models.methods`: the trees it drafts, online-only training), then the method's own
+    limits."""
+    _check_sizes(recipe, err)
     n_layers = recipe.target.num_layers
     if n_layers is not None:
         for i, layer in enumerate(recipe.data.layers):
@@ -485,7 +575,8 @@ def _check_model_dir(path: str, key: str, err, config: bool) -> None:
 def check_inputs(recipe: Recipe, keys: typing.Iterable[str]) -> None:
     """Refuse missing inputs of the keys a stage reads before any heavy work (RecipeError naming the key and the
     file). Keys: `target.path`, `target.tokenizer` (local directories; a name shaped like a hub id is left to the
-    hub), `data.train_files`, `eval.prompts`, `drafter` (the method's own inputs, its config's `check_inputs`)."""
+    hub), `data.train_files`, `eval.prompts`, `drafter` (the method's own inputs, its config's `check_inputs`), and
+    the output directories `train.output_dir`, `data.features_dir` (refused when they are, or lie under, a file)."""
 
     def err(key: str, msg: str) -> typing.NoReturn:
         raise RecipeError(f"{recipe.source}: {key}: {msg}")
@@ -506,6 +597,13 @@ def check_inputs(recipe: Recipe, keys: typing.Iterable[str]) -> None:
                 err(key, f"no such file {recipe.eval.prompts}")
         elif key == "drafter":
             recipe.drafter.check_inputs(err)
+        elif key in ("train.output_dir", "data.features_dir"):  # outputs: a directory to create or reuse
+            value = recipe.train.output_dir if key == "train.output_dir" else recipe.data.features_dir
+            if value is not None:
+                try:
+                    check_output_path(value, key)
+                except NotADirectory as exc:
+                    raise RecipeError(f"{recipe.source}: {exc}") from None
 
 
 def load_recipe(path: str | Path, overrides: list[str] | None = None, inputs: typing.Iterable[str] = ()) -> Recipe:
@@ -520,7 +618,9 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None, inputs: ty
     if not path.is_file():
         raise RecipeError(f"{source}: no such recipe file")
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        raw = safe_load(path.read_text(encoding="utf-8")) or {}
+    except YAMLTooLarge as exc:
+        raise RecipeError(f"{source}: {exc}") from None
     except yaml.YAMLError as exc:
         raise RecipeError(f"{source}: not valid YAML: {yaml_problem(exc)}") from None
     except UnicodeDecodeError as exc:
