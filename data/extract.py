@@ -36,6 +36,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from data.lock import DirectoryLocked, NotADirectory, acquire, release, shared_verdict
 from data.prepare import PreparedData, TokenSample, data_sources, prepare_dataset, template_fingerprint
 from data.shards import (
     FORMAT_VERSION,
@@ -311,10 +312,43 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("recipe")
     parser.add_argument("overrides", nargs="*", help="section.key=value")
     args = parser.parse_args(argv)
-    recipe = load_recipe(args.recipe, args.overrides, inputs=("target.path", "target.tokenizer", "data.train_files"))
+    inputs = ("target.path", "target.tokenizer", "data.train_files", "data.features_dir")
+    recipe = load_recipe(args.recipe, args.overrides, inputs=inputs)
     if recipe.data.features_dir is None:
         raise RecipeError(f"{recipe.source}: data.features_dir: is required for extraction")
     state = Accelerator()  # not PartialState(): only Accelerator honours ACCELERATE_USE_CPU (multi-process CPU)
+    lock = lock_features_dir(recipe, state)
+    try:
+        extract_recipe(recipe, state)
+    finally:
+        if lock is not None:
+            release(lock)
+
+
+def lock_features_dir(recipe, state) -> int | None:
+    """The features directory's lock (`data.lock`), taken by the main process before anything is read or written
+    there; every process learns the verdict, so a second extraction into the directory stops on all of its
+    processes with one line naming it (DirectoryLocked). Returns the lock to release (main process)."""
+    from accelerate.utils import gather_object
+
+    fd, problem = None, None
+    if state.is_main_process:
+        try:
+            fd = acquire(recipe.data.features_dir, "extraction", key=f"{recipe.source}: data.features_dir")
+        except (DirectoryLocked, NotADirectory) as exc:
+            problem = str(exc)
+    problem = shared_verdict(problem, gather_object)
+    if problem is not None:
+        if fd is not None:
+            release(fd)
+        raise DirectoryLocked(problem)
+    return fd
+
+
+def extract_recipe(recipe, state) -> None:
+    """Extract `recipe`'s features on this process of `state` (an Accelerator): target, data, shards, manifest."""
+    from train.config import RecipeError
+
     if recipe.target.device_map is not None:
         raise RecipeError(
             f"{recipe.source}: target.device_map: is for evaluation; extraction puts the target whole on each device"
@@ -364,5 +398,7 @@ if __name__ == "__main__":
 
     try:
         main()
-    except (RecipeError, DataError, ChatTemplateError, FeatureMismatchError, TargetError, ExtractError) as exc:
+    except (
+        RecipeError, DataError, ChatTemplateError, FeatureMismatchError, TargetError, ExtractError, DirectoryLocked
+    ) as exc:  # fmt: skip
         sys.exit(f"error: {exc}")

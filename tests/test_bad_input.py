@@ -93,6 +93,11 @@ CASES: dict[str, Case] = {
         "data.prepare", f"{M1} target.tokenizer={{w}}/no-tokenizer", ("target.tokenizer", "no-tokenizer")
     ),
     "prepare/max-samples-zero": Case("data.prepare", f"{M1} data.max_samples=0", ("data.max_samples", ">= 1")),
+    "prepare/empty-completion": Case(
+        "data.prepare",
+        f"{M1} data.train_files=[{{w}}/empty_completion.jsonl]",
+        ("empty_completion.jsonl:2", "empty completion"),
+    ),
     # data.extract
     "extract/unknown-section": Case(
         "data.extract", f"{M1} optimizer.lr=1 data.features_dir={{out}}", ("{m1}", "optimizer", "unknown section")
@@ -108,7 +113,21 @@ CASES: dict[str, Case] = {
         f"{M1} data.train_files=[{{w}}/blank.jsonl] data.features_dir={{out}}",
         ("blank.jsonl", "no usable samples"),
     ),
+    "extract/features-dir-is-a-file": Case(
+        "data.extract",
+        f"{M1} data.features_dir={{w}}/good.jsonl",
+        ("data.features_dir", "good.jsonl is a file"),
+        watch="{w}/good.jsonl",
+    ),
     # train: impossible values refused at load, missing inputs
+    "train/alias-bomb": Case("train", "{w}/bomb.yaml", ("bomb.yaml", "line 4,", "aliases expand")),
+    "train/huge-grad-accum": Case("train", f"{M1} train.grad_accum=1000000000000", ("train.grad_accum", "upper bound")),
+    "train/output-dir-is-a-file": Case(
+        "train",
+        f"{M1} train.output_dir={{w}}/good.jsonl",
+        ("train.output_dir", "good.jsonl is a file"),
+        watch="{w}/good.jsonl",
+    ),
     "train/nan-lr": Case("train", f"{M1} train.lr=nan train.output_dir={{out}}", ("train.lr", "finite", "nan")),
     "train/inf-lr": Case("train", f"{M1} train.lr=.inf train.output_dir={{out}}", ("train.lr", "finite", "inf")),
     "train/negative-save-every": Case("train", f"{M1} train.save_every=-1", ("train.save_every", ">= 0")),
@@ -149,6 +168,9 @@ CASES: dict[str, Case] = {
     ),
     "export/fasterdecoding-head-count": Case(
         "train.export", "{run} --format medusa --out {out}", ("drafter.num_heads", "builds 5 heads", "--format vllm")
+    ),
+    "export/out-is-a-file": Case(
+        "train.export", "{run} --out {w}/good.jsonl", ("good.jsonl", "is a file"), watch="{w}/good.jsonl"
     ),
     # train.imports: FasterDecoding Medusa checkpoints for the tiny target
     "imports/missing-tensor": Case(
@@ -195,6 +217,9 @@ CASES: dict[str, Case] = {
         "data.features_dir={features}",
         ("eval", "tree depth 4", "Medusa heads (3)"),
         absent=("{features}",),
+    ),
+    "eval/endless-decoding": Case(
+        "eval", f"{EVAL} eval.max_new_tokens=1000000000000", ("{m1}", "eval.max_new_tokens", "upper bound")
     ),
     # data.selfdistill
     "selfdistill/missing-prompts": Case(
@@ -256,6 +281,13 @@ def world(tmp_path_factory) -> dict[str, str]:
     empty_turn = {"conversations": [{"from": "human", "value": "Say nothing."}, {"from": "gpt", "value": "  "}]}
     _write_jsonl(w / "empty_turn.jsonl", [GOOD[0], empty_turn])
     (w / "blank.jsonl").write_text("\n\n")
+    _write_jsonl(w / "empty_completion.jsonl", [GOOD[0], {"prompt": "Say nothing.", "completion": ""}])
+    nine = lambda alias: "[" + ", ".join([alias] * 9) + "]"  # noqa: E731
+    levels = [f"&{name} {nine('*' + below)}" for below, name in zip("abcdefgh", "bcdefghi")]
+    (w / "bomb.yaml").write_text(  # a 'billion laughs' (9**9 items once expanded) where a number is expected
+        "target: {path: x}\ndata: {train_files: [x]}\ntrain:\n  max_steps: [&a " + nine("1") + ", "
+        + ", ".join(levels) + "]\ndrafter: {method: medusa1}\n"
+    )  # fmt: skip
     _write_jsonl(w / "malformed.jsonl", ["{oops", [1, 2]])
     (w / "bad.yaml").write_text("target: [\n")
     (w / "latin1.yaml").write_bytes(b"target: caf\xe9\n")

@@ -7,6 +7,7 @@ and rebuilt with `models.io.load_drafter` (what eval uses): outputs must be iden
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import stat
 from pathlib import Path
@@ -400,6 +401,25 @@ def test_an_export_replaces_only_what_an_export_wrote(runs, tmp_path):
     (first / EXPORT_MARKER).unlink()  # a native export written before the marker existed: its config says so
     assert export(run, out) == out and (out / EXPORT_MARKER).is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "link", "my-model", "out"]  # nothing staged left
+
+
+def test_a_second_export_into_the_same_directory_is_refused(runs, tmp_path):
+    """While another export writes --out (here: this test holds its lock, beside --out since --out is replaced whole),
+    an export into it is refused before anything is staged, naming it and the holder; once free, it exports, and
+    no lock file stays behind."""
+    from data.lock import DirectoryLocked, acquire, release
+
+    out = tmp_path / "out"
+    held = acquire(out, "export", beside=True)
+    try:
+        holder = rf"another export is writing there \(pid {os.getpid()}:"
+        with pytest.raises(DirectoryLocked, match=rf"^--out: {out}: {holder}"):
+            export(runs["eagle2"], out)
+        assert not out.exists() and not (tmp_path / "out.tmp").exists()
+    finally:
+        release(held)
+    assert export(runs["eagle2"], out) == out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
 def test_native_export_carries_the_draft_vocabulary(runs, tmp_path):

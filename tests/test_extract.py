@@ -293,6 +293,29 @@ def test_features_that_overflow_float16_are_refused_naming_the_sample(recipe_pat
         run_inprocess(recipe_path, tmp_path / "f16", "data.storage_dtype=float16")
 
 
+def test_a_second_extraction_into_the_same_directory_is_refused(recipe_path: Path, tmp_path: Path) -> None:
+    """While another extraction writes data.features_dir (here: this test holds its lock), an extraction into it
+    stops before reading or writing anything there, naming the directory and the holder; a features_dir that is a
+    file is refused at load."""
+    from data.lock import LOCK_FILE, DirectoryLocked, acquire, release
+
+    features = tmp_path / "busy"
+    held = acquire(features, "extraction")
+    try:
+        with pytest.raises(DirectoryLocked) as refused:
+            run_inprocess(recipe_path, features)
+        message = str(refused.value)
+        assert message.startswith(f"{recipe_path}: data.features_dir: {features}: another extraction is writing there")
+        assert f"(pid {os.getpid()}" in message and "\n" not in message
+        assert sorted(p.name for p in features.iterdir()) == [LOCK_FILE]
+    finally:
+        release(held)
+    (tmp_path / "a-file").write_text("mine")
+    with pytest.raises(RecipeError, match=r"data.features_dir: .*a-file is a file, not a directory"):
+        run_inprocess(recipe_path, tmp_path / "a-file")
+    assert (tmp_path / "a-file").read_text() == "mine"
+
+
 def test_two_processes_write_disjoint_shards_equal_to_one(recipe_path: Path, reference: Path) -> None:
     features = recipe_path.parent / "two-procs"
     cmd = [

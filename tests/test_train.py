@@ -224,6 +224,39 @@ def test_nan_loss_stops_naming_step_and_checkpoint(features, tmp_path, monkeypat
         train(r)
 
 
+def test_an_infinite_gradient_norm_stops_naming_step_and_checkpoint(features, tmp_path):
+    """A loss weight of 1e30 keeps the loss finite (about 1e30) while the gradient norm overflows: clipping it would
+    turn every weight into nan and the run would end with exit 0. It stops before the optimizer step instead, as a
+    non-finite loss does, naming the step and the last good checkpoint."""
+    out = tmp_path / "run"
+    with pytest.raises(
+        TrainingError, match=r"^non-finite gradient norm \((inf|nan)\) at step 1; last good checkpoint: none \("
+    ):
+        train(recipe("eagle2", features, out, "train.max_steps=2", "drafter.w_ce=1e30"))
+    assert not (out / "checkpoints").exists()
+
+
+def test_a_second_training_into_a_run_directory_in_use_is_refused(features, tmp_path):
+    """While another process trains into train.output_dir (here: this test holds its lock), a training into it stops
+    before reading or writing anything there, naming the directory and the holder; once free, it trains."""
+    from data.lock import LOCK_FILE, acquire, release
+
+    out = tmp_path / "run"
+    held = acquire(out, "training")
+    try:
+        with pytest.raises(TrainingError) as refused:
+            train(recipe("eagle2", features, out, "train.max_steps=2"))
+        message = str(refused.value)
+        assert message.startswith(f"{RECIPES['eagle2']}: train.output_dir: {out}: another training is writing there")
+        assert f"(pid {os.getpid()}" in message and "\n" not in message
+        assert sorted(p.name for p in out.iterdir()) == [LOCK_FILE]
+    finally:
+        release(held)
+    reset_accelerate()
+    train(recipe("eagle2", features, out, "train.max_steps=2"))
+    assert latest_checkpoint(out) is not None and not (out / LOCK_FILE).exists()  # released as the run ended
+
+
 def test_refuses_features_of_another_target_layers_or_data(features, tmp_path):
     with pytest.raises(TrainingError, match=r"target\.weights_sha256.*python -m data\.extract"):
         train(recipe("eagle2", features, tmp_path / "a", "target.seed=1"))
@@ -553,6 +586,27 @@ def test_a_bad_shard_hashed_by_one_process_stops_every_process(features, tmp_pat
     # once per process (both write to one pipe, so the two lines may come interleaved)
     assert proc.stderr.count(start) == proc.stderr.count(end) == 2, proc.stderr[-4000:]
     assert proc.stderr.count("data.extract") == 2  # the fix said once per message
+    assert not (out / "checkpoints").exists() and not (out / METRICS_FILE).exists()
+
+
+def test_a_launch_into_a_run_directory_in_use_stops_every_process(features, tmp_path):
+    """Two processes of one launch share their main process's lock: when another training holds the directory, the
+    main process is refused and the other learns it before any collective it would wait in forever; both stop with
+    the one line naming the directory, and nothing is written."""
+    from data.lock import acquire, release
+
+    out = tmp_path / "run"
+    args = [f"data.features_dir={features}", f"train.output_dir={out}", *QUIET, "train.max_steps=2"]
+    held = acquire(out, "training")
+    try:
+        proc = launch([*shipped_config("ddp"), "-m", "train", str(RECIPES["eagle2"]), *args], CPU, ok=False)
+    finally:
+        release(held)
+    assert proc.returncode != 0
+    line = f"error: {RECIPES['eagle2']}: train.output_dir: {out}: another training is writing there (pid {os.getpid()}"
+    assert proc.stderr.count(line) == 2, proc.stderr[-4000:]  # once per process
+    tracebacks = proc.stderr.split("Traceback (most recent call last):")[1:]  # only the launcher's own, if any
+    assert all("accelerate/commands/launch.py" in t[:300] for t in tracebacks) and len(tracebacks) <= 1, proc.stderr
     assert not (out / "checkpoints").exists() and not (out / METRICS_FILE).exists()
 
 

@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         recipe = load_recipe(args.recipe, overrides)
         online = ("data.train_files",) if recipe.train.online else ()  # offline runs read feature shards instead
-        check_inputs(recipe, ("target.path", "target.tokenizer", "drafter", *online))
+        check_inputs(recipe, ("target.path", "target.tokenizer", "drafter", "train.output_dir", *online))
     except RecipeError as exc:
         sys.exit(f"error: {exc}")
 

@@ -44,9 +44,10 @@ Every engine export passes its load gate (`train.gates`) before it is renamed in
 the consumer's loading code (config fields and their defaults, tensor names, strictness) reloads it from the
 directory and must give the trained drafter's draft logits, else the export fails naming the field.
 The export is written under `<out>.tmp` and renamed once complete (a failed export leaves nothing behind; an
-earlier export at `<out>` is replaced, any other existing directory refused). Weights are written through a
-temporary file and a rename; tensors that share memory (tied embeddings, heads
-sharing one lm_head) are written as copies.
+earlier export at `<out>` is replaced, any other existing directory refused), holding the lock
+`.<out name>.specdraft.lock` beside `<out>` meanwhile: a second export into the same `<out>` is refused. Weights are
+written through a temporary file and a rename; tensors that share memory (tied embeddings, heads sharing one
+lm_head) are written as copies.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ import torch
 from torch import nn
 
 from data.chat import DataError
+from data.lock import DirectoryLocked, NotADirectory, directory_lock
 from data.prepare import prepare_dataset
 from data.shards import FeatureDataset, FeatureMismatchError, loss_token_counts, most_frequent
 from models.io import (
@@ -340,7 +342,9 @@ def export(
     if include_target_weights is None:
         include_target_weights = recipe.export.include_target_weights
     check_export_dir(out)  # before the heavy work; a directory no export wrote is never replaced
-    with staged_directory(out) as tmp:  # renamed into place once complete: a failed export leaves nothing
+    # one export at a time into `out` (a lock file beside it: `out` itself is replaced whole), renamed into place
+    # once complete: a failed export leaves nothing
+    with directory_lock(out, "export", key="--out", beside=True), staged_directory(out) as tmp:
         if (method.name, fmt) in METHOD_LAYOUTS:
             METHOD_LAYOUTS[method.name, fmt](tmp, recipe, target, drafter, include_target_weights)
             gate_check(f"{fmt}/{method.name}", tmp, recipe, target, drafter)
@@ -443,7 +447,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:
         out = export(args.run_dir, args.out, args.format, args.checkpoint, args.include_target_weights, args.merge_lora)
-    except (ExportError, RecipeError, CheckpointError, FileNotFoundError, TargetError, FeatureMismatchError) as exc:
+    except (
+        ExportError, RecipeError, CheckpointError, FileNotFoundError, TargetError, FeatureMismatchError,
+        DirectoryLocked, NotADirectory,
+    ) as exc:  # fmt: skip
         sys.exit(f"error: {exc}")
     print(f"exported {args.run_dir} -> {out}")
 

@@ -33,6 +33,7 @@ from transformers.integrations import set_hf_deepspeed_config, unset_hf_deepspee
 
 from data.extract import feature_identity
 from data.loader import BatchLoader
+from data.lock import DirectoryLocked, NotADirectory, acquire, release, shared_verdict
 from data.prepare import prepare_dataset
 from data.shards import FeatureDataset, FeatureMismatchError, frequent_loss_tokens, split_by_id
 from models.common import DraftBatch, packed_additive_mask
@@ -390,10 +391,39 @@ def draft_vocab_warning(in_vocab: float, recipe: Recipe) -> str | None:
     )
 
 
+def lock_run_dir(recipe: Recipe, accelerator: Accelerator) -> int | None:
+    """Take the run directory's lock (`data.lock`) on the main process, before anything reads or writes the run:
+    a second training into the same `train.output_dir` stops on every one of its processes with the same line,
+    naming the directory (the other processes of one launch share the main process's lock). Returns the lock to
+    release (main process), else None."""
+    fd, problem = None, None
+    if accelerator.is_main_process:
+        try:
+            fd = acquire(recipe.train.output_dir, "training", key=f"{recipe.source}: train.output_dir")
+        except (DirectoryLocked, NotADirectory) as exc:
+            problem = str(exc)
+    problem = shared_verdict(problem, gather_object)
+    if problem is not None:
+        if fd is not None:
+            release(fd)
+        raise TrainingError(problem)
+    return fd
+
+
 def train(recipe: Recipe, stop_after: int | None = None) -> Path:
-    """Train `recipe`'s drafter; return the newest checkpoint. `stop_after`: checkpoint after that step and return."""
-    cfg = recipe.train
+    """Train `recipe`'s drafter; return the newest checkpoint. `stop_after`: checkpoint after that step and return.
+    The run directory is locked meanwhile: another training into it is refused."""
     accelerator = make_accelerator(recipe)
+    lock = lock_run_dir(recipe, accelerator)
+    try:
+        return _train(recipe, accelerator, stop_after)
+    finally:
+        if lock is not None:
+            release(lock)
+
+
+def _train(recipe: Recipe, accelerator: Accelerator, stop_after: int | None) -> Path:
+    cfg = recipe.train
     out_dir = Path(cfg.output_dir)
     resume = checkpoint_to_resume(recipe, accelerator)
     set_seed(cfg.seed)
@@ -455,6 +485,14 @@ def train(recipe: Recipe, stop_after: int | None = None) -> Path:
                     f"{last_ckpt or 'none'} (lower train.lr or check the data, then resume with train.resume=<dir>)"
                 )
             grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.clip_grad_norm or math.inf)
+            # before the optimizer step: clipping an infinite norm turns every gradient into nan, and the weights
+            # with it (a loss weight such as drafter.w_ce=1e30 overflows here while the loss is still finite)
+            if grad_norm is not None and not math.isfinite(float(grad_norm)):
+                raise TrainingError(
+                    f"non-finite gradient norm ({float(grad_norm)}) at step {step + 1}; last good checkpoint: "
+                    f"{last_ckpt or 'none'} (lower train.lr or the drafter's loss weights, or check the data, then "
+                    "resume with train.resume=<dir>)"
+                )
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
