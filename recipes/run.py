@@ -52,6 +52,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -61,6 +62,7 @@ import yaml
 from eval import REPORT_FILES
 from models.io import EXPORT_MARKER
 from train.checkpoint import latest_checkpoint, read_state
+from train.schema import YAMLTooLarge, safe_load, yaml_problem
 
 ROOT = Path(__file__).resolve().parents[1]
 PIPELINE = "pipeline.yaml"
@@ -106,8 +108,10 @@ def load_pipeline(directory: Path) -> dict[str, Any]:
     path = directory / PIPELINE
     if not path.is_file():
         sys.exit(f"run: {path}: no such file (a recipe set is a directory with {PIPELINE}; see --help)")
-    spec = yaml.safe_load(path.read_text()) or {}
     where = shown(path)
+    spec = read_yaml(path, where)
+    if not isinstance(spec, dict):
+        sys.exit(f"run: {where}: a mapping of settings, got {type(spec).__name__}")
     known = {"target", "fetch", "synthesize", "selfdistill", "recipes", "shipped", "shipped_overrides", "large_trees"}
     known |= {"extra_evals"}
     unknown = set(spec) - known
@@ -166,8 +170,24 @@ def records_in(path: Path) -> int:
     return sum(1 for line in path.read_text().splitlines() if line.strip()) if path.is_file() else 0
 
 
+def read_yaml(path: Path, where: str) -> Any:
+    """A YAML file's content (empty: {}), read with the recipes' bounded loader (aliases expand to at most
+    `MAX_YAML_NODES` nodes); what cannot be read exits with one line naming the file."""
+    try:
+        return safe_load(path.read_text(encoding="utf-8")) or {}
+    except YAMLTooLarge as exc:
+        sys.exit(f"run: {where}: {exc}")
+    except yaml.YAMLError as exc:
+        sys.exit(f"run: {where}: not valid YAML: {yaml_problem(exc)}")
+    except (OSError, UnicodeDecodeError) as exc:
+        sys.exit(f"run: {where}: cannot be read ({exc.__class__.__name__}: {exc})")
+
+
 def read_recipe(path: str) -> dict[str, Any]:
-    return yaml.safe_load((ROOT / path).read_text())
+    conf = read_yaml(ROOT / path, path)
+    if not isinstance(conf, dict) or not isinstance(conf.get("train"), dict) or "output_dir" not in conf["train"]:
+        sys.exit(f"run: {path}: train.output_dir: is required by the pipeline (each recipe's run directory)")
+    return conf
 
 
 def launch_cmd(module: str, settings: dict[str, Any], target: str, flags: list[str]) -> list[str]:
@@ -232,9 +252,73 @@ def ship(spec: dict[str, Any], method: str, recipe: dict[str, Any], directory: P
     run_dir = ROOT / recipe["train"]["output_dir"]
     dest = ROOT / spec["shipped"][method]
     banner(f"ship {method}: {run_dir / 'export'} -> {spec['shipped'][method]}")
-    if dest.is_dir():  # files of an earlier ship must not be listed with this one
-        shutil.rmtree(dest)
-    dest.mkdir(parents=True)
+    problem = ship_dir_problem(dest)
+    if problem is not None:  # checked before training too; again here, just before anything is replaced
+        sys.exit(f"run: {directory / PIPELINE}: shipped.{method}: {problem}")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    staged = Path(tempfile.mkdtemp(prefix=f".{dest.name}.ship-", dir=dest.parent))  # a name nobody else uses
+    umask = os.umask(0)
+    os.umask(umask)
+    staged.chmod(0o777 & ~umask)  # as any new directory (mkdtemp makes it 0700)
+    try:
+        write_ship(staged, spec, method, recipe, directory, run_dir)
+    except BaseException:
+        shutil.rmtree(staged, ignore_errors=True)
+        raise
+    if dest.exists():  # an earlier ship (or export, or an empty directory): moved aside until the new one is in place
+        old = Path(tempfile.mkdtemp(prefix=f".{dest.name}.replaced-", dir=dest.parent))
+        dest.rename(old / dest.name)
+        staged.rename(dest)
+        shutil.rmtree(old)
+    else:
+        staged.rename(dest)
+    files = json.loads((dest / PROVENANCE).read_text())["files_sha256"]
+    print(f"  {len(files)} files, {sum((dest / f).stat().st_size for f in files) / 1e6:.1f} MB", flush=True)
+
+
+PROVENANCE = "PROVENANCE.json"
+
+
+def ship_dir_problem(dest: Path) -> str | None:
+    """Why `--ship` must not replace `dest` (None: it may): only a directory that is recognisably this project's
+    is replaced (a previous ship, holding its PROVENANCE.json and only the files that lists; an export, holding
+    models.io's marker; or an empty one). A symbolic link, a file, or a directory holding anything else (a
+    user's files, a model) is refused, naming it: replacing it would delete them."""
+    if dest.is_symlink():
+        return f"{dest} is a symbolic link; name the directory itself"
+    if not dest.exists():
+        return None
+    if not dest.is_dir():
+        return f"{dest} is a file, not a shipped drafter's directory; choose another path"
+    entries = sorted(p.name for p in dest.iterdir())
+    if not entries or EXPORT_MARKER in entries:
+        return None
+    if PROVENANCE not in entries:
+        return (
+            f"{dest} is not a shipped drafter (no {PROVENANCE}) nor an export (no {EXPORT_MARKER}), and --ship "
+            "replaces the directory whole: it holds files it did not write; choose another path, or empty it yourself"
+        )
+    try:
+        listed = json.loads((dest / PROVENANCE).read_text(encoding="utf-8"))["files_sha256"]
+        listed = set(listed) if isinstance(listed, dict) else None
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError):
+        listed = None
+    if listed is None:
+        return f"{dest / PROVENANCE}: not a ship's provenance (no files_sha256); move it away or empty {dest}"
+    foreign = [name for name in entries if name != PROVENANCE and (name not in listed or not (dest / name).is_file())]
+    if foreign:
+        return (
+            f"{dest} holds {foreign[0]}{f' and {len(foreign) - 1} more' if len(foreign) > 1 else ''}, which no ship "
+            f"wrote (not in its {PROVENANCE}), and --ship replaces the directory whole; move it away and ship again"
+        )
+    return None
+
+
+def write_ship(
+    dest: Path, spec: dict[str, Any], method: str, recipe: dict[str, Any], directory: Path, run_dir: Path
+) -> None:
+    """The shipped files of `method` into the empty directory `dest`: the export, metrics, target config and
+    PROVENANCE.json."""
     for f in (run_dir / "export").iterdir():
         if f.is_file() and f.name != EXPORT_MARKER:  # the shipped copy is the recipe set's, not an export to replace
             shutil.copyfile(f, dest / f.name)
@@ -242,7 +326,7 @@ def ship(spec: dict[str, Any], method: str, recipe: dict[str, Any], directory: P
     # The target's architecture, so that the drafter can be checked (and loaded) without the target's weights.
     shutil.copyfile(ROOT / spec["target"] / "config.json", dest / "target_config.json")
     target_provenance = ROOT / spec["target"] / "provenance.json"
-    files = {f.name: sha256(f) for f in sorted(dest.iterdir()) if f.is_file() and f.name != "PROVENANCE.json"}
+    files = {f.name: sha256(f) for f in sorted(dest.iterdir()) if f.is_file() and f.name != PROVENANCE}
     provenance = {
         "method": method,
         "recipe": spec["recipes"][method],
@@ -255,8 +339,7 @@ def ship(spec: dict[str, Any], method: str, recipe: dict[str, Any], directory: P
         "commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip(),
         "files_sha256": files,
     }
-    (dest / "PROVENANCE.json").write_text(json.dumps(provenance, indent=2) + "\n")
-    print(f"  {len(files)} files, {sum((dest / f).stat().st_size for f in files) / 1e6:.1f} MB", flush=True)
+    (dest / PROVENANCE).write_text(json.dumps(provenance, indent=2) + "\n")
 
 
 SETTINGS = {"temperature": "temperature", "batch_size": "batch", "num_prompts": "prompts", "max_new_tokens": "tokens"}
@@ -323,6 +406,10 @@ def main() -> None:
             sys.exit(f"run: {directory / PIPELINE}: no recipe for method {method!r} (has {sorted(spec['recipes'])})")
         if args.shipped and method not in (spec.get("shipped") or {}):
             sys.exit(f"run: {directory / PIPELINE}: shipped: has no drafter for {method!r}")
+        if args.ship and method not in (spec.get("shipped") or {}):
+            sys.exit(f"run: {directory / PIPELINE}: shipped: has no directory for {method!r}")
+        if args.ship and (problem := ship_dir_problem(ROOT / spec["shipped"][method])) is not None:
+            sys.exit(f"run: {directory / PIPELINE}: shipped.{method}: {problem}")  # before hours of training
     recipes = {m: spec["recipes"][m] for m in methods}
     confs = {m: read_recipe(path) for m, path in recipes.items()}  # each recipe read once
     first = next(iter(confs.values()))

@@ -135,7 +135,11 @@ def test_the_driver_runs_every_step_then_resumes_by_skipping_them(recipe_set):
     conf = yaml.safe_load(path.read_text())
     conf["train"]["max_steps"] = 4
     path.write_text(yaml.safe_dump(conf))
-    (recipe_set / "shipped" / "eagle2" / "stale.bin").write_bytes(b"from an earlier ship")
+    shipped = recipe_set / "shipped" / "eagle2"  # a file an earlier ship wrote (listed in its provenance) goes
+    (shipped / "stale.bin").write_bytes(b"from an earlier ship")
+    earlier = json.loads((shipped / "PROVENANCE.json").read_text())
+    earlier["files_sha256"]["stale.bin"] = hashlib.sha256(b"from an earlier ship").hexdigest()
+    (shipped / "PROVENANCE.json").write_text(json.dumps(earlier))
     longer = run(str(recipe_set), "--methods", "eagle2", "--ship").stdout
     assert "skipped:" not in longer.split("train + export eagle2")[1].split("eval eagle2")[0]
     assert (out / "eagle2" / "checkpoints" / "step-000004").is_dir()
@@ -195,3 +199,99 @@ def test_bad_synthesis_and_self_distillation_settings_are_one_line(tmp_path, key
 
     with pytest.raises(SystemExit, match=message):
         load_pipeline(write_pipeline(tmp_path, **keys))
+
+
+# --------------------------------------------------------------------------------------------
+# --ship replaces only what a ship (or an export) wrote
+
+
+def fake_run(root: Path) -> tuple[dict, dict, Path]:
+    """(pipeline spec, recipe, recipe-set directory) of a run with an export, metrics and a target config: what
+    `ship` copies, without training anything."""
+    from models.io import EXPORT_MARKER
+
+    run_dir, target = root / "run", root / "target"
+    (run_dir / "export").mkdir(parents=True)
+    (run_dir / "export" / "config.json").write_text("{}\n")
+    (run_dir / "export" / "model.safetensors").write_bytes(b"weights")
+    (run_dir / "export" / EXPORT_MARKER).write_text("an export\n")
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+    target.mkdir()
+    (target / "config.json").write_text("{}\n")
+    spec = {"target": str(target), "recipes": {"eagle2": "r.yaml"}, "shipped": {"eagle2": str(root / "shipped")}}
+    return spec, {"train": {"output_dir": str(run_dir), "batch_size": 2}}, root
+
+
+def test_ship_replaces_a_previous_ship_and_refuses_anything_else(tmp_path):
+    from recipes.run import ship
+
+    spec, conf, directory = fake_run(tmp_path)
+    dest = tmp_path / "shipped"
+    refusal = rf"^run: {directory / 'pipeline.yaml'}: shipped\.eagle2: {dest}"
+
+    dest.mkdir()  # a user's directory: refused, naming it, and left as it was
+    (dest / "thesis.tex").write_text("mine")
+    with pytest.raises(SystemExit, match=rf"{refusal} is not a shipped drafter \(no PROVENANCE.json\)"):
+        ship(spec, "eagle2", conf, directory)
+    assert sorted(p.name for p in dest.iterdir()) == ["thesis.tex"] and (dest / "thesis.tex").read_text() == "mine"
+    (dest / "thesis.tex").unlink()
+    dest.rmdir()
+    dest.write_text("mine")  # a file
+    with pytest.raises(SystemExit, match=rf"{refusal} is a file"):
+        ship(spec, "eagle2", conf, directory)
+    assert dest.read_text() == "mine"
+    dest.unlink()
+    (tmp_path / "elsewhere").mkdir()
+    dest.symlink_to(tmp_path / "elsewhere")  # a link
+    with pytest.raises(SystemExit, match=rf"{refusal} is a symbolic link"):
+        ship(spec, "eagle2", conf, directory)
+    dest.unlink()
+
+    ship(spec, "eagle2", conf, directory)  # nothing there: shipped
+    listed = set(json.loads((dest / "PROVENANCE.json").read_text())["files_sha256"])
+    assert listed == {"config.json", "model.safetensors", "metrics.jsonl", "target_config.json"}
+    provenance = json.loads((dest / "PROVENANCE.json").read_text())
+    provenance["files_sha256"]["old.bin"] = "0" * 64  # a file of an earlier ship, which this one does not write
+    (dest / "PROVENANCE.json").write_text(json.dumps(provenance))
+    (dest / "old.bin").write_bytes(b"earlier")
+    ship(spec, "eagle2", conf, directory)  # a previous ship: replaced whole
+    assert sorted(p.name for p in dest.iterdir()) == sorted(listed | {"PROVENANCE.json"})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["elsewhere", "run", "shipped", "target"]  # nothing staged
+
+    (dest / "notes.txt").write_text("mine")  # a previous ship holding a file it did not write: refused, naming it
+    with pytest.raises(SystemExit, match=rf"{refusal} holds notes.txt, which no ship wrote"):
+        ship(spec, "eagle2", conf, directory)
+    assert (dest / "notes.txt").read_text() == "mine" and (dest / "model.safetensors").is_file()
+
+
+def test_ship_to_a_directory_it_did_not_write_is_refused_before_any_step(tmp_path):
+    """`--ship` checks every shipped directory before the pipeline's first step (hours before it would copy)."""
+    shipped = tmp_path / "my-files"
+    shipped.mkdir()
+    (shipped / "keep.txt").write_text("mine")
+    write_pipeline(tmp_path, shipped={"eagle2": str(shipped)})
+    done = subprocess.run(
+        [sys.executable, "recipes/run.py", str(tmp_path), "--ship"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert done.returncode != 0 and "Traceback" not in done.stderr and "===" not in done.stdout
+    assert done.stderr.strip() == (
+        f"run: {tmp_path / 'pipeline.yaml'}: shipped.eagle2: {shipped} is not a shipped drafter (no PROVENANCE.json) "
+        "nor an export (no .specdraft-export), and --ship replaces the directory whole: it holds files it did not "
+        "write; choose another path, or empty it yourself"
+    )
+    assert (shipped / "keep.txt").read_text() == "mine"
+
+
+def test_an_alias_bomb_in_pipeline_yaml_is_refused(tmp_path):
+    from recipes.run import load_pipeline
+
+    write_pipeline(tmp_path)
+    nine = lambda alias: "[" + ", ".join([alias] * 9) + "]"  # noqa: E731
+    levels = ", ".join(f"&{name} {nine('*' + below)}" for below, name in zip("abcdefgh", "bcdefghi"))
+    text = (tmp_path / "pipeline.yaml").read_text()
+    (tmp_path / "pipeline.yaml").write_text(text + f"large_trees: {{bomb: [&a {nine('x')}, {levels}]}}\n")
+    with pytest.raises(SystemExit, match=r"^run: .*pipeline.yaml: line \d+, column \d+: aliases expand"):
+        load_pipeline(tmp_path)
+    (tmp_path / "pipeline.yaml").write_text(text + "large_trees: [\n")
+    with pytest.raises(SystemExit, match=r"pipeline.yaml: not valid YAML: line \d+"):
+        load_pipeline(tmp_path)
