@@ -362,6 +362,7 @@ def _snapshot(path: Path) -> dict[str, str] | None:
     return {str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
 def test_bad_input_is_one_line_naming_the_culprit(world, name, tmp_path):
     case = CASES[name]
@@ -408,6 +409,7 @@ def test_cases_cover_every_cli():
     assert len(CASES) >= 40
 
 
+@pytest.mark.slow
 def test_an_eval_output_dir_is_reused_only_with_the_same_settings(world, tmp_path):
     """In process (the CLI case above runs one refusal): the same settings replace a report, other settings and a
     report of unknown settings are refused, an empty or absent directory is fine."""

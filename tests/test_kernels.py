@@ -399,6 +399,7 @@ def test_hf_tree_attention_refuses_what_the_kernel_does_not_compute():
         torch.testing.assert_close(out, want.transpose(1, 2), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_the_gpu_benchmark_runs_through_on_the_cpu():
     """`benchmarks/gpu_kernels.sh` runs in a short, rare GPU loan: its --smoke mode (every section, tiny shapes, the
     interpreter) must run through here, so that a crash is not found there."""
@@ -414,6 +415,7 @@ def test_the_gpu_benchmark_runs_through_on_the_cpu():
     assert "splits=1:" in proc.stdout and "check lowrank_topk" in proc.stdout
 
 
+@pytest.mark.slow
 def test_importing_the_kernels_leaves_the_interpreter_alone():
     """The Triton interpreter is a choice of the entry point (`python -m eval`, tests/conftest.py), never a side effect
     of importing `eval.kernels`: imported without TRITON_INTERPRET it stays unset (and `get_ops("triton")` then needs
@@ -477,6 +479,7 @@ print("compiled")
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU runs compile the kernels for real")
 def test_kernels_compile_for_nvidia(tmp_path):
     """Ahead-of-time compilation for sm_90 with the bundled ptxas: catches what the interpreter accepts but NVIDIA

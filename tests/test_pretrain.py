@@ -12,6 +12,8 @@ import yaml
 from safetensors.torch import load_file
 from tiny import accelerate_launch
 
+pytestmark = pytest.mark.slow  # every test runs the script as a subprocess
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "recipes" / "pocket" / "pretrain.py"
 

@@ -98,6 +98,7 @@ def run(*args: str) -> subprocess.CompletedProcess:
     return done
 
 
+@pytest.mark.slow
 def test_the_driver_runs_every_step_then_resumes_by_skipping_them(recipe_set):
     first = run(str(recipe_set), "--ship").stdout
     out = recipe_set / "out"
@@ -148,12 +149,14 @@ def test_the_driver_runs_every_step_then_resumes_by_skipping_them(recipe_set):
     assert provenance["training"]["steps"] == 4 and not (recipe_set / "shipped" / "eagle2" / "stale.bin").exists()
 
 
+@pytest.mark.slow
 def test_shipped_evaluates_given_exports_without_training(recipe_set, tmp_path):
     out = tmp_path / "shipped"
     done = run(str(recipe_set), "--shipped", "--methods", "eagle2", "--out", str(out)).stdout
     assert "train + export" not in done and (out / "eagle2" / "report.json").is_file()
 
 
+@pytest.mark.slow
 def test_a_set_without_pipeline_yaml_is_one_line(tmp_path):
     done = subprocess.run([sys.executable, "recipes/run.py", str(tmp_path)], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode != 0 and "Traceback" not in done.stderr
@@ -264,6 +267,7 @@ def test_ship_replaces_a_previous_ship_and_refuses_anything_else(tmp_path):
     assert (dest / "notes.txt").read_text() == "mine" and (dest / "model.safetensors").is_file()
 
 
+@pytest.mark.slow
 def test_ship_to_a_directory_it_did_not_write_is_refused_before_any_step(tmp_path):
     """`--ship` checks every shipped directory before the pipeline's first step (hours before it would copy)."""
     shipped = tmp_path / "my-files"

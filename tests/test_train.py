@@ -447,6 +447,7 @@ CPU = {"ACCELERATE_USE_CPU": "true"}
 
 
 # Global batch 4 = 1 process x 4 = 2 processes x 2 (x 1 accumulation) = 2 x 1 x 2 (ZeRO-2 accumulates).
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "backend,launch_args,env,batch,kind",
     [
@@ -472,6 +473,7 @@ def test_two_processes_match_one(backend, launch_args, env, batch, kind, feature
         torch.testing.assert_close(two[name], one[name], rtol=1e-4, atol=1e-5, msg=name)
 
 
+@pytest.mark.slow
 def test_zero3_online_matches_one_process(features, tmp_path):
     """Online under ZeRO-3: the target runs in the step while ZeRO-3 partitions the drafter, which borrows the
     target's embedding and lm_head unregistered (so they are never partitioned, and the run is not refused)."""
@@ -515,6 +517,7 @@ def _run(features, out, processes, backend, batch, accum, resume):
 
 
 # (processes, batch, accumulation) before and after the restart; the global batch stays 4 rows.
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "backend,before,after",
     [
@@ -554,6 +557,7 @@ if acc.is_main_process:
 """
 
 
+@pytest.mark.slow
 def test_each_process_draws_its_own_noise(tmp_path):
     """One seed builds identical drafters on every process; the training streams (input noise, dropout) must then
     differ per process, or every process perturbs its batch with the same pattern."""
@@ -563,6 +567,7 @@ def test_each_process_draws_its_own_noise(tmp_path):
     assert "after set_seed: same" in out and "after seed_process_streams: differ" in out, out
 
 
+@pytest.mark.slow
 def test_a_bad_shard_hashed_by_one_process_stops_every_process(features, tmp_path):
     """With 2 processes each hashes half of the shards; rank 1's (shards 1, 3, ...) holds the flipped byte, rank 0
     finds nothing wrong, and both stop before any step with the one line naming the shard."""
@@ -589,6 +594,7 @@ def test_a_bad_shard_hashed_by_one_process_stops_every_process(features, tmp_pat
     assert not (out / "checkpoints").exists() and not (out / METRICS_FILE).exists()
 
 
+@pytest.mark.slow
 def test_a_launch_into_a_run_directory_in_use_stops_every_process(features, tmp_path):
     """Two processes of one launch share their main process's lock: when another training holds the directory, the
     main process is refused and the other learns it before any collective it would wait in forever; both stop with
@@ -610,6 +616,7 @@ def test_a_launch_into_a_run_directory_in_use_stops_every_process(features, tmp_
     assert not (out / "checkpoints").exists() and not (out / METRICS_FILE).exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", ["zero2", "fsdp"])
 def test_a_deepspeed_or_fsdp_launch_that_came_up_as_plain_ddp_is_refused(config, features, tmp_path):
     out = tmp_path / "run"
