@@ -227,10 +227,12 @@ class EagleProposer:
         top_k: int,
         total_tokens: int,
         draft_vocab: torch.Tensor | VocabProjection | TwoStageProjection | None = None,
+        window: int | None = None,
     ):
         """`draft_vocab`: token ids whose rows of the drafter's lm_head it drafts from, or a ready projection (a
-        drafter's own trained head, the two-stage head); None: the whole vocabulary."""
-        self.drafter = drafter
+        drafter's own trained head, the two-stage head); None: the whole vocabulary. `window`: the drafter attends
+        to fewer than this many positions back (`models.eagle.windowed`); None: the whole context."""
+        self.drafter, self.window = drafter, window
         self.feature_layers = list(drafter.cfg.feature_layers)
         self.depth, self.top_k, self.total_tokens = depth, top_k, total_tokens
         if isinstance(draft_vocab, torch.Tensor):
@@ -287,6 +289,7 @@ class EagleProposer:
             project=self.vocab,
             logits_at=last if padded else None,
             last_only=not padded,
+            window=self.window,
         )  # (B, 1, V or K), (B, n, d)
         if ragged:
             keep = [list(range(length)) + list(range(cached, cached + m)) for length, m in zip(self.lengths, counts)]
@@ -323,7 +326,14 @@ class EagleProposer:
             pos = (prefix + step - 1)[:, None].expand(-1, f)  # the parent's position
             parent_hidden = rows["hidden"].gather(1, parent_rows[:, :, None].expand(-1, -1, hidden.shape[-1]))
             step_logits, step_hidden = self.drafter.step(
-                parent_hidden, tokens.to(device), pos, self.cache, tree_mask=mask, from_target=False, project=self.vocab
+                parent_hidden,
+                tokens.to(device),
+                pos,
+                self.cache,
+                tree_mask=mask,
+                from_target=False,
+                project=self.vocab,
+                window=self.window,
             )
             rows["hidden"], rows["anc"] = step_hidden, anc
             return log_probs(step_logits)  # (B, F, V)
@@ -367,12 +377,14 @@ def build_proposer(
     ev: EvalConfig,
     calibrate: Callable[[int], torch.Tensor],
     draft_vocab: torch.Tensor | Sequence[TwoStageProjection] | None = None,
+    window: int | None = None,
 ) -> tuple[Proposer, str]:
     """The proposer `method` declares for `drafter` and `eval.tree`, with a short description of the tree.
 
     `eval.tree` is one of `method.trees` (the recipe schema checks it). `calibrate(top_k)` returns measured Medusa
     rank accuracies (only called for calibrated trees); `draft_vocab` restricts drafting to those token ids, or
-    holds the two-stage projection of each of the drafter's draft heads (`eval.heads.two_stage_projections`).
+    holds the two-stage projection of each of the drafter's draft heads (`eval.heads.two_stage_projections`);
+    `window` limits an EAGLE drafter's attention to that many positions back (Medusa heads have no attention).
     """
     tree, vocab = ev.tree, draft_vocab
     two_stage = vocab is not None and not isinstance(vocab, torch.Tensor)
@@ -402,13 +414,15 @@ def build_proposer(
                     rows = torch.searchsorted(own, vocab.to(own.device))
                 vocab = VocabProjection.trained(drafter.lm_head, own, drafter.target_vocab_size, rows)
             suffix = f", own draft vocab {len(own)}{suffix}"
+        suffix += "" if window is None else f", window {window}"
         if tree == "chain":
-            return EagleProposer(drafter, ev.tree_depth, 1, ev.tree_depth + 1, vocab), f"chain d{ev.tree_depth}{suffix}"
+            proposer = EagleProposer(drafter, ev.tree_depth, 1, ev.tree_depth + 1, vocab, window)
+            return proposer, f"chain d{ev.tree_depth}{suffix}"
+        k, n = ev.tree_top_k, ev.tree_total_tokens
+        proposer = EagleProposer(drafter, ev.tree_depth, k, n, vocab, window)
         if tree == "cost":  # the caller measures `proposer.costs` on the machine before decoding
-            desc = f"cost-aware d{ev.tree_depth} k{ev.tree_top_k} n<={ev.tree_total_tokens}{suffix}"
-            return EagleProposer(drafter, ev.tree_depth, ev.tree_top_k, ev.tree_total_tokens, vocab), desc
-        desc = f"dynamic d{ev.tree_depth} k{ev.tree_top_k} n{ev.tree_total_tokens}{suffix}"
-        return EagleProposer(drafter, ev.tree_depth, ev.tree_top_k, ev.tree_total_tokens, vocab), desc
+            return proposer, f"cost-aware d{ev.tree_depth} k{k} n<={n}{suffix}"
+        return proposer, f"dynamic d{ev.tree_depth} k{k} n{n}{suffix}"
     heads = drafter.cfg.num_heads  # Medusa: auto, calibrated, chain and the named trees
     if tree == "chain":
         depth = min(ev.tree_depth, heads)

@@ -171,6 +171,15 @@ def fit_data(recipe: Recipe, method: Method, target: Target, drafter: torch.nn.M
     return fit, counts, f"the target's hidden states over {desc}"
 
 
+def draft_window(ev: EvalConfig, config: dict[str, Any]) -> int | None:
+    """`eval.draft_window` resolved: None for the whole context (0), else a number of positions; unset, the
+    `data.max_len` of the recipe the export records (imports record none: the whole context)."""
+    if ev.draft_window is not None:
+        return ev.draft_window or None
+    recorded = ((config.get("recipe") or {}).get("data") or {}).get("max_len")
+    return recorded if isinstance(recorded, int) and recorded > 0 else None
+
+
 def _export_asked(drafter_dir: str) -> int:
     """How many draft tokens the export was written asking for (`max(eval.draft_vocab, train.loss_vocab)` of the
     recipe it recorded; 0 when it recorded none)."""
@@ -506,8 +515,9 @@ def run(recipe: Recipe) -> dict[str, Any] | None:
             recipe, drafter_dir, drafter, target.config.vocab_size, lambda: fit_data(recipe, method, target, drafter)
         )
         print(f"eval: two-stage head, rank {ev.head_rank}, {ev.head_candidates} candidates, factors from {source}")
+    reach = draft_window(ev, config)
     try:
-        proposer, tree_desc = build_proposer(method, drafter, ev, calibrate, draft_vocab)
+        proposer, tree_desc = build_proposer(method, drafter, ev, calibrate, draft_vocab, reach)
     except EvalError:
         raise
     except ValueError as exc:  # e.g. a calibrated tree deeper than the heads
@@ -556,6 +566,7 @@ def run(recipe: Recipe) -> dict[str, Any] | None:
         "prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS,
         "tree_calibration": calibration[0] if calibration else None,
         "context_source": ev.context_source if any(ev.context_lengths) else None,
+        "draft_window": reach if method.proposer == "eagle" else None,
     }
     summary = summarize(records, meta)
     write_report(summary, out_dir)

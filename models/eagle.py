@@ -142,6 +142,20 @@ def step_mask(tree_mask: torch.Tensor | None, B: int, n: int, S: int, device: to
     return tree_mask
 
 
+def windowed(mask: torch.Tensor, position_ids: torch.Tensor, cached: int, window: int | None) -> torch.Tensor:
+    """A draft step's mask (B, n, S+n) with every key `window` or more positions before its query masked out, so the
+    drafter attends at most `window - 1` positions back, as far as it saw in training, however long the context. A
+    cached key's position is its index (the cache holds each row's verified prefix, packed, then the current tree's
+    steps, which all lie near the queries); a new key's is its `position_ids`. None: no limit."""
+    if window is None:
+        return mask
+    B = position_ids.shape[0]
+    cached_pos = torch.arange(cached, device=mask.device).expand(B, cached)
+    keys = torch.cat([cached_pos, position_ids.to(mask.device)], dim=1)  # (B, S + n)
+    far = keys[:, None, :] <= position_ids.to(mask.device)[:, :, None] - window  # (B, n, S + n)
+    return mask & ~far
+
+
 def logit_positions(out: torch.Tensor, last_only: bool, logits_at: torch.Tensor | None) -> torch.Tensor:
     """The new positions (B, n, d) a draft step computes logits for: all, the last (B, 1, d), or row b's
     `logits_at[b]` (B, 1, d)."""
@@ -348,6 +362,7 @@ class EagleDrafter(nn.Module):
         project: Callable[[torch.Tensor], torch.Tensor] | None = None,
         last_only: bool = False,
         logits_at: torch.Tensor | None = None,
+        window: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Run n new positions on top of `cache` (which they extend); returns logits (B, n, V), hidden_out (B, n, d).
 
@@ -366,6 +381,7 @@ class EagleDrafter(nn.Module):
         `last_only`: logits for the last new position only (B, 1, ·), as a catch-up step needs;
         `logits_at` (B,): logits for new position logits_at[b] of row b only (B, 1, ·), the same for a
         batch whose rows have different numbers of new positions (padded at the end).
+        `window`: attend to cached positions fewer than this many positions back only (`windowed`).
         """
         B, n = input_ids.shape
         d = self.fc.in_features // 2
@@ -376,7 +392,7 @@ class EagleDrafter(nn.Module):
             g = self.fuse_features(inputs[:, :, None])
         else:
             g = inputs
-        mask = step_mask(tree_mask, B, n, cache.length, g.device)
+        mask = windowed(step_mask(tree_mask, B, n, cache.length, g.device), position_ids, cache.length, window)
         f_hat = self._predict(g, input_ids, position_ids, mask, cache)  # (B, n, d)
         out = logit_positions(f_hat, last_only, logits_at)
         return (self.logits(out) if project is None else project(out)), f_hat

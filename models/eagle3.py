@@ -27,7 +27,7 @@ from models.common import (
     shifted_valid,
 )
 from models.configs import Eagle3Config
-from models.eagle import MLP, Attention, DraftCache, RMSNorm, logit_positions, step_mask
+from models.eagle import MLP, Attention, DraftCache, RMSNorm, logit_positions, step_mask, windowed
 from models.lm_head import FACTORS_NAME, DraftHead, unbiased_weight
 
 
@@ -304,6 +304,7 @@ class Eagle3Drafter(nn.Module):
         project: Callable[[torch.Tensor], torch.Tensor] | None = None,
         last_only: bool = False,
         logits_at: torch.Tensor | None = None,
+        window: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """As `EagleDrafter.step`: logits (B, n or 1, K) over the draft vocabulary (or `project`'s), hidden_out
         (B, n, d), the input of the next step (`from_target=False`). Target `inputs` are (B, n, n_feat·d) in
@@ -312,7 +313,8 @@ class Eagle3Drafter(nn.Module):
         inputs = inputs.to(self.compute_dtype)
         d = self.fc.out_features
         g = self.fuse_features(inputs.reshape(B, n, len(self.cfg.feature_layers), d)) if from_target else inputs
-        h, normed = self._predict(g, input_ids, position_ids, step_mask(tree_mask, B, n, cache.length, g.device), cache)
+        mask = windowed(step_mask(tree_mask, B, n, cache.length, g.device), position_ids, cache.length, window)
+        h, normed = self._predict(g, input_ids, position_ids, mask, cache)
         out = logit_positions(normed, last_only, logits_at)
         logits = self.draft_logits(out) if project is None else project(out)
         return logits, (normed if self.cfg.norm_output else h)

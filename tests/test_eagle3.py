@@ -415,8 +415,8 @@ def test_native_export_reloads_to_identical_logits_and_drafts_losslessly(feature
 
 
 def test_a_draft_vocabulary_larger_than_the_data_is_refused_in_one_line(features, tmp_path, at_root):
-    with pytest.raises(TrainingError, match=r"drafter.draft_vocab: 100000 asked, the training split has \d+ distinct"):
-        train(tiny_recipe(features, tmp_path / "run", "train.max_steps=2", "drafter.draft_vocab=100000"))
+    with pytest.raises(TrainingError, match=r"drafter.draft_vocab: 8000 asked, the training split has \d+ distinct"):
+        train(tiny_recipe(features, tmp_path / "run", "train.max_steps=2", "drafter.draft_vocab=8000"))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -680,3 +680,42 @@ def test_unrolled_attention_memory_grows_linearly_with_length(monkeypatch):
 
     small, large = saved_bytes(1024), saved_bytes(2048)
     assert 1.8 < large / small < 2.3, (small, large)
+
+
+def test_a_windowed_drafter_sees_what_it_sees_over_the_last_positions_alone(setup):
+    """With `window` W, the drafter's output at the last of L positions equals its output over the last W positions
+    run alone from position 0 (RoPE scores depend on distances only): nothing further back reaches it. Without the
+    window the two differ."""
+    model = setup[0]
+    drafter = drafter_for(model, fc_norm=True, norm_output=True)
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, VOCAB, (1, 30), generator=gen)
+    feats = sample_hidden(model, ids[0], LAYERS)[None, :, :3]  # (1, 30, 3, d): the fused layers' features
+    W = 6
+
+    def last_logits(start: int, window: int | None) -> torch.Tensor:
+        n = ids.shape[1] - 1 - start
+        positions = torch.arange(n)[None]
+        logits, _ = drafter.step(feats[:, start:-1], ids[:, start + 1 :], positions, drafter.new_cache(), window=window)
+        return logits[0, -1]
+
+    whole, alone = last_logits(0, W), last_logits(29 - W, None)
+    torch.testing.assert_close(whole, alone, atol=2e-5, rtol=1e-5)
+    assert not torch.allclose(last_logits(0, None), alone, atol=1e-3)
+
+
+@pytest.mark.parametrize("window", [2, 5])
+def test_windowed_drafting_stays_lossless(setup, window):
+    """Cached prefix keys beyond the window are masked in the catch-up and in every tree step; greedy output is still
+    plain decoding's, and a window wider than the whole sequence drafts exactly what no window drafts."""
+    model = setup[0]
+    drafter = drafter_for(model, vocab=64)
+    vocab = VocabProjection.trained(drafter.lm_head, drafter.draft_ids, VOCAB)
+    prompt = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(3))
+    settings = DecodeSettings(max_new_tokens=20)
+    trees = {}
+    for w in (window, 1000, None):
+        proposer = EagleProposer(drafter, depth=3, top_k=3, total_tokens=8, draft_vocab=vocab, window=w)
+        tokens, trees[w] = drafted_trees(model, proposer, prompt, settings)
+        assert tokens == plain_generate(model, prompt, settings).tokens
+    assert trees[1000] == trees[None] and trees[window] != trees[None]

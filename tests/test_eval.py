@@ -622,7 +622,8 @@ def test_eval_reports_tau_by_context_length(tmp_path, target):
     drafter = EagleDrafter(EagleConfig(), target.parts([-1]))
     save_native(tmp_path / "run" / "export", drafter, target)
     section = {"tree": "dynamic", "tree_depth": 2, "tree_top_k": 2, "tree_total_tokens": 4, "max_prompts": 2,
-               "context_lengths": [0, 120], "context_source": str(_conversations_file(tmp_path))}  # fmt: skip
+               "context_lengths": [0, 120], "context_source": str(_conversations_file(tmp_path)),
+               "draft_window": 64}  # fmt: skip
     main([_recipe(tmp_path, "eagle2", {}, section)])
     out = tmp_path / "run" / "eval"
     report = json.loads((out / "report.json").read_text())
@@ -634,6 +635,18 @@ def test_eval_reports_tau_by_context_length(tmp_path, target):
     assert by["120"]["rounds"] == sum(len(r["speculative"]["accepted"]) for r in rows)
     assert "## τ by context length" in (out / "report.md").read_text()
     assert report["context_source"].endswith("context.jsonl")
+    assert report["draft_window"] == 64 and report["tree"].endswith("window 64")
+
+
+def test_the_draft_window_is_the_exports_training_length_unless_set():
+    from eval.run import draft_window
+    from train.config import EvalConfig
+
+    config = {"recipe": {"data": {"max_len": 384}}}
+    assert draft_window(EvalConfig(), config) == 384
+    assert draft_window(EvalConfig(draft_window=128), config) == 128
+    assert draft_window(EvalConfig(draft_window=0), config) is None  # the whole context
+    assert draft_window(EvalConfig(), {}) is None  # an import records no training length
 
 
 @pytest.mark.parametrize(
@@ -642,6 +655,7 @@ def test_eval_reports_tau_by_context_length(tmp_path, target):
         ({"context_lengths": [0, 512]}, "eval.context_source: is required"),
         ({"context_lengths": [512, 512], "context_source": "x"}, "eval.context_lengths: lists a length twice"),
         ({"context_lengths": [-1], "context_source": "x"}, "eval.context_lengths: must be token counts >= 0"),
+        ({"draft_window": -2}, r"eval.draft_window: must be >= 1 \(positions\), 0"),
     ],
 )
 def test_bad_context_settings_are_named(tmp_path, section, message):
