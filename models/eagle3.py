@@ -70,6 +70,8 @@ class Eagle3Layer(nn.Module):
 
 
 KeyValue = tuple[torch.Tensor, torch.Tensor]
+TARGET_HEAD_ROWS = 2048
+"""Loss positions whose target distribution is computed at once: (2048, V) float32 is 400 MB for SmolLM2."""
 TTT_QUERY_CHUNK = 256
 """Queries per block of `ttt_attention`: its memory is O(chunk x T) per block, recomputed in the backward pass."""
 
@@ -253,12 +255,14 @@ class Eagle3Drafter(nn.Module):
         row = torch.full((B, T), -1, dtype=torch.long, device=last.device)
         row[at] = torch.arange(int(at.sum()), device=last.device)
         with torch.no_grad():
-            head = self._target_head.module
-            full = head(last[at].to(head.weight.dtype)).float().to(last.device)  # (N, V)
-            target_top1 = full.argmax(-1)  # (N,)
-            target_p = full[:, self.draft_ids].softmax(-1)  # (N, K)
+            head, top1, probs = self._target_head.module, [], []
+            for rows in last[at].split(TARGET_HEAD_ROWS):  # (n, d) at a time: long packed rows keep (N, V) off memory
+                full = head(rows.to(head.weight.dtype)).float().to(last.device)  # (n, V)
+                top1.append(full.argmax(-1))
+                probs.append(full[:, self.draft_ids].softmax(-1))  # (n, K)
+            target_top1 = torch.cat(top1) if top1 else last.new_zeros(0, dtype=torch.long)  # (N,)
+            target_p = torch.cat(probs) if probs else last.new_zeros(0, len(self.d2t))  # (N, K)
             in_vocab = self.t2d[target_top1]  # (N,)
-            del full
         n_loss = num_loss_tokens(batch)
         k = min(self.cfg.topk_metric, self.cfg.draft_vocab)
         out: dict[str, torch.Tensor] = {}

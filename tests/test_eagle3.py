@@ -719,3 +719,15 @@ def test_windowed_drafting_stays_lossless(setup, window):
         tokens, trees[w] = drafted_trees(model, proposer, prompt, settings)
         assert tokens == plain_generate(model, prompt, settings).tokens
     assert trees[1000] == trees[None] and trees[window] != trees[None]
+
+
+def test_the_targets_distribution_in_row_chunks_gives_the_same_loss(setup, monkeypatch):
+    from models import eagle3
+
+    model, _, _, packed = setup
+    drafter = drafter_for(model)
+    whole = drafter(packed)
+    monkeypatch.setattr(eagle3, "TARGET_HEAD_ROWS", 3)
+    chunked = drafter(packed)
+    for key, value in whole.items():
+        torch.testing.assert_close(chunked[key], value, msg=key)
