@@ -22,11 +22,11 @@ from pathlib import Path
 
 import torch
 
+from data.heldout import read_heldout
 from data.shards import FeatureDataset
 from eval.heads import compute_factors, shard_fit_data
 from models.lm_head import TwoStageHead
 from train.export import load_run
-from train.heldout import read_heldout
 
 POSITIONS = 4000
 

@@ -33,6 +33,7 @@ import torch
 import yaml
 
 from data.chat import ChatTemplateError, DataError
+from data.heldout import HELDOUT_FILE, HeldoutError, read_heldout
 from data.prepare import prepare_dataset
 from data.shards import FeatureDataset, FeatureMismatchError, frequent_loss_tokens, loss_token_counts, split_by_id
 from eval import REPORT_FILES, EvalError, kernels
@@ -50,7 +51,6 @@ from models.methods import METHODS, Method
 from models.target import Target, TargetError, load_target
 from train.checkpoint import latest_checkpoint, read_state
 from train.config import EvalConfig, Recipe, RecipeError, dotted_settings
-from train.heldout import HELDOUT_FILE, HeldoutError, read_heldout
 
 CALIBRATION_SAMPLES = 64
 WARMUP_TOKENS = 4

@@ -18,6 +18,7 @@ from tiny import drafted_trees, make_batch, make_samples, sample_hidden
 from tiny import tiny_llama as tiny_target
 
 from data.extract import main as extract_main
+from data.heldout import read_heldout
 from data.loader import BatchLoader
 from data.shards import FeatureDataset, frequent_loss_tokens
 from eval.baselines import plain_generate
@@ -35,7 +36,6 @@ from train.config import load_recipe, recipe_from_dict
 from train.eagle3_layouts import compare, drafter_logits, eagle3_inputs
 from train.export import export, load_run
 from train.gates import check as gate_check
-from train.heldout import read_heldout
 from train.imports import import_eagle3
 from train.imports import main as imports_main
 from train.loop import MIN_IN_VOCAB, draft_vocab_warning, train

@@ -17,6 +17,7 @@ import yaml
 from tiny import accelerate_launch, tiny_llama
 
 from data.extract import main as extract_main
+from data.heldout import HeldoutError, read_heldout, write_heldout
 from data.prepare import prepare_dataset
 from data.shards import FeatureDataset, frequent_loss_tokens, loss_token_counts
 from eval import EvalError
@@ -31,7 +32,6 @@ from models.medusa import MedusaConfig, MedusaHeads
 from models.medusa2 import Medusa2Config, Medusa2Model
 from models.target import load_target
 from train.config import load_recipe
-from train.heldout import HeldoutError, read_heldout, write_heldout
 
 TOKENIZER = "recipes/pocket/target"
 TARGET = {

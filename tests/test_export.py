@@ -18,6 +18,7 @@ from accelerate.state import AcceleratorState, GradientState
 from safetensors.torch import load_file, save_file
 
 from data.extract import main as extract_main
+from data.heldout import read_heldout
 from data.loader import BatchLoader
 from data.shards import FeatureDataset, frequent_loss_tokens
 from eval import EvalError
@@ -37,7 +38,6 @@ from models.target import load_target
 from train.config import load_recipe
 from train.export import ENGINE_WEIGHTS, MEDUSA_PT, MEDUSA_WEIGHTS, export, legacy_rope, load_run, medusa_names
 from train.export import main as export_main
-from train.heldout import read_heldout
 from train.loop import train
 
 ROOT = Path(__file__).resolve().parents[1]

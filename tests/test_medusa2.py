@@ -26,6 +26,7 @@ from tiny import accelerate_launch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaMLP
 
+from data.heldout import read_heldout
 from data.prepare import prepare_dataset
 from models.common import DraftBatch, TargetParts
 from models.eagle import EagleConfig, EagleDrafter
@@ -35,7 +36,6 @@ from models.medusa2 import Medusa2Config, Medusa2Model, load_medusa2
 from models.target import Target, load_target
 from train.checkpoint import DRAFTER_FILE, METRICS_FILE, latest_checkpoint
 from train.config import RecipeError, TrainConfig, load_recipe
-from train.heldout import read_heldout
 from train.loop import TrainingError, _check_zero3_sharing
 from train.optim import build_optimizer
 

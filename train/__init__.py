@@ -6,8 +6,8 @@
 Files: `config.py` (the recipe schema) and `schema.py` (YAML -> typed dataclasses, overrides), `loop.py` (accelerator,
 target, loaders, the step and the loop), `resume.py` (which checkpoint to continue from, saving and restoring a run),
 `checkpoint.py` (checkpoint files), `state.py` (name-keyed model and optimizer state under any backend), `optim.py`
-(AdamW groups and schedule), `heldout.py` (the recorded held-out split), `export.py`, `__main__.py` (the command
-line).
+(AdamW groups and schedule), `export.py`, `__main__.py` (the command line). The held-out split a run records is
+`data/heldout.py`: evaluation and export read it too.
 """
 
 

@@ -62,6 +62,7 @@ import torch
 from torch import nn
 
 from data.chat import DataError
+from data.heldout import HeldoutError, read_heldout
 from data.lock import DirectoryLocked, NotADirectory, directory_lock
 from data.prepare import prepare_dataset
 from data.shards import FeatureDataset, FeatureMismatchError, loss_token_counts, most_frequent
@@ -85,7 +86,6 @@ from train.checkpoint import DRAFTER_FILE, RECIPE_FILE, CheckpointError, latest_
 from train.config import Recipe, RecipeError, load_recipe
 from train.gates import EAGLE_PT, FASTERDECODING_HEADS, GATES, MEDUSA_PT, MEDUSA_SAFETENSORS
 from train.gates import check as gate_check
-from train.heldout import HeldoutError, read_heldout
 
 MEDUSA_WEIGHTS = MEDUSA_SAFETENSORS
 ENGINE_WEIGHTS = "model.safetensors"

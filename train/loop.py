@@ -32,6 +32,7 @@ from tqdm import tqdm
 from transformers.integrations import set_hf_deepspeed_config, unset_hf_deepspeed_config
 
 from data.extract import feature_identity
+from data.heldout import write_heldout
 from data.loader import BatchLoader
 from data.lock import DirectoryLocked, NotADirectory, acquire, release, shared_verdict
 from data.prepare import prepare_dataset
@@ -43,7 +44,6 @@ from models.target import Target, load_target
 from train import TrainingError
 from train.checkpoint import METRICS_FILE, RECIPE_FILE
 from train.config import Recipe
-from train.heldout import write_heldout
 from train.optim import build_optimizer, build_scheduler, reschedule
 from train.resume import checkpoint_to_resume, restore_run, save_run, truncate_metrics
 

@@ -1,6 +1,7 @@
 """The held-out split of a training run, recorded in its run directory: evaluation reads the samples training held out
 instead of re-creating the split from the recipe (which would go wrong once the data, `data.heldout_fraction` or
-`train.seed` change after training).
+`train.seed` change after training), and export counts draft-vocabulary tokens without them. Here, below train and
+eval, so that both read it without one importing the other.
 
     write_heldout(recipe.train.output_dir, heldout_sample_ids)   # training, once the split is made
     read_heldout(recipe.train.output_dir)                        # -> [sample id, ...], or None for a run without one
