@@ -35,6 +35,7 @@ import yaml
 from data.chat import ChatTemplateError, DataError
 from data.heldout import HELDOUT_FILE, HeldoutError, read_heldout
 from data.prepare import prepare_dataset
+from data.runs import latest_checkpoint, read_state
 from data.shards import FeatureDataset, FeatureMismatchError, frequent_loss_tokens, loss_token_counts, split_by_id
 from eval import REPORT_FILES, EvalError, kernels
 from eval.baselines import PROMPT_LOOKUP_TOKENS, plain_generate, plain_generate_batch, prompt_lookup_generate
@@ -49,7 +50,6 @@ from models.io import ExportError, load_draft_vocab, load_drafter, read_config
 from models.medusa import MedusaHeads
 from models.methods import METHODS, Method
 from models.target import Target, TargetError, load_target
-from train.checkpoint import latest_checkpoint, read_state
 from train.config import EvalConfig, Recipe, RecipeError, dotted_settings
 
 CALIBRATION_SAMPLES = 64

@@ -59,9 +59,9 @@ from typing import Any
 
 import yaml
 
+from data.runs import latest_checkpoint, read_state
 from eval import REPORT_FILES
 from models.io import EXPORT_MARKER
-from train.checkpoint import latest_checkpoint, read_state
 from train.schema import YAMLTooLarge, safe_load, yaml_problem
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -20,6 +20,7 @@ from tiny import tiny_llama as tiny_target
 from data.extract import main as extract_main
 from data.heldout import read_heldout
 from data.loader import BatchLoader
+from data.runs import latest_checkpoint
 from data.shards import FeatureDataset, frequent_loss_tokens
 from eval.baselines import plain_generate
 from eval.decode import DecodeSettings, speculative_generate
@@ -31,7 +32,7 @@ from models.io import ExportError, load_draft_vocab, load_drafter
 from models.methods import METHODS
 from models.target import load_target
 from train import TrainingError, eagle3_layouts, loop
-from train.checkpoint import DRAFTER_FILE, METRICS_FILE, latest_checkpoint
+from train.checkpoint import DRAFTER_FILE, METRICS_FILE
 from train.config import load_recipe, recipe_from_dict
 from train.eagle3_layouts import compare, drafter_logits, eagle3_inputs
 from train.export import export, load_run

@@ -28,13 +28,14 @@ from transformers.models.llama.modeling_llama import LlamaMLP
 
 from data.heldout import read_heldout
 from data.prepare import prepare_dataset
+from data.runs import latest_checkpoint
 from models.common import DraftBatch, TargetParts
 from models.eagle import EagleConfig, EagleDrafter
 from models.io import ExportError, load_draft_vocab, load_drafter, place_on_target, save_native
 from models.medusa import MedusaConfig, MedusaHeads
 from models.medusa2 import Medusa2Config, Medusa2Model, load_medusa2
 from models.target import Target, load_target
-from train.checkpoint import DRAFTER_FILE, METRICS_FILE, latest_checkpoint
+from train.checkpoint import DRAFTER_FILE, METRICS_FILE
 from train.config import RecipeError, TrainConfig, load_recipe
 from train.loop import TrainingError, _check_zero3_sharing
 from train.optim import build_optimizer

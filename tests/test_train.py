@@ -24,12 +24,13 @@ from tiny import accelerate_launch
 from data.extract import main as extract_main
 from data.loader import BatchLoader
 from data.prepare import prepare_dataset
+from data.runs import latest_checkpoint, list_checkpoints
 from data.shards import FeatureDataset
 from models.methods import METHODS
 from models.target import load_target
 from train import loop
 from train.__main__ import main as train_main
-from train.checkpoint import DRAFTER_FILE, METRICS_FILE, latest_checkpoint, list_checkpoints
+from train.checkpoint import DRAFTER_FILE, METRICS_FILE
 from train.config import load_recipe
 from train.loop import TrainingError, build_target, evaluated_heldout, target_hidden, train
 from train.optim import WarmupCosine

@@ -13,13 +13,13 @@
 Everything but the RNG is full and keyed by name (see `train.state`), so a checkpoint resumes on
 another number of processes or another backend. A checkpoint is written under `step-XXXXXX.tmp`
 and renamed once every process has finished, so a directory named `step-XXXXXX` is always
-complete; only the newest `keep` are kept.
+complete; only the newest `keep` are kept. Finding checkpoints and reading their state (`latest_checkpoint`,
+`read_state`) is `data.runs`: export and evaluation read them too.
 """
 
 from __future__ import annotations
 
 import json
-import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -29,42 +29,19 @@ from accelerate import Accelerator
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+from data.runs import STATE_FILE, CheckpointError, checkpoints_root, list_checkpoints, read_json, read_state
 from models.io import write_safetensors
 
-STATE_FILE = "trainer_state.json"
 DRAFTER_FILE = "drafter.safetensors"
 OPTIMIZER_FILE = "optimizer.safetensors"
 GROUPS_FILE = "optimizer.json"
 SCHEDULER_FILE = "scheduler.json"
 RECIPE_FILE = "recipe.yaml"
 METRICS_FILE = "metrics.jsonl"
-_STEP_DIR = re.compile(r"^step-(\d{6,})$")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint file that is missing, truncated or not what this version writes; the message names it."""
 
 
 def rng_file(rank: int) -> str:
     return f"rng_{rank}.json"
-
-
-def checkpoints_root(output_dir: str | Path) -> Path:
-    return Path(output_dir) / "checkpoints"
-
-
-def list_checkpoints(output_dir: str | Path) -> list[Path]:
-    """Complete checkpoints of a run, oldest first."""
-    root = checkpoints_root(output_dir)
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir() if _STEP_DIR.match(p.name) and (p / STATE_FILE).is_file()]
-    return sorted(found, key=lambda p: int(_STEP_DIR.match(p.name).group(1)))
-
-
-def latest_checkpoint(output_dir: str | Path) -> Path | None:
-    found = list_checkpoints(output_dir)
-    return found[-1] if found else None
 
 
 def _write_json(path: Path, value: Any) -> None:
@@ -111,20 +88,6 @@ def save_checkpoint(
     return final
 
 
-def read_json(path: Path) -> Any:
-    """A checkpoint's JSON file; CheckpointError naming it when it is missing or torn."""
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(
-            f"{path}: missing (an incomplete checkpoint, or one written by an older specdraft that saved pickles)"
-        ) from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(
-            f"{path}: not valid JSON ({exc.msg if hasattr(exc, 'msg') else exc}): truncated?"
-        ) from None
-
-
 def read_tensors(path: Path) -> dict[str, torch.Tensor]:
     """A checkpoint's safetensors file; CheckpointError naming it when it is missing or torn."""
     if not path.is_file():
@@ -135,14 +98,6 @@ def read_tensors(path: Path) -> dict[str, torch.Tensor]:
         return load_file(str(path))
     except (SafetensorError, OSError, ValueError) as exc:
         raise CheckpointError(f"{path}: unreadable safetensors ({exc}): truncated or overwritten?") from None
-
-
-def read_state(path: str | Path) -> dict:
-    """trainer_state.json of a checkpoint (no collective calls)."""
-    path = Path(path)
-    if not (path / STATE_FILE).is_file():
-        raise CheckpointError(f"{path}: not a complete checkpoint (no {STATE_FILE})")
-    return read_json(path / STATE_FILE)
 
 
 def load_checkpoint(path: str | Path, rank: int) -> dict[str, Any]:

@@ -65,6 +65,7 @@ from data.chat import DataError
 from data.heldout import HeldoutError, read_heldout
 from data.lock import DirectoryLocked, NotADirectory, directory_lock
 from data.prepare import prepare_dataset
+from data.runs import CheckpointError, latest_checkpoint, read_state
 from data.shards import FeatureDataset, FeatureMismatchError, loss_token_counts, most_frequent
 from models.io import (
     DRAFT_VOCAB_FILE,
@@ -82,7 +83,7 @@ from models.medusa import MedusaHeads
 from models.methods import METHODS
 from models.target import Target, TargetError, load_target
 from train import eagle3_layouts
-from train.checkpoint import DRAFTER_FILE, RECIPE_FILE, CheckpointError, latest_checkpoint, read_state
+from train.checkpoint import DRAFTER_FILE, RECIPE_FILE
 from train.config import Recipe, RecipeError, load_recipe
 from train.gates import EAGLE_PT, FASTERDECODING_HEADS, GATES, MEDUSA_PT, MEDUSA_SAFETENSORS
 from train.gates import check as gate_check

@@ -21,16 +21,9 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 from tqdm import tqdm
 
+from data.runs import CheckpointError, latest_checkpoint, list_checkpoints, read_state
 from train import TrainingError
-from train.checkpoint import (
-    RECIPE_FILE,
-    CheckpointError,
-    latest_checkpoint,
-    list_checkpoints,
-    load_checkpoint,
-    read_state,
-    save_checkpoint,
-)
+from train.checkpoint import RECIPE_FILE, load_checkpoint, save_checkpoint
 from train.config import Recipe, RecipeError, dotted_settings, load_recipe
 from train.state import gather_state, restore_state, rng_state, set_rng_state
 
