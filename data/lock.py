@@ -3,10 +3,10 @@
     with directory_lock(run_dir, "training", key="train.output_dir"):    # inside the directory it guards
         ...                                                              # a second writer gets DirectoryLocked
     with directory_lock(out, "export", beside=True):                    # <parent>/.<name>.specdraft.lock
-        ...                                                              # (a directory that is replaced whole)
+        ...                                                              # (replaced whole, or a file)
 
-The lock file is `<directory>/.specdraft.lock` (or, with `beside=True`, `.<name>.specdraft.lock` next to the
-directory, for outputs renamed into place whole, such as exports), removed when released. The kernel drops a
+The lock file is `<directory>/.specdraft.lock` (or, with `beside=True`, `.<name>.specdraft.lock` next to it, for
+outputs renamed into place whole, such as exports, or single files), removed when released. The kernel drops a
 `flock` when its process ends however it ends (killed, crashed), so a lock file a killed process left behind never
 blocks anything: only a live process holding it does. The file records the holder's pid and command for the
 refusal message.
@@ -16,10 +16,11 @@ the others learn its verdict before any of them writes (`shared_verdict`, or the
 launch stops on every process with the same line. `check_output_path` refuses an output path that is (or lies
 under) an existing file, naming it, before anything tries to create it.
 
-Self-distillation / synthesis (`data/selfdistill.py`, `data/synthesize.py`) write one JSONL file: they lock the
-file's directory beside it, e.g. `directory_lock(out, "self-distillation", key="--out", beside=True)` around their
-writing (main process only, others told through the process group), and catch `DirectoryLocked` with their other
-one-line errors. This module imports nothing heavy.
+Self-distillation / synthesis (`data/selfdistill.py`, `data/synthesize.py`) write one JSONL file: they can lock it
+with a lock file beside it, `directory_lock(out, "self-distillation", key="--out", beside=True)` around their writing
+(`.<out name>.specdraft.lock`), taken on the main process only with the others told its verdict through the process
+group (`shared_verdict(problem, accelerate.utils.gather_object)`, as `train.loop.lock_run_dir` does), and report
+`DirectoryLocked` / `NotADirectory` with their other one-line errors. This module imports nothing heavy.
 """
 
 from __future__ import annotations
@@ -65,11 +66,12 @@ def check_output_path(path: str | Path, key: str) -> None:
 
 
 def acquire(directory: str | Path, what: str, key: str | None = None, beside: bool = False) -> int:
-    """Take the lock for `directory` (created if missing) and return its file descriptor (close it to release);
-    DirectoryLocked when another process holds it."""
+    """Take the lock for `directory` (created if missing; with `beside`, only its parent is, and `directory` may
+    also be a file, such as a JSONL output) and return its file descriptor (`release` it); DirectoryLocked when
+    another process holds it, NotADirectory when the directory (or, with `beside`, its parent) cannot be one."""
     directory = Path(directory)
-    check_output_path(directory, key or str(directory))
     path = lock_path(directory, beside)
+    check_output_path(path.parent, key or str(path.parent))
     path.parent.mkdir(parents=True, exist_ok=True)
     while True:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
