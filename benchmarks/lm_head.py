@@ -1,4 +1,4 @@
-"""Two-stage LM head (`models.lm_head`) on a real head: recall of the full head's top tokens, time and FLOPs.
+"""Two-stage LM head (`eval.heads`) on a real head: recall of the full head's top tokens, time and FLOPs.
 
     .venv/bin/python -m benchmarks.lm_head [--positions 4096] [--batch 8] [--repeats 5] [--threads 1]
 
@@ -35,7 +35,8 @@ import torch
 from safetensors import safe_open
 
 from data.shards import FeatureDataset
-from models.lm_head import TwoStageHead, factorize, hidden_moment, token_weights
+from eval.heads import TwoStageHead
+from models.lm_head import factorize, hidden_moment, token_weights
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET = ROOT / "artifacts/smollm2-135m-instruct/model.safetensors"

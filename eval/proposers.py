@@ -21,6 +21,7 @@ from typing import Protocol
 import torch
 
 from eval.cost_trees import batch_should_stop, batch_tree_size
+from eval.heads import TwoStageProjection
 from eval.trees import NAMED_TREES, Tree, calibrated_tree, chain, dynamic_trees, medusa_tokens, medusa_tree
 from models.methods import Method
 from train.config import EvalConfig
@@ -117,34 +118,6 @@ class VocabProjection:
         """(..., K) draft logits -> (..., V) log-probabilities, -inf outside the draft vocabulary."""
         out = torch.full((*logits.shape[:-1], self.vocab_size), float("-inf"), device=logits.device)
         return out.index_copy_(-1, self.ids.to(logits.device), torch.log_softmax(logits, dim=-1))
-
-
-class TwoStageProjection:
-    """The two-stage head (`models.lm_head.TwoStageHead`) as a draft step's projection: a low-rank screen of the head's
-    rows keeps `head.candidates` of them per position and their exact logits are computed; the result is laid out over
-    the target vocabulary (`vocab_size`), -inf off the candidates, so the proposer drafts only among them
-    (verification still uses the target's full distribution: greedy output is unchanged, sampled output still follows
-    the target). `row_tokens` (R,): the target token of each row of a draft-vocabulary head; None: row r is token r."""
-
-    def __init__(self, head, vocab_size: int, row_tokens: torch.Tensor | None = None):
-        self.head, self.vocab_size = head, vocab_size
-        self.rows_to_tokens = None if row_tokens is None else row_tokens.to(head.weight.device)
-        self.size = head.candidates  # tokens a position can draft among
-
-    def __call__(self, h: torch.Tensor) -> torch.Tensor:
-        """(..., d) -> (..., V) float32 logits, -inf off each position's candidates, on h's device."""
-        ids, logits = self.head(h.to(self.head.weight.device))
-        if self.rows_to_tokens is not None:
-            ids = self.rows_to_tokens[ids]
-        out = torch.full((*ids.shape[:-1], self.vocab_size), float("-inf"), device=ids.device)
-        return out.scatter_(-1, ids, logits.float()).to(h.device)
-
-    def token_ids(self, index: torch.Tensor) -> torch.Tensor:
-        """Positions in this projection's output -> token ids: the same (it is laid out over the vocabulary)."""
-        return index
-
-    def full_log_probs(self, logits: torch.Tensor) -> torch.Tensor:
-        return torch.log_softmax(logits, dim=-1)
 
 
 def _check_draft_vocab(vocab, top_k: int) -> None:

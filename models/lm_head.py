@@ -1,35 +1,36 @@
-"""Two-stage efficient LM head: a frequency-aware low-rank screen of the vocabulary, then exact logits.
+"""Two-stage efficient LM head: the factors of its low-rank screen, fitted to what each draft head reads.
 
-    counts = loss_token_counts(FeatureDataset("runs/features"), vocab_size=W.shape[0])  # (V,)
+    counts = loss_token_counts(FeatureDataset("runs/features"), vocab_size=W.shape[0])  # (V,), data.shards
     moment = hidden_moment(h_train)  # (d, d) E[h·hᵀ] of training hidden states: fit the logits, not W
     factors = factorize(W, rank=64, weights=token_weights(counts), hidden_moment=moment)  # W ≈ a (V, r) @ b (r, d)
     factors.save("runs/lm_head")  # factors.safetensors; LowRankHead.load("runs/lm_head") reads it back
-    head = TwoStageHead(W, factors, candidates=256)
-    ids, logits = head(h)  # h (N, d) -> candidate ids (N, C), their exact logits h·W[c]ᵀ (N, C)
-    values, tokens = head.topk(h, k=4)  # (N, 4) each: the top-4 of the exact logits among the candidates
-    head = TwoStageHead(W, factors, candidates=256, kernels="triton", block_v=256, k_local=16)  # fused stage 1
+    samples = fit_samples(features, drafter.stored_layers)  # the first MOMENT_SAMPLES samples of feature shards
+    save_factors(export_dir, drafter, samples, counts, rank=64)  # every draft head's, in <export>/lm_head/
 
 Each draft step ends in a projection onto the vocabulary (V·d multiply-adds per token: 49,152 x 576 on
 SmolLM2-135M), which dominates drafting. Stage 1 scores the whole vocabulary through a rank-r factorization
 W ≈ A·B, s = (h·Bᵀ)·Aᵀ, at (V + d)·r per token, and keeps the `candidates` best ids; stage 2 gathers those rows
 of the full W and computes their exact logits (C·d). A drafter only needs the top few tokens, so the screen
-only has to rank them among its candidates, not get their logits right.
+only has to rank them among its candidates, not get their logits right. The head that runs both stages
+(`TwoStageHead`, its stage 1 in torch, the Triton kernel or its twin) is evaluation's: `eval.heads`.
 
 The factors are a truncated SVD of D·W, D = diag(frequency weight of each token), with the scaling undone
 afterwards (A = D⁻¹·U_r·S_r, B = V_rᵀ): the SVD minimises the weighted error Σ_v w_v²·|W_v - (AB)_v|², so the
 tokens a drafter actually emits (frequent loss tokens) are approximated best. The weights only shape the
 factors; the logits are never multiplied by them. `benchmarks/lm_head.py` measures recall and time on SmolLM2.
 
-Stage 1 by default writes all V scores and takes their top C (`kernels="torch"`). With `kernels="triton"` (or its
-twin, "reference") it runs `eval.kernels.lowrank.lowrank_topk` instead: A's rows are shuffled once by a fixed
-permutation, each tile of `block_v` shuffled rows keeps its `k_local` best scores (the V scores are never written),
-and the candidates are the best C of those survivors. That equals the plain top C when `k_local >= block_v`; otherwise
-a tile holding more than `k_local` of a row's top C loses the rest (`benchmarks/lowrank_topk.py` measures the recall).
+A drafter lists the vocabulary projections it drafts through in `draft_heads()` (`DraftHead`): an EAGLE-2 drafter
+the target's lm_head, an EAGLE-3 drafter its own head over the draft vocabulary, Medusa one per head. Each gets
+factors (`compute_factors`) frequency-aware (token weights from the training data's loss-token counts) and fitted
+to the second moment of what that projection reads at the loss positions of some training samples, so that the
+screen ranks the tokens the drafter actually proposes. `python -m train.export` stores them with the native export
+(`save_factors`); evaluation reads them, or fits them at start-up. Torch only: this module imports neither data nor
+eval (feature shards are handed in).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,11 +38,14 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from data.shards import loss_token_counts  # noqa: F401  (re-exported: the counts `token_weights` takes)
 from models.common import share_safetensors
 
 FACTORS_NAME = "factors"
 """File stem of a drafter's one head's factors (`factors.safetensors`); Medusa head k's are `factors-head{k}`."""
+FACTORS_DIR = "lm_head"
+"""Where a native export keeps its draft heads' factors: `<export>/lm_head/<head name>.safetensors`."""
+MOMENT_SAMPLES = 256
+"""Samples whose loss positions estimate E[h·hᵀ] (a few tens of thousands of positions: enough for d <= 1024)."""
 
 
 @dataclass
@@ -157,84 +161,37 @@ def hidden_moment(hidden: torch.Tensor) -> torch.Tensor:
     return (h.T @ h / len(h)).to(torch.float32)
 
 
-class TwoStageHead:
-    """Stage 1 ranks the vocabulary by (h·Bᵀ)·Aᵀ and keeps the top `candidates` ids; stage 2 computes their exact
-    logits h·W[c]ᵀ. Computes in the dtype of `weight` (float32 recommended on CPU: bf16 matmuls are slow there).
+def compute_factors(head: DraftHead, samples: Iterable[dict], counts: torch.Tensor, rank: int) -> LowRankHead:
+    """Rank-`rank` factors of `head.weight` weighted by the loss-token `counts` (V,) of its rows' tokens and fitted to
+    the second moment of `head.inputs` over `samples`. Fitted on the CPU in float32 (the SVD of a V x d matrix); the
+    two-stage head moves them to the head's device. A ValueError naming the head when the samples have no loss
+    positions."""
+    if head.token_ids is not None:
+        counts = counts[head.token_ids.cpu()]
+    hidden = torch.cat([head.inputs(sample) for sample in samples])  # (N, d)
+    if len(hidden) == 0:
+        raise ValueError(f"the two-stage head {head.name}: the fitting samples have no loss positions")
+    weight = head.weight.detach().to("cpu", torch.float32)
+    return factorize(weight, rank, weights=token_weights(counts), hidden_moment=hidden_moment(hidden))
 
-    `kernels`: "torch" (stage 1 = the top `candidates` of all V scores), "triton" or "reference" (the tile-local screen
-    `eval.kernels.lowrank.lowrank_topk` over A's rows shuffled by `perm` (V,) shuffled row -> token id; default a
-    fixed random permutation, seed `seed`), with tiles of `block_v` rows keeping `k_local` each."""
 
-    def __init__(
-        self,
-        weight: torch.Tensor,
-        factors: LowRankHead,
-        candidates: int,
-        kernels: str = "torch",
-        block_v: int = 256,
-        k_local: int = 16,
-        perm: torch.Tensor | None = None,
-        seed: int = 0,
-    ) -> None:
-        vocab, hidden = weight.shape
-        if factors.a.shape[0] != vocab or factors.b.shape[1] != hidden:
-            raise ValueError(
-                f"factors: a {tuple(factors.a.shape)}, b {tuple(factors.b.shape)} do not fit weight {(vocab, hidden)}"
-            )
-        if not 1 <= candidates <= vocab:
-            raise ValueError(f"candidates={candidates}: want 1 <= candidates <= V = {vocab}")
-        self.weight = weight.detach()  # (V, d)
-        self.a = factors.a.detach().to(weight.device, weight.dtype).contiguous()  # (V, r)
-        self.b = factors.b.detach().to(weight.device, weight.dtype).contiguous()  # (r, d)
-        self.candidates = candidates
-        if kernels not in ("torch", "triton", "reference"):
-            raise ValueError(f"unknown kernels {kernels!r}; expected 'torch', 'triton' or 'reference'")
-        self.kernels, self.block_v, self.k_local = kernels, block_v, k_local
-        if kernels != "torch":
-            from eval.kernels.lowrank import tile_survivors  # imports triton: only for the tiled screen
+def fit_samples(features, stored_layers: Sequence[int], indices: Sequence[int] | None = None) -> list[dict]:
+    """The fitting samples of feature shards (a `data.shards.FeatureDataset`): the first `MOMENT_SAMPLES` samples (of
+    `indices`, default all), loss masks as bool. The shards must hold the drafter's `stored_layers`, in its order: a
+    ValueError naming the shards otherwise."""
+    if list(features.layers) != list(stored_layers):
+        raise ValueError(
+            f"{features.directory}: stores layers {features.layers}, the drafter reads {stored_layers}: the "
+            "two-stage head's factors are fitted on the drafter's own inputs"
+        )
+    chosen = list(range(len(features)) if indices is None else indices)[:MOMENT_SAMPLES]
+    return [{**s, "loss_mask": s["loss_mask"] > 0} for s in (features[i] for i in chosen)]
 
-            if block_v < 16 or block_v & (block_v - 1) or k_local < 1:
-                raise ValueError(f"block_v={block_v}, k_local={k_local}: want a power of two >= 16, and >= 1")
-            if candidates > tile_survivors(vocab, block_v, k_local):
-                raise ValueError(
-                    f"candidates={candidates}: more than the {tile_survivors(vocab, block_v, k_local)} rows that "
-                    f"survive tiles of block_v={block_v} keeping k_local={k_local}"
-                )
-            if perm is None:
-                perm = torch.randperm(vocab, generator=torch.Generator().manual_seed(seed))
-            if perm.shape != (vocab,) or not torch.equal(perm.sort().values.cpu(), torch.arange(vocab)):
-                raise ValueError(f"perm: want a permutation of range({vocab})")
-            self.perm = perm.to(weight.device, torch.int64)  # (V,) shuffled row -> token id
-            self.a_shuffled = self.a[self.perm].contiguous()  # (V, r)
 
-    def flops_ratio(self) -> float:
-        """Multiply-adds per token of stage 1 + stage 2 over the full head's V·d (top-k selection not counted)."""
-        (vocab, hidden), rank = self.weight.shape, self.a.shape[1]
-        return ((vocab + hidden) * rank + self.candidates * hidden) / (vocab * hidden)
-
-    def __call__(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """h (..., d) -> (candidate ids (..., C) int64, in stage-1 order; their exact logits (..., C))."""
-        lead = h.shape[:-1]
-        x = h.reshape(-1, h.shape[-1]).to(self.weight.dtype)  # (N, d)
-        if self.kernels == "torch":
-            scores = (x @ self.b.T) @ self.a.T  # (N, V) approximate logits
-            ids = scores.topk(self.candidates, dim=-1).indices  # (N, C)
-        else:
-            from eval.kernels.lowrank import lowrank_topk
-
-            u = x @ self.b.T  # (N, r)
-            args = (self.a_shuffled, self.perm, self.block_v, self.k_local, self.candidates)
-            ids = lowrank_topk(u, *args, kernels=self.kernels)[1]  # (N, C), best approximate score first
-        # index_select + multiply-sum: on CPU about 5x faster than `weight[ids]` followed by bmm (a batched
-        # matrix-vector product takes a slow path), which made stage 2 cost more than stage 1
-        rows = self.weight.index_select(0, ids.reshape(-1)).view(*ids.shape, -1)  # (N, C, d)
-        logits = (rows * x[:, None, :]).sum(-1)  # (N, C) exact logits
-        return ids.reshape(*lead, -1), logits.reshape(*lead, -1)
-
-    def topk(self, h: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(values, token ids), each (..., k): the top-k exact logits among the candidates, best first."""
-        if not 1 <= k <= self.candidates:
-            raise ValueError(f"top_k={k}: want 1 <= top_k <= candidates = {self.candidates}")
-        ids, logits = self(h)
-        values, where = logits.topk(k, dim=-1)
-        return values, ids.gather(-1, where)
+def save_factors(
+    out: str | Path, drafter: torch.nn.Module, samples: Sequence[dict], counts: torch.Tensor, rank: int
+) -> None:
+    """Every draft head's factors into `out/lm_head/`, fitted on `samples` (`fit_samples`) with the loss-token
+    counts over the target vocabulary `counts` (V,)."""
+    for head in drafter.draft_heads():
+        compute_factors(head, samples, counts, rank).save(Path(out) / FACTORS_DIR, head.name)

@@ -1,4 +1,4 @@
-"""models/lm_head.py: frequency-aware SVD factors and the two-stage head."""
+"""models/lm_head.py (frequency-aware SVD factors) and eval/heads.py (the two-stage head that screens with them)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from models.lm_head import LowRankHead, TwoStageHead, factorize, hidden_moment, token_weights
+from eval.heads import TwoStageHead
+from models.lm_head import FACTORS_DIR, LowRankHead, factorize, hidden_moment, token_weights
 
 V, D = 512, 64
 
@@ -97,7 +98,8 @@ def test_two_stage_projection_drafts_among_the_candidates_and_keeps_greedy_outpu
 
     from eval.baselines import plain_generate
     from eval.decode import DecodeSettings
-    from eval.proposers import EagleProposer, TwoStageProjection
+    from eval.heads import TwoStageProjection
+    from eval.proposers import EagleProposer
     from models.common import TargetParts
     from models.configs import EagleConfig
     from models.eagle import EagleDrafter
@@ -125,7 +127,7 @@ def test_native_export_stores_the_two_stage_factors_that_eval_reads(tmp_path, mo
     from accelerate.state import AcceleratorState, GradientState
 
     from data.extract import main as extract_main
-    from eval.heads import FACTORS_DIR, two_stage_projections
+    from eval.heads import two_stage_projections
     from train.config import load_recipe
     from train.export import export, load_run
     from train.loop import train
@@ -194,7 +196,7 @@ def test_every_draft_head_reads_what_its_projection_reads_and_is_fitted_to_it(na
     counts of the head's own tokens."""
     from tiny import tiny_llama
 
-    from eval.heads import compute_factors
+    from models.lm_head import compute_factors
 
     model = tiny_llama()
     drafter = _drafters(model)[name]
@@ -237,7 +239,8 @@ def test_eagle3_two_stage_over_its_own_head_drafts_among_candidates_and_keeps_gr
 
     from eval.baselines import plain_generate
     from eval.decode import DecodeSettings
-    from eval.proposers import EagleProposer, TwoStageProjection, VocabProjection
+    from eval.heads import TwoStageProjection
+    from eval.proposers import EagleProposer, VocabProjection
 
     model = tiny_llama()
     drafter = _drafters(model)["eagle3"]
@@ -266,7 +269,8 @@ def test_medusa_two_stage_heads_draft_among_their_candidates_and_keep_greedy_out
 
     from eval.baselines import plain_generate
     from eval.decode import DecodeSettings
-    from eval.proposers import MedusaProposer, TwoStageProjection
+    from eval.heads import TwoStageProjection
+    from eval.proposers import MedusaProposer
     from eval.trees import medusa_tree
 
     model = tiny_llama()
@@ -295,7 +299,7 @@ def test_eagle3_export_stores_its_heads_factors_that_eval_reads(tmp_path, monkey
     from accelerate.state import AcceleratorState, GradientState
 
     from data.extract import main as extract_main
-    from eval.heads import FACTORS_DIR, two_stage_projections
+    from eval.heads import two_stage_projections
     from train.config import load_recipe
     from train.export import export, load_run
     from train.loop import train

@@ -135,13 +135,14 @@ def test_bad_arguments_name_themselves():
         lowrank_topk(u, a, perm, 16, 2, 10, kernels="cuda")
 
 
-# ------------------------------------------------------------------------------------- the hook in models/lm_head.py
+# ---------------------------------------------------------------------------------------- the hook in eval/heads.py
 
 
 def test_two_stage_head_tiled_screen_matches_the_torch_path():
     """TwoStageHead(kernels="triton" | "reference"): the same candidates (in the same order) and exact logits as the
     default torch stage 1 when every row survives its tile; with a small k_local the true top-1 stays a candidate."""
-    from models.lm_head import TwoStageHead, factorize
+    from eval.heads import TwoStageHead
+    from models.lm_head import factorize
 
     g = torch.Generator().manual_seed(6)
     vocab, d = 400, 48  # V % block_v = 16
@@ -167,3 +168,40 @@ def test_two_stage_head_tiled_screen_matches_the_torch_path():
         TwoStageHead(w, factors, candidates=40, kernels="cuda")
     with pytest.raises(ValueError, match="perm"):
         TwoStageHead(w, factors, 40, kernels="reference", block_v=32, k_local=4, perm=torch.zeros(vocab).long())
+
+
+@pytest.mark.parametrize("rows,candidates,block_v", [(400, 40, 128), (64, 32, 32), (40, 40, 16), (8192, 256, 256)])
+def test_eval_two_stage_heads_screen_through_the_kernel_or_its_twin(rows, candidates, block_v, tmp_path):
+    """`eval.head: two_stage`: stage 1 runs on `eval.kernels`, the Triton kernel (here under the interpreter) or its
+    twin, over tiles of 256 rows keeping 16, halved while fewer than `head_candidates` rows survive (16 at least: a
+    tl.dot tile compiles on GPUs); both give the same candidates, in the same order, and the same exact logits."""
+    from types import SimpleNamespace
+
+    from eval.heads import two_stage_projections
+    from models.lm_head import DraftHead, LowRankHead, factorize
+    from train.config import EvalConfig
+
+    g = torch.Generator().manual_seed(rows)
+    d, vocab = 48, max(rows, 512)
+    w = torch.randn(rows, d, generator=g)
+    token_ids = None if rows == vocab else torch.randperm(vocab, generator=g)[:rows].sort().values
+    head = DraftHead("factors", w, token_ids, inputs=None)
+    drafter = SimpleNamespace(draft_heads=lambda: [head])
+    factorize(w, rank=16).save(tmp_path / "lm_head")  # the export's factors: nothing is fitted here
+    h = torch.randn(3, 5, d, generator=g)
+    out = {}
+    for kernels in ("triton", "reference"):
+        ev = EvalConfig(head="two_stage", head_rank=16, head_candidates=candidates, kernels=kernels)
+        (projection,), _ = two_stage_projections(SimpleNamespace(eval=ev, source="r"), str(tmp_path), drafter, vocab,
+                                                 fit_data=None)  # fmt: skip
+        screen = projection.head
+        assert (screen.kernels, screen.block_v, screen.k_local) == (kernels, block_v, 16)
+        out[kernels] = screen(h), projection(h)
+    (ids, logits), laid_out = out["triton"]
+    (want_ids, want_logits), want_laid_out = out["reference"]
+    assert ids.shape == (3, 5, candidates) and torch.equal(ids, want_ids)
+    torch.testing.assert_close(logits, want_logits)
+    torch.testing.assert_close(laid_out, want_laid_out)  # (3, 5, V), -inf off the candidates
+    factors = LowRankHead.load(tmp_path / "lm_head")
+    approx_top1 = ((h @ factors.b.T) @ factors.a.T).argmax(-1)  # the global best of the screen always survives
+    assert torch.equal(ids[..., 0], approx_top1)

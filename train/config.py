@@ -298,7 +298,8 @@ class EvalConfig(SamplingConfig):
     """The draft steps' vocabulary projections: `full` (or the `draft_vocab` rows), or `two_stage`: for each of the
     drafter's heads (EAGLE-2: the target's lm_head; EAGLE-3: its own over the draft vocabulary; Medusa: every head),
     a rank-`head_rank` screen of all its rows keeps `head_candidates` tokens, whose exact logits follow
-    (`models/lm_head.py`; the factors come with the export, else are fitted at start-up, `eval/heads.py`)."""
+    (`eval/heads.py`, screening through `eval.kernels`: the Triton kernel or its twin; the factors, `models/lm_head.py`,
+    come with the export, else are fitted at start-up)."""
     head_rank: int = 64
     head_candidates: int = 256
     tie_margin: float | None = None

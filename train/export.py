@@ -79,6 +79,7 @@ from models.io import (
     staged_directory,
     write_safetensors,
 )
+from models.lm_head import fit_samples, save_factors
 from models.medusa import MedusaHeads
 from models.methods import METHODS
 from models.target import Target, TargetError, load_target
@@ -394,10 +395,8 @@ def write_native(
         save_draft_vocab(out, load_draft_vocab(run_dir))
     elif vocab and counts is not None:
         save_draft_vocab(out, most_frequent(counts, vocab))
-    if two_stage and counts is not None:
-        from eval.heads import save_factors  # the two-stage draft heads' factors
-
-        save_factors(out, drafter, features, recipe.eval.head_rank, counts)
+    if two_stage and counts is not None:  # the two-stage draft heads' factors, fitted on the shards
+        save_factors(out, drafter, fit_samples(features, drafter.stored_layers), counts, recipe.eval.head_rank)
     if method.export_extra:
         drafter.export_extra(out, target, merge_lora=merge_lora)
 

@@ -1,4 +1,4 @@
-"""Fused stage 1 of the two-stage LM head (`models.lm_head.TwoStageHead`): low-rank scores of the whole vocabulary
+"""Fused stage 1 of the two-stage LM head (`eval.heads.TwoStageHead`): low-rank scores of the whole vocabulary
 with a local top-k per vocabulary tile, so the (N, V) score matrix is never written to memory; Triton kernel and its
 PyTorch twin.
 
