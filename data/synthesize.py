@@ -56,6 +56,7 @@ import torch
 import yaml
 from tqdm import tqdm
 
+from data.lock import DirectoryLocked, NotADirectory, acquire, release, shared_verdict
 from data.selfdistill import (
     Generator,
     SelfDistillError,
@@ -389,10 +390,32 @@ def main(argv: list[str] | None = None) -> None:
     kinds = read_kinds(args.kinds)
 
     from accelerate import PartialState
-    from accelerate.utils import parse_flag_from_env
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from accelerate.utils import gather_object, parse_flag_from_env
 
     state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU") or not torch.cuda.is_available())
+    # one writer per output: a second synthesis into the same --out stops on every process with one line
+    fd, problem = None, None
+    if state.is_main_process:
+        try:
+            fd = acquire(args.out, "synthesis", key="--out", beside=True)
+        except (DirectoryLocked, NotADirectory) as exc:
+            problem = str(exc)
+    problem = shared_verdict(problem, gather_object)
+    if problem is not None:
+        if fd is not None:
+            release(fd)
+        raise SynthesizeError(problem)
+    try:
+        synthesize(args, kinds, state)
+    finally:
+        if fd is not None:
+            release(fd)
+
+
+def synthesize(args: argparse.Namespace, kinds: list[Kind], state) -> None:
+    """Generate the missing candidates (this process's batches), then, on the main process, filter them into --out."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     try:
         tokenizer = AutoTokenizer.from_pretrained(args.target, trust_remote_code=args.trust_remote_code)
     except (OSError, ValueError) as exc:

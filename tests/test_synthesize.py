@@ -236,3 +236,17 @@ def test_a_target_without_chat_template_is_one_line(tmp_path):
     )  # fmt: skip
     assert done.returncode != 0 and "Traceback" not in done.stderr
     assert "no chat template" in done.stderr
+
+
+def test_a_second_synthesis_into_the_same_out_is_refused(target, tmp_path):
+    from data.lock import acquire, release
+
+    out = tmp_path / "p.jsonl"
+    held = acquire(out, "synthesis", beside=True)  # another run writing there
+    try:
+        with pytest.raises(SynthesizeError, match=r"--out: .*p.jsonl: another synthesis is writing there"):
+            synthesize(target, out, *RELAXED, count=4)
+        assert not (tmp_path / "p.jsonl.candidates.jsonl").exists()
+    finally:
+        release(held)
+    assert len(synthesize(target, out, *RELAXED, count=4)) >= 0  # free again
