@@ -7,6 +7,7 @@ written with `train.export`'s writers and handed to `train.gates.check`.
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 from pathlib import Path
 
@@ -22,7 +23,8 @@ from models.medusa import MedusaHeads
 from models.target import load_target
 from train import export as export_mod
 from train.config import load_recipe
-from train.gates import EAGLE_PT, GATES, MEDUSA_PT, check, rope_cos_sin
+from train.gate_parts import rope_cos_sin
+from train.gates import EAGLE_PT, GATES, MEDUSA_PT, check
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = {
@@ -102,6 +104,26 @@ def one_line_error(match: str, *args) -> str:
 
 def test_every_engine_format_has_a_gate():
     assert set(export_mod.ENGINE_FORMATS) <= set(GATES)
+
+
+def test_the_gates_are_one_literal_table():
+    """`train.gates.GATES` is one dict literal that names every gate, EAGLE-3's included, like export's tables of
+    writers; no module adds gates to it as it is imported (which left EAGLE-3's out of a process that had not imported
+    `train.eagle3_layouts`)."""
+    writes = []
+    for path in sorted((ROOT / "train").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+            for target in targets:
+                if isinstance(target, ast.Subscript) and "GATES" in ast.unparse(target.value):
+                    writes.append(f"{path.name}: {ast.unparse(node)}")
+                if isinstance(target, ast.Name) and target.id == "GATES":
+                    assert path.name == "gates.py" and isinstance(node.value, ast.Dict), ast.unparse(node)
+                    assert all(isinstance(k, ast.Constant) for k in node.value.keys)
+                    table = [k.value for k in node.value.keys]
+    assert not writes, writes
+    layouts = {*export_mod.ENGINE_FORMATS, "native", *(f"{fmt}/{method}" for method, fmt in export_mod.METHOD_LAYOUTS)}
+    assert sorted(table) == sorted(GATES) == sorted(layouts | {"native/eagle3"})
 
 
 @pytest.mark.parametrize(

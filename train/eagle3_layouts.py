@@ -34,8 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.io import ExportError, legacy_rope, load_drafter, read_safetensors, write_safetensors
-from train.gates import (
+from models.io import ExportError, legacy_rope, load_drafter, read_json, read_safetensors, write_safetensors
+from train.gate_parts import (
     GATE_BATCH,
     GATE_LEN,
     GATE_SEED,
@@ -45,8 +45,6 @@ from train.gates import (
     _rms,
     _rotate,
     config_value,
-    read_json,
-    register,
     rope_cos_sin,
 )
 
@@ -451,7 +449,6 @@ def compare(config: dict, tensors: dict, reader: Eagle3Reader, target, drafter: 
     return finite_pairs(consumer, reference, notes)
 
 
-@register("speculators/eagle3")
 def speculators_gate(out_dir: Path, recipe, target, drafter: nn.Module) -> GateResult:
     """The speculators package's Eagle3DraftModel and vLLM's reading of the same files must both agree."""
     vllm = eagle3_gate(out_dir, target, drafter, VLLM_SPECULATORS)
@@ -460,15 +457,10 @@ def speculators_gate(out_dir: Path, recipe, target, drafter: nn.Module) -> GateR
     return worst
 
 
-register("vllm/eagle3")(speculators_gate)
-
-
-@register("sglang/eagle3")
 def sglang_eagle3_gate(out_dir: Path, recipe, target, drafter: nn.Module) -> GateResult:
     return eagle3_gate(out_dir, target, drafter, SGLANG)
 
 
-@register("native/eagle3")
 def native_eagle3_gate(out_dir: Path, recipe, target, drafter: nn.Module) -> GateResult:
     """`models.io.load_drafter` (eval's strict loader), then the same two draft steps over the target vocabulary."""
     reloaded = load_drafter(out_dir, target)

@@ -312,7 +312,7 @@ def write_sglang(out: Path, recipe: Recipe, target: Target, drafter: nn.Module, 
 
 
 ENGINE_FORMATS = {"medusa": write_medusa, "eagle": write_eagle, "sglang": write_sglang, "vllm": write_vllm}
-# Method-specific layouts of a format; their gates are registered as "<format>/<method>".
+# Method-specific layouts of a format; their gates are `train.gates.GATES["<format>/<method>"]`.
 METHOD_LAYOUTS = {
     ("eagle3", "speculators"): eagle3_layouts.write_speculators,
     ("eagle3", "vllm"): eagle3_layouts.write_speculators,  # vLLM reads the speculators layout natively

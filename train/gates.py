@@ -31,8 +31,11 @@ llama3 are reproduced; another type is refused by the gate rather than guessed).
 
 `native`: `models.io.load_drafter` (eval's strict loader), then the same logits for EAGLE-2 and Medusa drafters.
 
-Adding a gate for a new format: write `def gate(out_dir, recipe, target, drafter) -> GateResult` and decorate it with
-`@register("format-name")`; `train.export` runs `check` on every engine format, so an unregistered one is refused.
+`GATES`, at the end, lists every gate by layout (the EAGLE-3 ones live in `train.eagle3_layouts`); what all build on
+(the gate input, `GateResult`, `Params`, RoPE) is `train.gate_parts`. Adding a gate for a new format: write
+`def gate(out_dir, recipe, target, drafter) -> GateResult` and add it to `GATES` ("format-name", or
+"format/method" for a method-specific layout); `train.export` runs `check` on every engine format, so one missing
+from the table is refused.
 The functional consumers (`eagle_consumer_logits`, `medusa_fd_logits`, `vllm_medusa_logits`) take a config dict and
 a tensor dict, so `train.imports` verifies imported checkpoints with the same code.
 """
@@ -41,7 +44,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +54,19 @@ from torch import nn
 
 from models.io import ExportError, load_drafter, read_json, read_safetensors
 from models.methods import METHODS
+from train import eagle3_layouts
+from train.gate_parts import (
+    GATE_BATCH,
+    GATE_LEN,
+    GATE_SEED,
+    ROW_OFFSET,
+    GateResult,
+    Params,
+    _rms,
+    _rotate,
+    config_value,
+    rope_cos_sin,
+)
 
 MEDUSA_PT = "medusa_lm_head.pt"
 EAGLE_PT = "pytorch_model.bin"
@@ -58,33 +74,10 @@ MEDUSA_SAFETENSORS = "medusa_lm_head.safetensors"
 ENGINE_WEIGHTS = "model.safetensors"
 FASTERDECODING_HEADS = 5
 """FasterDecoding Medusa's legacy loader builds this many heads whatever `medusa_num_heads` says."""
-GATE_BATCH, GATE_LEN, GATE_SEED = 2, 12, 1234
-ROW_OFFSET = 1000
-"""Positions of the gate's second row start here: a wrong RoPE base or scaling shows at large positions."""
-
-
-@dataclass
-class GateResult:
-    consumer: torch.Tensor
-    """Draft logits as the consumer computes them from the export, float32."""
-    reference: torch.Tensor
-    """The trained drafter's draft logits on the same input, float32."""
-    notes: list[str] = field(default_factory=list)
-    """What the consumer fell back on (defaults, random tensors, head counts): named in the error."""
 
 
 Gate = Callable[[Path, Any, Any, nn.Module], GateResult]
-GATES: dict[str, Gate] = {}
-
-
-def register(fmt: str) -> Callable[[Gate], Gate]:
-    """Decorator: `fmt`'s load gate (one per format; `check` looks it up)."""
-
-    def deco(gate: Gate) -> Gate:
-        GATES[fmt] = gate
-        return gate
-
-    return deco
+"""A load gate: (export directory, recipe, target, trained drafter) -> the consumer's and the drafter's logits."""
 
 
 def tolerance(reference: torch.Tensor, dtype: torch.dtype) -> float:
@@ -160,38 +153,6 @@ def read_pt(path: Path) -> dict[str, torch.Tensor]:
     if not isinstance(state, dict) or not all(isinstance(k, str) and torch.is_tensor(v) for k, v in state.items()):
         raise ExportError(f"{path}: expected a dict of named tensors, got {type(state).__name__}")
     return state
-
-
-class Params:
-    """A consumer's parameters filled from a file: present tensors must have the shape it builds (else the load
-    fails), absent ones keep the consumer's initialisation (noted), unknown ones are ignored."""
-
-    def __init__(self, tensors: dict[str, torch.Tensor], where: str, device: torch.device, notes: list[str]):
-        self.tensors, self.where, self.device, self.notes = tensors, where, device, notes
-        self.gen = torch.Generator().manual_seed(GATE_SEED + 1)
-
-    def get(self, name: str, shape: tuple[int, ...], init: str = "random") -> torch.Tensor:
-        t = self.tensors.get(name)
-        if t is None:
-            self.notes.append(f"{name} missing from {self.where} (the consumer keeps its {init} initialisation)")
-            if init == "ones":
-                return torch.ones(shape, device=self.device)
-            if init == "zeros":
-                return torch.zeros(shape, device=self.device)
-            return (torch.rand(shape, generator=self.gen) * 0.2 - 0.1).to(self.device)
-        if tuple(t.shape) != tuple(shape):
-            raise ExportError(
-                f"{self.where}: {name} has shape {tuple(t.shape)}, the consumer builds {tuple(shape)} (load fails)"
-            )
-        return t.to(self.device, torch.float32)
-
-
-def config_value(config: dict, key: str, default: Any, notes: list[str]) -> Any:
-    if config.get(key) is None:
-        if default is not None:
-            notes.append(f"config.json has no {key} (the consumer uses {default})")
-        return default
-    return config[key]
 
 
 # --------------------------------------------------------------------------------------------
@@ -277,73 +238,6 @@ VLLM_EAGLE = EagleRules(
     head_dim=_head_dim_given,
     check_config=_transformers_check,
 )
-
-
-def rope_cos_sin(
-    config: dict,
-    head_dim: int,
-    positions: torch.Tensor,
-    notes: list,
-    scaled_reads_theta: bool = True,
-    length_dependent_ntk: bool = False,
-) -> tuple[torch.Tensor, ...]:
-    """cos, sin (B, T, hd) as a transformers-4 Llama computes them from `rope_theta` and `rope_scaling`
-    (`scaled_reads_theta=False`: scaled RoPE on base 10000, whatever `rope_theta` says, as SafeAILab builds it).
-
-    Dynamic (NTK) scaling only for consumers that build it as transformers does (`length_dependent_ntk`): the base
-    for the longest sequence of the batch, unchanged up to `max_position_embeddings`, computed afresh as a freshly
-    loaded consumer does. vLLM and SGLang build it with one fixed base (which one depends on their version), so the
-    drafter, trained with transformers' RoPE, would draft with another: refused."""
-    scaling = config.get("rope_scaling")
-    if scaling and not scaled_reads_theta:
-        theta = 10000.0
-        if config.get("rope_theta", theta) != theta:
-            notes.append(f"rope_theta {config['rope_theta']!r} is ignored: scaled RoPE is built on base 10000")
-    else:
-        theta = float(config_value(config, "rope_theta", 10000.0, notes))
-    kind = scaling.get("rope_type", scaling.get("type")) if scaling else "default"
-    if kind == "dynamic" and not length_dependent_ntk:
-        raise ExportError(
-            "config.json: rope_scaling type 'dynamic': this consumer builds NTK scaling with one fixed base (vLLM, "
-            "SGLang), not the length-dependent base of transformers the drafter trained with (of the engine formats "
-            "only --format eagle, for EAGLE-1/2 drafters, builds that one)"
-        )
-    if kind == "dynamic":  # NTK: the base grows once the sequence outgrows max_position_embeddings
-        trained = int(config_value(config, "max_position_embeddings", 2048, notes))
-        longest = max(int(positions.max()) + 1, trained)
-        factor = scaling["factor"]
-        theta = theta * ((factor * longest / trained) - (factor - 1)) ** (head_dim / (head_dim - 2))
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))  # (hd/2,)
-    if scaling:
-        if kind == "linear":
-            inv = inv / scaling["factor"]
-        elif kind == "llama3":
-            factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
-            old = scaling["original_max_position_embeddings"]
-            wavelen = 2 * math.pi / inv
-            scaled = torch.where(wavelen > old / low, inv / factor, inv)
-            smooth = (old / wavelen - low) / (high - low)
-            smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-            medium = ~(wavelen < old / high) * ~(wavelen > old / low)
-            inv = torch.where(medium, smoothed, scaled)
-        elif kind not in ("default", "dynamic"):
-            raise ExportError(
-                f"config.json: rope_scaling type {kind!r}: the load gate reproduces default, linear, dynamic and "
-                "llama3 RoPE only (add it to train.gates.rope_cos_sin)"
-            )
-    inv = inv.to(positions.device)
-    freqs = (inv[None, :, None].float() @ positions[:, None, :].float()).transpose(1, 2)  # (B, T, hd/2)
-    emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos(), emb.sin()
-
-
-def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
 def eagle_consumer_logits(
@@ -514,7 +408,6 @@ def medusa_fd_logits(
     return torch.stack(out)
 
 
-@register("medusa")
 def medusa_gate(out_dir: Path, recipe, target, drafter: nn.Module) -> GateResult:
     config = read_json(out_dir / "config.json")
     tensors = same_tensors(out_dir, MEDUSA_SAFETENSORS, MEDUSA_PT, "medusa")  # the loader reads the .pt
@@ -556,7 +449,6 @@ def vllm_medusa_logits(
     return torch.stack(out)
 
 
-@register("vllm")
 def vllm_gate(out_dir: Path, recipe, target, drafter: nn.Module) -> GateResult:
     if METHODS[drafter.cfg.method].proposer == "eagle":  # EAGLE-1/2 drafters go out in the SafeAILab layout
         return eagle_gate(out_dir, target, drafter, VLLM_EAGLE)
@@ -568,18 +460,15 @@ def vllm_gate(out_dir: Path, recipe, target, drafter: nn.Module) -> GateResult:
     return GateResult(consumer, drafter.head_logits(hidden).float(), notes)
 
 
-@register("eagle")
 def safeailab_gate(out_dir: Path, recipe, target, drafter: nn.Module) -> GateResult:
     tensors = same_tensors(out_dir, ENGINE_WEIGHTS, EAGLE_PT, "eagle")  # the PyPI release reads only the .bin
     return eagle_gate(out_dir, target, drafter, SAFEAILAB, tensors)
 
 
-@register("sglang")
 def sglang_gate(out_dir: Path, recipe, target, drafter: nn.Module) -> GateResult:
     return eagle_gate(out_dir, target, drafter, SGLANG)
 
 
-@register("native")
 def native_gate(out_dir: Path, recipe, target, drafter: nn.Module) -> GateResult:
     """`models.io.load_drafter` (what eval runs: strict names, shapes and frozen tensors), then the same draft
     logits for EAGLE-2 drafters and Medusa heads (what their method declares: `models.methods`); a method with its
@@ -595,3 +484,19 @@ def native_gate(out_dir: Path, recipe, target, drafter: nn.Module) -> GateResult
         hidden = medusa_hidden(drafter, target.config.hidden_size)
         return GateResult(reloaded.head_logits(hidden).float(), drafter.head_logits(hidden).float())
     return GateResult(torch.zeros(0), torch.zeros(0), ["no logit comparison for this method: strict reload only"])
+
+
+# --------------------------------------------------------------------------------------------
+# Every load gate, by export layout: a format, or "<format>/<method>" for a method-specific layout (`train.export`)
+
+GATES: dict[str, Gate] = {
+    "native": native_gate,
+    "medusa": medusa_gate,
+    "eagle": safeailab_gate,
+    "sglang": sglang_gate,
+    "vllm": vllm_gate,
+    "native/eagle3": eagle3_layouts.native_eagle3_gate,
+    "speculators/eagle3": eagle3_layouts.speculators_gate,
+    "vllm/eagle3": eagle3_layouts.speculators_gate,  # vLLM reads the speculators layout natively
+    "sglang/eagle3": eagle3_layouts.sglang_eagle3_gate,
+}
