@@ -74,7 +74,7 @@ def prepare(out: Path, method: str, run: Path | None, overrides: list[str]) -> N
     method = drafter.cfg.method
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, target.config.vocab_size, (1, SEQ_LEN), generator=gen)
-    fused = sorted(getattr(drafter.cfg, "feature_layers", [-1]))  # vLLM captures them in layer order
+    fused = sorted(drafter.cfg.feature_layers)  # vLLM captures them in layer order
     layers = sorted({*fused, -1})
     with torch.no_grad():
         hidden = target.hidden_states(ids, torch.ones_like(ids), layers=layers).float()  # (1, T, n, d)

@@ -3,11 +3,15 @@
 The recipe schema (`train.config`) reads these to load and check a recipe, so loading one imports neither
 torch, transformers nor peft. Each config validates its own fields (`validate`), its recipe context
 (`check_recipe`: the method-specific limits on trees, vocabularies, online training) and, before a run, its
-input files (`check_inputs`). Which tree shapes a method drafts at all is declared once, in `models.methods`.
+input files (`check_inputs`). It also declares, so that no caller probes it: which of its fields the target's sizes
+bound (`target_sized`), whether its drafter borrows the target's lm_head (`borrows_lm_head`), and itself without its
+input files (`without_inputs`: what rebuilds a drafter whose tensors a checkpoint holds). Which tree shapes a method
+drafts at all is declared once, in `models.methods`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
@@ -39,17 +43,22 @@ def at_most(err, key: str, value: int, limit: int | None, what: str = "the upper
         err(key, f"{value} is more than {what} ({limit})")
 
 
-def check_target_sizes(cfg, recipe, err) -> None:
+TARGET_SIZES = {
+    "num_layers": "num_hidden_layers",
+    "draft_vocab": "vocab_size",
+    "topk_metric": "vocab_size",
+    "lora_r": "hidden_size",
+}
+"""Drafter fields a size of the target bounds -> that size (a field of the target's transformers config)."""
+
+
+def check_target_sizes(sized: dict[str, int], recipe, err) -> None:
     """A drafter's layers within the target's (a drafter deeper than its target is never what was meant), its
-    vocabularies within the target's vocabulary."""
-    layers, vocab = recipe.target.size("num_hidden_layers"), recipe.target.size("vocab_size")
-    if hasattr(cfg, "num_layers"):
-        at_most(err, "drafter.num_layers", cfg.num_layers, layers, "the target's num_hidden_layers")
-    for key in ("draft_vocab", "topk_metric"):
-        if hasattr(cfg, key):
-            at_most(err, f"drafter.{key}", getattr(cfg, key), vocab, "the target's vocab_size")
-    if hasattr(cfg, "lora_r"):
-        at_most(err, "drafter.lora_r", cfg.lora_r, recipe.target.size("hidden_size"), "the target's hidden_size")
+    vocabularies within the target's vocabulary, its LoRA rank within the hidden size: `sized` is what a config
+    declares (`target_sized()`: {field: value}, each a key of `TARGET_SIZES`), checked in its order."""
+    for key, value in sized.items():
+        size = TARGET_SIZES[key]
+        at_most(err, f"drafter.{key}", value, recipe.target.size(size), f"the target's {size}")
 
 
 @dataclass
@@ -93,11 +102,24 @@ class EagleConfig:
         at_most(err, "drafter.num_layers", self.num_layers, MAX_LAYERS)
         at_most(err, "drafter.topk_metric", self.topk_metric, MAX_VOCAB)
 
+    @property
+    def borrows_lm_head(self) -> bool:
+        """It drafts through the target's frozen lm_head (borrowed: not one of its parameters)."""
+        return True
+
+    def target_sized(self) -> dict[str, int]:
+        """Its fields a size of the target bounds (`check_target_sizes`)."""
+        return {"num_layers": self.num_layers, "topk_metric": self.topk_metric}
+
+    def without_inputs(self) -> EagleConfig:
+        """No input files of its own: itself."""
+        return self
+
     def check_inputs(self, err) -> None:
         """No input files of its own."""
 
     def check_recipe(self, recipe, err) -> None:
-        check_target_sizes(self, recipe, err)
+        check_target_sizes(self.target_sized(), recipe, err)
         if -1 not in recipe.data.layers:
             err("data.layers", f"EAGLE regresses the last hidden state: -1 must be stored, got {recipe.data.layers}")
 
@@ -157,11 +179,24 @@ class Eagle3Config:
             )
         return low_mid_high
 
+    @property
+    def borrows_lm_head(self) -> bool:
+        """It drafts through its own head over the draft vocabulary, not the target's lm_head."""
+        return False
+
+    def target_sized(self) -> dict[str, int]:
+        """Its fields a size of the target bounds (`check_target_sizes`)."""
+        return {"draft_vocab": self.draft_vocab, "topk_metric": self.topk_metric}
+
+    def without_inputs(self) -> Eagle3Config:
+        """No input files of its own: itself."""
+        return self
+
     def check_inputs(self, err) -> None:
         """No input files of its own."""
 
     def check_recipe(self, recipe, err) -> None:
-        check_target_sizes(self, recipe, err)
+        check_target_sizes(self.target_sized(), recipe, err)
         if -1 not in recipe.data.layers:
             err(
                 "data.layers",
@@ -217,11 +252,24 @@ class MedusaConfig:
         at_most(err, "drafter.num_heads", self.num_heads, MAX_HEADS)
         at_most(err, "drafter.num_layers", self.num_layers, MAX_LAYERS)
 
+    @property
+    def borrows_lm_head(self) -> bool:
+        """Its heads project through the target's frozen lm_head (`share_lm_head`), not copies of their own."""
+        return self.share_lm_head
+
+    def target_sized(self) -> dict[str, int]:
+        """Its fields a size of the target bounds (`check_target_sizes`)."""
+        return {"num_layers": self.num_layers}
+
+    def without_inputs(self) -> MedusaConfig:
+        """No input files of its own: itself."""
+        return self
+
     def check_inputs(self, err) -> None:
         """No input files of its own."""
 
     def check_recipe(self, recipe, err) -> None:
-        check_target_sizes(self, recipe, err)
+        check_target_sizes(self.target_sized(), recipe, err)
         tree = recipe.eval.tree
         if tree in ("chain", "calibrated") and recipe.eval.tree_depth > self.num_heads:
             err("eval.tree_depth", f"{recipe.eval.tree_depth} exceeds the number of Medusa heads ({self.num_heads})")
@@ -291,6 +339,15 @@ class Medusa2Config(MedusaConfig):
         if self.alpha_warmup_steps < 0:
             err("drafter.alpha_warmup_steps", f"must be >= 0, got {self.alpha_warmup_steps}")
         at_most(err, "drafter.lora_r", self.lora_r, MAX_RANK)
+
+    def target_sized(self) -> dict[str, int]:
+        """Its fields a size of the target bounds (`check_target_sizes`): Medusa-1's and the LoRA rank."""
+        return {**super().target_sized(), "lora_r": self.lora_r}
+
+    def without_inputs(self) -> Medusa2Config:
+        """Without its stage-1 heads: what rebuilds a drafter whose trained tensors come from elsewhere (a checkpoint,
+        an export), which hold the heads trained on from them."""
+        return dataclasses.replace(self, stage1_heads=None)
 
     def check_inputs(self, err) -> None:
         """Before training: the stage-1 heads exist in one of the forms `load_stage1_heads` reads."""

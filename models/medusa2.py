@@ -86,7 +86,7 @@ class Medusa2Model(nn.Module):
         if cfg.stage1_heads is not None:
             load_stage1_heads(self.heads, cfg.stage1_heads)
         # The loaded heads are now this module's own weights: exports record a config that rebuilds it without them.
-        self.cfg = dataclasses.replace(cfg, stage1_heads=None)
+        self.cfg = cfg.without_inputs()
         self.step = 0
         self.train()  # the target arrives in eval mode; LoRA dropout follows the module's mode from here on
 

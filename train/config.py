@@ -410,12 +410,18 @@ class ExportConfig:
     merge_lora: bool = False
     """Drafters with LoRA adapters (Medusa-2): also write the target with the adapters merged in (`merged/`)."""
 
+    def validate(self, err) -> None:
+        """Nothing beyond the fields' types (whether `format` holds the drafter: `train.export` checks)."""
+
 
 @dataclass
 class LoggingConfig:
     tracker: Literal["none", "wandb", "tensorboard"] = "none"
     project: str = "specdraft"
     run_name: str | None = None
+
+    def validate(self, err) -> None:
+        """Nothing beyond the fields' types."""
 
 
 @dataclass

@@ -189,8 +189,9 @@ def write_speculators(out: Path, recipe, target, drafter: nn.Module, include_tar
 
 def write_sglang_eagle3(out: Path, recipe, target, drafter: nn.Module, include_target_weights: bool) -> None:
     cfg, tc = drafter.cfg, target.config
-    for flag in ("fc_norm", "norm_output", "norm_before_residual"):
-        if getattr(cfg, flag):
+    flags = {"fc_norm": cfg.fc_norm, "norm_output": cfg.norm_output, "norm_before_residual": cfg.norm_before_residual}
+    for flag, on in flags.items():
+        if on:
             raise ExportError(
                 f"export.format: sglang's EAGLE-3 layer has no {flag} (drafter.{flag} is true); export --format "
                 "speculators (read by vLLM) or train with it false"

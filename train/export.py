@@ -108,9 +108,7 @@ def load_run(run_dir: str | Path, checkpoint: str | Path | None = None) -> tuple
     if state["recipe_hash"] != recipe.section_hash("target", "data", "drafter"):
         raise ExportError(f"{ckpt}: trained with other target/data/drafter settings than {run_dir / RECIPE_FILE}")
     target = load_target(**dataclasses.asdict(recipe.target))
-    cfg = recipe.drafter
-    if getattr(cfg, "stage1_heads", None) is not None:  # Medusa-2: the checkpoint holds the trained heads
-        cfg = dataclasses.replace(cfg, stage1_heads=None)
+    cfg = recipe.drafter.without_inputs()  # Medusa-2: the checkpoint holds the heads trained from its stage-1 ones
     method = METHODS[recipe.drafter.method]
     drafter = method.module()(cfg, target.parts(recipe.data.layers))
     tensors = read_safetensors(ckpt / DRAFTER_FILE)
@@ -119,7 +117,7 @@ def load_run(run_dir: str | Path, checkpoint: str | Path | None = None) -> tuple
         if vocab is None:
             raise ExportError(f"{run_dir}: no {DRAFT_VOCAB_FILE} (the run's draft vocabulary, written by training)")
         drafter.set_draft_vocab(vocab, init_head=False)
-        tensors.update({name: getattr(drafter, name) for name in ("d2t", "t2d")})
+        tensors.update({"d2t": drafter.d2t, "t2d": drafter.t2d})
     expected = drafter.trainable_state_dict().keys()
     if tensors.keys() != expected:
         raise ExportError(

@@ -91,12 +91,10 @@ def tolerance(reference: torch.Tensor, dtype: torch.dtype) -> float:
 def compute_dtype(drafter: nn.Module, target) -> torch.dtype:
     """float32 when the drafter and the vocabulary projection it drafts through compute in float32, else the 16-bit
     dtype: a float32 EAGLE-1/2 or shared-head Medusa drafter of a bf16 target projects through the target's bf16
-    lm_head; an EAGLE-3 drafter, or Medusa heads with `lm_heads` of their own, through their own. The target's
-    embedding only gives rows (exact in any dtype)."""
-    heads = getattr(drafter, "lm_heads", None)  # Medusa heads with projections of their own
-    head = heads[0] if heads is not None else getattr(drafter, "lm_head", None)
-    head_dtype = head.weight.dtype if isinstance(head, nn.Linear) else target.lm_head.weight.dtype
-    dtypes = {p.dtype for p in drafter.parameters()} | {head_dtype}
+    lm_head (its config says so: `borrows_lm_head`); an EAGLE-3 drafter, or Medusa heads with `lm_heads` of their
+    own, through their own (among its parameters). The target's embedding only gives rows (exact in any dtype)."""
+    borrowed = {target.lm_head.weight.dtype} if drafter.cfg.borrows_lm_head else set()  # not among its parameters
+    dtypes = {p.dtype for p in drafter.parameters()} | borrowed
     return next((dt for dt in dtypes if dt != torch.float32), torch.float32)
 
 

@@ -6,7 +6,9 @@ and `section.key=value` overrides.
 
 A field's annotation is its check: `int`, `float` (ints and YAML 1.1's dot-less `1e-3` strings accepted), `str`,
 `bool`, `Literal[...]`, `X | None`, `list[X]`, `dict`, nested dataclasses, `Any`. Unknown keys, missing required
-fields and non-finite floats are refused with the key named. Nothing here knows the recipe's sections.
+fields and non-finite floats are refused with the key named. Every dataclass built here is a `Section`: it
+declares `validate(err)`, its own checks (nothing to check: a method that returns). Nothing here knows the recipe's
+sections.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import dataclasses
 import math
 import types
 import typing
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import yaml
 
@@ -23,6 +25,12 @@ import yaml
 class RecipeError(ValueError):
     """A recipe that cannot be used; the message names the file and the key. Defined here because the override
     parser raises it; every stage imports it from `train.config`."""
+
+
+class Section(Protocol):
+    """A dataclass `build_dataclass` builds: once its fields are typed, it checks them (`err(key, message)` raises)."""
+
+    def validate(self, err) -> None: ...
 
 
 def _type_name(tp: Any) -> str:
@@ -85,7 +93,7 @@ def _raise_plain(key: str, msg: str) -> typing.NoReturn:
     raise _Mismatch(msg)
 
 
-def build_dataclass(cls: type, raw: Any, prefix: str, err) -> Any:
+def build_dataclass(cls: type[Section], raw: Any, prefix: str, err) -> Any:
     """Build dataclass `cls` from a mapping, checking keys and types; then run its `validate`."""
     if raw is None:
         raw = {}
@@ -111,8 +119,7 @@ def build_dataclass(cls: type, raw: Any, prefix: str, err) -> Any:
     if missing:
         err(f"{prefix}.{missing[0]}", "is required")
     obj = cls(**kwargs)
-    if hasattr(obj, "validate"):
-        obj.validate(err)
+    obj.validate(err)
     return obj
 
 

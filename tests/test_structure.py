@@ -1,0 +1,103 @@
+"""The packages' structure, read from their source: which stage may import which, and no code probes a drafter or a
+config for what it has (each declares it: `models.methods.Method`, the config's own fields and methods)."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("models", "data", "train", "eval")
+SCHEMA = ("train.config", "train.schema")
+"""The recipe schema: the one part of train every stage may import."""
+
+FORBIDDEN = {
+    "models": ("data", "train", "eval"),  # drafters and the target stand alone: torch and transformers only
+    "data": ("eval", "train"),  # below train and eval: the held-out split, checkpoints found, shards
+    "train": ("eval",),  # export fits the two-stage head's factors through models, never eval
+    "eval": ("train",),  # an export, the run's held-out split and checkpoints, through models and data
+}
+"""package -> packages its modules may not import (the recipe schema excepted)."""
+
+
+def imports(path: Path) -> list[tuple[int, str]]:
+    """(line, dotted name) of every import in a module, at its top or inside a function; `from pkg import name`
+    gives `pkg.name` (a module or a name: both are what is taken from pkg)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found += [(node.lineno, f"{node.module}.{alias.name}") for alias in node.names]
+    return found
+
+
+def sources(*packages: str) -> list[Path]:
+    return sorted(p for package in packages for p in (ROOT / package).rglob("*.py"))
+
+
+def test_imports_run_downward():
+    """models <- data <- train, eval: no models -> eval / data / train, no eval -> train and no train -> eval (the
+    recipe schema, `train.config` / `train.schema`, excepted), no data -> eval."""
+    wrong = []
+    for path in sources(*PACKAGES):
+        package = path.relative_to(ROOT).parts[0]
+        for line, name in imports(path):
+            top = name.split(".")[0]
+            schema = any(name == s or name.startswith(f"{s}.") for s in SCHEMA)
+            if top in FORBIDDEN[package] and not schema:
+                wrong.append(f"{path.relative_to(ROOT)}:{line}: {name}")
+    assert not wrong, "imports against the direction of the stages:\n" + "\n".join(wrong)
+
+
+def test_the_scan_sees_imports():
+    """The scan above reads lazy imports too (a guard that it is not vacuous)."""
+    names = {name for _, name in imports(ROOT / "eval/heads.py")}
+    assert "eval.kernels.lowrank.tile_survivors" in names and "models.lm_head.compute_factors" in names
+
+
+HASATTR_ALLOWED = {
+    ("models/target.py", "hasattr(base, name)"): "a transformers model's decoder stack, checked with a message",
+    ("data/runs.py", "hasattr(exc, 'msg')"): "a JSON or Unicode decoding error",
+    ("train/state.py", "hasattr(zero, '_lazy_init_hp_params_optimizer_state')"): "DeepSpeed's optimizer, by version",
+}
+"""The `hasattr` calls that remain, none on a drafter or a config of ours: third-party objects whose attributes
+depend on their versions or kinds."""
+
+OURS = re.compile(r"\b(drafter|drafters|cfg|recipe|method)\b")
+"""An expression naming a drafter, one of our configs, a recipe or a method declaration."""
+
+
+def calls(path: Path, name: str) -> list[ast.Call]:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    return [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == name]
+
+
+def test_no_hasattr_probing():
+    """A drafter declares what it is in its `Method` entry and its config's fields; a config declares what the target
+    bounds (`target_sized`), whether it borrows the target's lm_head, what rebuilds it without its inputs; every recipe
+    section declares `validate`. Only probes of third-party objects remain (`HASATTR_ALLOWED`)."""
+    found = {}
+    for path in sources(*PACKAGES):
+        for call in calls(path, "hasattr"):
+            found[str(path.relative_to(ROOT)), ast.unparse(call)] = call.lineno
+    unexpected = sorted(f"{path}:{line}: {call}" for (path, call), line in found.items() if (path, call) not in
+                        HASATTR_ALLOWED)  # fmt: skip
+    assert not unexpected, "hasattr probes (declare it instead):\n" + "\n".join(unexpected)
+    assert set(found) == set(HASATTR_ALLOWED), f"gone, drop from HASATTR_ALLOWED: {set(HASATTR_ALLOWED) - set(found)}"
+
+
+@pytest.mark.parametrize("where", [PACKAGES, ("benchmarks",)])
+def test_no_getattr_probing_of_drafters_or_configs(where):
+    """`getattr(x, "name", default)` on a drafter, a config, a recipe or a method: what it has is declared, so it
+    is read as a field. getattr on third-party objects (transformers configs' optional fields, tokenizers,
+    DeepSpeed's optimizers) is not ours to declare."""
+    wrong = []
+    for path in sources(*where):
+        for call in calls(path, "getattr"):
+            if len(call.args) == 3 and OURS.search(ast.unparse(call.args[0])):
+                wrong.append(f"{path.relative_to(ROOT)}:{call.lineno}: {ast.unparse(call)}")
+    assert not wrong, "getattr probes of our objects:\n" + "\n".join(wrong)
