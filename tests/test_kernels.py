@@ -405,14 +405,36 @@ def test_the_gpu_benchmark_runs_through_on_the_cpu():
     interpreter) must run through here, so that a crash is not found there."""
     import pathlib
     import subprocess
+    import sys
 
     root = pathlib.Path(__file__).resolve().parents[1]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHON": sys.executable}  # the script runs its caller's Python
     proc = subprocess.run(["bash", "benchmarks/gpu_kernels.sh", "--smoke"], env=env, capture_output=True, text=True,
                           cwd=root, timeout=900)  # fmt: skip
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     assert "gpu_kernels/failed_checks: 0 (goal == 0)" in proc.stdout and "crashed" not in proc.stdout
     assert "splits=1:" in proc.stdout and "check lowrank_topk" in proc.stdout
+
+
+@pytest.mark.slow
+def test_the_gpu_benchmark_runs_the_python_that_calls_it(tmp_path):
+    """`benchmarks/gpu_kernels.sh` runs `$PYTHON` (else python3 on the PATH), not a Python of its own choosing (it
+    took `.venv/bin/python` whenever one existed, whoever called it)."""
+    import pathlib
+    import subprocess
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    fake = tmp_path / "python"
+    fake.write_text('#!/bin/sh\necho "ran $0 with $*"\n')
+    fake.chmod(0o755)
+    for env in ({"PYTHON": str(fake)}, {"PATH": f"{tmp_path}:{os.environ['PATH']}"}):
+        if "PATH" in env:
+            (tmp_path / "python3").symlink_to(fake)
+        proc = subprocess.run(["bash", "benchmarks/gpu_kernels.sh", "--smoke"], env={**os.environ, **env},
+                              capture_output=True, text=True, cwd=root, timeout=60)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        ran = "python" if "PYTHON" in env else "python3"
+        assert f"ran {tmp_path / ran} with benchmarks/gpu_kernels.py --smoke" in proc.stdout
 
 
 @pytest.mark.slow
