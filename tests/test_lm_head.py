@@ -343,3 +343,23 @@ def test_unreadable_factors_are_named(tmp_path):
     (tmp_path / "y.safetensors").write_bytes(b"12")
     with pytest.raises(ValueError, match=rf"^{tmp_path / 'y.safetensors'}: not readable low-rank factors"):
         LowRankHead.load(tmp_path, "y")
+
+
+def test_the_benchmark_gives_no_goal_figure_without_smollm2(tmp_path, monkeypatch, capsys):
+    """`benchmarks/lm_head.py` without SmolLM2's head or its features says it cannot measure, gives the goal line as
+    n/a and exits with status 1: it used to report a goal figure measured on random hidden states."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location("lm_head_bench", Path(__file__).parents[1] / "benchmarks/lm_head.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    monkeypatch.setattr(bench, "FEATURES", tmp_path / "features")  # absent
+    monkeypatch.setattr(sys, "argv", ["lm_head", "--positions", "64", "--timed", "8", "--repeats", "1"])
+    with pytest.raises(SystemExit) as stop:
+        bench.main()
+    assert stop.value.code == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("cannot measure: ") and str(tmp_path / "features" / "manifest.json") in lines[0]
+    assert lines[-1] == "lm_head/top1_recall_at_quarter_cost: n/a (goal >= 0.98)"
+    assert not any("recall" in line for line in lines[:-1])  # no figure of any setting
