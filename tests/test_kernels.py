@@ -483,6 +483,12 @@ ptrs = {"U": "*bf16", "A": "*bf16", "PERM": "*i64", "S_OUT": "*fp32", "I_OUT": "
 for block_v in (512, 1024):
     consts = dict(CAST_F32=False, K=16, BLOCK_N=max(16, lowrank.TILE_SCORES // block_v), BLOCK_V=block_v, BLOCK_R=64)
     compile_sm90(lowrank._lowrank_tile_topk_kernel, ptrs, consts, num_stages=1)
+# and the tiles evaluation screens with (eval.heads: 256 rows, halved down to 16 for small heads), with the largest
+# row block the wrapper gives them; fp32 at 16 rows only (256-row fp32 tiles fit in 80 KB, but take ~2 min to compile)
+for dt, cast, block_v in (("bf16", False, 16), ("bf16", False, 256), ("fp32", True, 16)):
+    ptrs = {"U": "*" + dt, "A": "*" + dt, "PERM": "*i64", "S_OUT": "*fp32", "I_OUT": "*i64"}
+    consts = dict(CAST_F32=cast, K=16, BLOCK_N=64, BLOCK_V=block_v, BLOCK_R=64)
+    compile_sm90(lowrank._lowrank_tile_topk_kernel, ptrs, consts, num_stages=1)
 compile_sm90(attention._merge_splits_kernel, {"O_PART": "*fp32", "L_PART": "*fp32", "OUT": "*bf16"},
              dict(NUM_SPLITS=4, BLOCK_R=32, BLOCK_D=128))
 compile_sm90(commit._kv_commit_kernel, {"CACHE": "*bf16", "NODES": "*i64", "PREFIX": "*i64", "START": "*i64"},
