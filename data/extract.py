@@ -17,6 +17,14 @@ extracted again (exactly that shard), which repairs a directory that training re
 process is done, process 0 merges the parts into `manifest.json`. Existing features built with
 another target, layer set, storage dtype, template or data refuse to be extended (the error names
 the field). The resolved recipe is saved as `recipe.yaml` next to the features.
+
+Encoded storage (`data.storage_dtype`: fp8_e4m3, pca; `data.codecs`) is encoded on the target's device before the
+copy to the host. pca first fits its per-layer basis on `data.storage_fit_tokens` tokens of samples spread evenly
+over the (length-sorted) plan, one extra forward over them on process 0, and writes it as `basis.safetensors`
+(temporary name, fsync, rename) before any shard; the parts and the manifest record its sha256. A resumed run
+reuses the basis when it is the one the recorded shards name (the fit is deterministic: a lost or damaged basis is
+fitted again, and shards recorded with another basis are extracted again), and encoding settings that differ
+(`data.storage_bits`, `data.storage_fit_tokens`) are refused like another dtype, naming `encoding.<field>`.
 """
 
 from __future__ import annotations
@@ -36,20 +44,22 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from data.codecs import BASIS_FILE, FITTED_KEYS, Codec, PcaCodec, encoding_settings, make_codec
 from data.lock import DirectoryLocked, NotADirectory, acquire, release, shared_verdict
 from data.prepare import PreparedData, TokenSample, data_sources, prepare_dataset, template_fingerprint
 from data.shards import (
-    FORMAT_VERSION,
     HEADER_KEYS,
     MANIFEST,
-    STORAGE_DTYPES,
     FeatureMismatchError,
     build_manifest,
     check_header,
     check_shard_names,
+    file_sha256,
+    format_version,
     read_json_file,
     shard_name,
     shard_problem,
+    write_basis,
     write_json_atomic,
     write_shard,
 )
@@ -122,9 +132,10 @@ class ExtractError(ValueError):
     """Features that cannot be stored as asked; the message names the setting and the sample."""
 
 
-def _check_finite(stored: torch.Tensor, samples: list[TokenSample], storage_dtype: torch.dtype) -> None:
-    """Refuse a batch whose stored hidden states hold inf or nan (float16 overflows above 65504), naming a sample."""
-    finite = torch.isfinite(stored).all(-1)  # (tokens,)
+def _check_finite(stored: torch.Tensor, samples: list[TokenSample], storage: str) -> None:
+    """Refuse a batch whose hidden states hold inf or nan (float16 overflows above 65504), naming a sample. `stored`:
+    (tokens, ...) the stored values, or for an encoding the float states it encodes."""
+    finite = torch.isfinite(stored.reshape(len(stored), -1)).all(-1)  # (tokens,)
     if bool(finite.all()):
         return
     bad = int((~finite).nonzero()[0])
@@ -132,25 +143,24 @@ def _check_finite(stored: torch.Tensor, samples: list[TokenSample], storage_dtyp
         s for s, stop in zip(samples, itertools.accumulate(len(s["input_ids"]) for s in samples)) if bad < stop
     )
     hint = " (float16 overflows where the target's activations exceed 65504: use bfloat16)" if (
-        storage_dtype == torch.float16) else ""  # fmt: skip
-    raise ExtractError(
-        f"data.storage_dtype: sample {sample['id']} has non-finite hidden states in "
-        f"{str(storage_dtype).removeprefix('torch.')}{hint}"
-    )
+        storage == "float16") else ""  # fmt: skip
+    raise ExtractError(f"data.storage_dtype: sample {sample['id']} has non-finite hidden states in {storage}{hint}")
 
 
 def extract_shard(
     target: Target,
     samples: list[TokenSample],
     layers: list[int],
-    storage_dtype: torch.dtype,
+    codec: Codec,
     batch_tokens: int,
     on_batch: Callable[[int, int], None] = lambda n, t: None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Flat (input_ids (T,), loss_mask (T,), hidden (T, n·d)) for samples sorted by ascending length."""
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """Flat (input_ids (T,), loss_mask (T,), the codec's hidden tensors {"hidden": (T, ...), ...}) for samples sorted
+    by ascending length. Plain storage casts on the device; an encoding encodes there (only its bytes cross)."""
     lengths = [len(s["input_ids"]) for s in samples]
-    n_values = len(layers) * target.hidden_size
-    hidden = torch.empty(sum(lengths), n_values, dtype=storage_dtype)  # filled batch by batch
+    n, d = len(layers), target.hidden_size
+    parts = {name: torch.empty(sum(lengths), *shape, dtype=dtype) for name, (shape, dtype) in
+             codec.part_shapes().items()}  # filled batch by batch  # fmt: skip
     offset = 0
     for start, end in length_batches(lengths, batch_tokens):
         T, batch_start = lengths[end - 1], offset
@@ -161,26 +171,98 @@ def extract_shard(
             mask[row, : len(s["input_ids"])] = 1
         with torch.inference_mode():
             h = target.hidden_states(ids.to(target.device), mask.to(target.device), layers=layers)  # (B, T, n, d)
-        h = h.reshape(end - start, T, n_values)
-        if h.device.type != "cpu":  # cast before the transfer: half the bytes over the bus
-            h = h.to(storage_dtype).cpu()
-        if lengths[start] == T:  # no padding (common: samples are length-sorted): one cast-and-copy
-            hidden[offset : offset + (end - start) * T].copy_(h.reshape(-1, n_values))
-            offset += (end - start) * T
+        if not codec.encoded:
+            h = h.reshape(end - start, T, n * d)
+            if h.device.type != "cpu":  # cast before the transfer: half the bytes over the bus
+                h = h.to(codec.dtype).cpu()
+            hidden = parts["hidden"]
+            if lengths[start] == T:  # no padding (common: samples are length-sorted): one cast-and-copy
+                hidden[offset : offset + (end - start) * T].copy_(h.reshape(-1, n * d))
+                offset += (end - start) * T
+            else:
+                for row, length in enumerate(lengths[start:end]):
+                    hidden[offset : offset + length].copy_(h[row, :length])
+                    offset += length
+            _check_finite(hidden[batch_start:offset], samples[start:end], codec.name)
         else:
-            for row, n in enumerate(lengths[start:end]):
-                hidden[offset : offset + n].copy_(h[row, :n])
-                offset += n
-        _check_finite(hidden[batch_start:offset], samples[start:end], storage_dtype)
+            if lengths[start] == T:
+                rows = h.reshape(-1, n, d)
+            else:
+                rows = torch.cat([h[row, :length] for row, length in enumerate(lengths[start:end])])
+            _check_finite(rows, samples[start:end], codec.name)
+            offset += len(rows)
+            for name, part in codec.encode(rows).items():
+                parts[name][batch_start:offset].copy_(part)
         on_batch(end - start, sum(lengths[start:end]))
     input_ids = torch.tensor([t for s in samples for t in s["input_ids"]], dtype=torch.int32)
     loss_mask = torch.tensor([m for s in samples for m in s["loss_mask"]], dtype=torch.uint8)
-    return input_ids, loss_mask, hidden
+    return input_ids, loss_mask, parts
+
+
+def fit_positions(samples: list[TokenSample], plan: list[list[int]], fit_tokens: int) -> list[int]:
+    """Positions into `samples` that a pca basis is fitted on: every k-th sample of the plan's (length-sorted) order,
+    k chosen so that they hold about `fit_tokens` tokens (all samples when the data holds fewer)."""
+    order = [i for shard in plan for i in shard]
+    total = sum(len(samples[i]["input_ids"]) for i in order)
+    every = max(1, total // max(fit_tokens, 1))
+    return order[::every]
+
+
+def fit_basis(
+    target: Target, samples: list[TokenSample], plan: list[list[int]], header: dict[str, Any], batch_tokens: int
+) -> PcaCodec:
+    """A pca codec fitted on the hidden states of `fit_positions` (one forward over them, float32 on the host)."""
+    encoding = header["encoding"]
+    fit = [samples[i] for i in fit_positions(samples, plan, encoding["fit_tokens"])]
+    n, d = len(header["layers"]), header["hidden_size"]
+    _, _, parts = extract_shard(target, fit, header["layers"], make_codec("float32", n, d), batch_tokens)
+    return PcaCodec.fit(parts["hidden"].view(-1, n, d), encoding["bits"], encoding["fit_tokens"])
+
+
+def _settings(header: dict[str, Any]) -> dict[str, Any]:
+    """The header without what a fit produced (`FITTED_KEYS` of `encoding`): what a resumed run compares first."""
+    if "encoding" not in header:
+        return header
+    return {**header, "encoding": {k: v for k, v in header["encoding"].items() if k not in FITTED_KEYS}}
+
+
+def _recorded_bases(directory: Path) -> set[str]:
+    """The basis sha256s that the manifest and parts in `directory` record for their shards."""
+    found = set()
+    for path in [directory / MANIFEST, *sorted(directory.glob(PART_GLOB))]:
+        if path.is_file():
+            record = read_json_file(path, "manifest")
+            sha = (record.get("header", record).get("encoding") or {}).get("basis_sha256")
+            if sha is not None and record.get("shards"):
+                found.add(sha)
+    return found
+
+
+def _resolve_basis(target: Target, samples: list[TokenSample], plan: list[list[int]], directory: Path,
+                   header: dict[str, Any], batch_tokens: int) -> None:  # fmt: skip
+    """Process 0: leave in `directory` the basis this extraction encodes with. An existing basis is kept when it was
+    fitted with these settings and is the one the recorded shards name (or none are recorded); otherwise (none,
+    torn, damaged, another run's) it is fitted again, durably, before any shard."""
+    path = directory / BASIS_FILE
+    recorded = _recorded_bases(directory)
+    if path.is_file():
+        try:
+            codec, _ = PcaCodec.load(path)
+            fitted_alike = codec.params()["bits"] == header["encoding"]["bits"] and (
+                codec.fit_tokens == header["encoding"]["fit_tokens"] and codec.n_layers == len(header["layers"])
+            )
+            if fitted_alike and (not recorded or file_sha256(path) in recorded):
+                return
+        except Exception:  # a torn or foreign file: fitted again below
+            pass
+        print(f"{path}: not the basis of the recorded shards; fitting it again", file=sys.stderr, flush=True)
+    write_basis(directory, fit_basis(target, samples, plan, header, batch_tokens))
 
 
 def _known_entries(directory: Path, header: dict[str, Any]) -> dict[int, dict]:
     """Shard entries recorded by earlier runs (manifest and parts), after checking they were built alike."""
     known: dict[int, dict] = {}
+    basis = header.get("encoding", {}).get("basis_sha256")
     for path in [directory / MANIFEST, *sorted(directory.glob(PART_GLOB))]:
         if not path.is_file():
             continue
@@ -188,9 +270,13 @@ def _known_entries(directory: Path, header: dict[str, Any]) -> dict[int, dict]:
         record = read_json_file(path, what)
         found = record.get("header", record)
         try:
-            check_header(found, header, str(path))
+            check_header(found, _settings(header), str(path))
         except FeatureMismatchError as exc:
             raise FeatureMismatchError(f"{exc}; use another data.features_dir or delete {directory}") from None
+        if basis is not None and (found.get("encoding") or {}).get("basis_sha256") != basis:
+            if record.get("shards"):
+                print(f"{path}: shards encoded with another basis; extracting them again", file=sys.stderr, flush=True)
+            continue
         try:
             check_shard_names(record, path)
         except FeatureMismatchError as exc:
@@ -234,11 +320,27 @@ def extract_features(
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     plan = plan_shards(samples, shard_tokens)
-    header = {"format_version": FORMAT_VERSION, **header, "plan_sha256": plan_sha256(samples, plan)}
+    # the format version follows from the dtype: compared after it, so that a refusal names the dtype
+    header = {**header, "format_version": format_version(header["dtype"]), "plan_sha256": plan_sha256(samples, plan)}
     known = _known_entries(directory, header)
+    layers = header["layers"]
+    if header["dtype"] == "pca":
+        if "encoding" not in header:
+            raise ValueError("a pca extraction's header names its settings: data.codecs.encoding_settings")
+        if rank == 0:
+            _resolve_basis(target, samples, plan, directory, header, batch_tokens)
+        barrier()  # the basis is on disk before any process reads it
+        codec, _ = PcaCodec.load(directory / BASIS_FILE)
+        path = directory / BASIS_FILE
+        header["encoding"] = {**codec.params(), "basis": BASIS_FILE, "basis_sha256": file_sha256(path),
+                              "basis_bytes": path.stat().st_size}  # fmt: skip
+        known = _known_entries(directory, header)  # now without shards of another basis
+    else:
+        codec = make_codec(header["dtype"], len(layers), header["hidden_size"])
+        if codec.encoded:
+            header["encoding"] = codec.params()
     barrier()  # everyone has read the old parts before anyone rewrites its own
 
-    layers, dtype = header["layers"], STORAGE_DTYPES[header["dtype"]]
     mine = [k for k in range(len(plan)) if k % world_size == rank]
     done: list[dict] = []  # entries of finished shards, old and new
     todo: list[int] = []
@@ -271,7 +373,7 @@ def extract_features(
 
     for written, k in enumerate(todo, start=1):
         shard = [samples[i] for i in plan[k]]
-        input_ids, loss_mask, hidden = extract_shard(target, shard, layers, dtype, batch_tokens, on_batch)
+        input_ids, loss_mask, hidden = extract_shard(target, shard, layers, codec, batch_tokens, on_batch)
         lengths = [len(s["input_ids"]) for s in shard]
         done.append(write_shard(directory, k, [s["id"] for s in shard], lengths, input_ids, loss_mask, hidden))
         write_json_atomic(directory / part_name(rank), {"header": header, "shards": done})
@@ -362,10 +464,13 @@ def extract_recipe(recipe, state) -> None:
         raise RecipeError(f"{recipe.source}: target.tokenizer: no tokenizer found for {target.name}")
     target.model.to(state.device)
     prepared: PreparedData = prepare_dataset(recipe.data, target.tokenizer)
+    data = recipe.data
+    encoding = encoding_settings(data.storage_dtype, data.storage_bits, data.storage_fit_tokens, len(data.layers))
     header = {
         **feature_identity(target, recipe.data),
         "hidden_size": target.hidden_size,
-        "dtype": recipe.data.storage_dtype,
+        "dtype": data.storage_dtype,
+        **({} if encoding is None else {"encoding": encoding}),
         "shard_tokens": recipe.data.shard_tokens,
         "prepare": prepared.stats(),
     }

@@ -17,7 +17,9 @@ repeated to fill the last step carry no loss tokens, so every sample counts once
 Batches are `DraftBatch` dicts, right-padded to the batch's longest row: attention_mask 0 and
 loss_mask 0 on padding, and padding positions continue the last sample's positions (so they never
 look like the start of a new packed sample). Feature batches carry `hidden` (B, T, n_layers, d) in
-the storage dtype; the loop casts.
+the storage dtype; the loop casts. An encoded feature set (`data.codecs`: fp8_e4m3, pca) is collated as stored and
+decoded a batch at a time on `device` (the training device: the codes cross to it, not the float32 states), to
+float32, zero on padding like a plain batch.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ class BatchLoader:
         rank: int = 0,
         world_size: int = 1,
         score_fill: bool = True,
+        device: torch.device | str | None = None,
     ) -> None:
         if packing and max_len is None:
             raise ValueError("BatchLoader: packing needs max_len")
@@ -68,6 +71,8 @@ class BatchLoader:
         self.shuffle, self.seed, self.rank, self.world_size = shuffle, seed, rank, world_size
         self.score_fill = score_fill  # False: rows repeated to fill the last step carry no loss tokens
         self.features = isinstance(samples, FeatureDataset)
+        self.encoded = self.features and samples.codec.encoded  # decoded per batch, on `device`
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
         raw = samples.lengths if self.features else [len(s["input_ids"]) for s in samples]
         self.lengths = {i: min(raw[i], max_len or raw[i]) for i in self.indices}
         self._epoch, self._batch = 0, 0
@@ -148,6 +153,10 @@ class BatchLoader:
 
     def _item(self, i: int) -> dict[str, Any]:
         n = self.lengths[i]
+        if self.encoded:
+            item = self.samples.encoded(i)
+            return {**{k: item[k][:n] for k in ("input_ids", "loss_mask")},
+                    **{f"parts.{k}": v[:n] for k, v in item["parts"].items()}}  # fmt: skip
         if self.features:
             item = self.samples[i]
             return {k: item[k][:n] for k in ("input_ids", "loss_mask", "hidden")}
@@ -168,8 +177,12 @@ class BatchLoader:
             "attention_mask": torch.zeros(B, T, dtype=torch.int64),
             "position_ids": torch.zeros(B, T, dtype=torch.int64),
         }
-        if self.features:
-            ds = self.samples
+        ds = self.samples
+        if self.encoded:  # the stored tensors, decoded below
+            staged = {f"parts.{k}": torch.zeros(B, T, *shape, dtype=dtype) for k, (shape, dtype) in
+                      ds.codec.part_shapes().items()}  # fmt: skip
+            batch.update(staged)
+        elif self.features:
             batch["hidden"] = torch.zeros(B, T, len(ds.layers), ds.hidden_size, dtype=ds.dtype)  # (B, T, n, d)
         for b, row in enumerate(rows):
             t = 0
@@ -183,4 +196,16 @@ class BatchLoader:
                 batch["position_ids"][b, t : t + n] = torch.arange(n)
                 t += n
             batch["position_ids"][b, t:] = torch.arange(n, n + T - t)  # padding continues the last sample
+        if self.encoded:
+            batch["hidden"] = self._decode({k.removeprefix("parts."): batch.pop(k) for k in staged}, batch)
         return batch
+
+    def _decode(self, parts: dict[str, torch.Tensor], batch: DraftBatch) -> torch.Tensor:
+        """(B, T, ...) stored tensors -> (B, T, n, d) float32 on `self.device`: the real tokens decoded, padding 0."""
+        ds = self.samples
+        B, T = batch["input_ids"].shape
+        real = batch["attention_mask"].reshape(-1).nonzero().squeeze(1)  # (N,) positions of real tokens
+        flat = {k: v.reshape(B * T, *v.shape[2:])[real].to(self.device, non_blocking=True) for k, v in parts.items()}
+        hidden = torch.zeros(B * T, len(ds.layers), ds.hidden_size, device=self.device)
+        hidden[real.to(self.device)] = ds.codec.decode(flat)
+        return hidden.view(B, T, len(ds.layers), ds.hidden_size)

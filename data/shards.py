@@ -7,10 +7,15 @@ A feature directory holds `manifest.json` and `shard-00000.safetensors`, ... A s
 packs its samples end to end: `input_ids [T] int32`, `loss_mask [T] uint8`, `hidden [T, n·d]`
 (storage dtype, bf16 by default), `offsets [n+1] int64` and `sample_ids [n] int64`. Shards and the
 manifest are written to a `.tmp` name and renamed, so a file under its final name is complete.
+Encoded storage (`data.storage_dtype` fp8_e4m3 or pca, `data.codecs`) stores `hidden` as its codes plus
+`hidden_scale [T, n]`, and pca a per-layer basis once beside the shards (`basis.safetensors`); readers decode to
+float32 (`FeatureDataset.__getitem__`, or `data.loader.BatchLoader` a whole batch on the training device).
 
 The manifest carries a *header* (format version, target identity, layer indices, hidden size,
 storage dtype, template fingerprint) that readers and resumed extractions compare against what
-they expect, plus per-shard sha256, size, sample ids and lengths, and totals. It names its shards by
+they expect, plus per-shard sha256, size, sample ids and lengths, and totals. An encoded feature set's manifest
+has format version 2 (older readers refuse it by that number) and an `encoding` record: the encoding's settings and,
+for pca, the basis file's name, sha256 and size, checked like a shard's. It names its shards by
 bare file name: an entry naming a path (`../x`, `/abs/x`, `sub/x`) is refused. A shard whose size or
 sha256 differs from its entry (bit rot, an edit, another run's shard), or that is a symbolic link to a file
 outside the directory, is refused by readers, naming the shard, and extracted again by a re-run of `data.extract`
@@ -32,16 +37,20 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from data.codecs import BASIS_FILE, ENCODINGS, PLAIN_DTYPES, Codec, PcaCodec, make_codec
 from models.common import share_safetensors
 
 FORMAT_VERSION = 1
+ENCODED_FORMAT_VERSION = 2
+"""The format version of feature sets with an encoded storage dtype (readers before encodings refuse them)."""
 MANIFEST = "manifest.json"
 HEADER_KEYS = ("format_version", "target", "layers", "hidden_size", "dtype", "template")
-STORAGE_DTYPES: dict[str, torch.dtype] = {
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float32": torch.float32,
-}
+STORAGE_DTYPES: dict[str, torch.dtype] = PLAIN_DTYPES
+"""The plain storage dtypes; `data.codecs.ENCODINGS` names the encoded ones."""
+
+
+def format_version(dtype: str) -> int:
+    return ENCODED_FORMAT_VERSION if dtype in ENCODINGS else FORMAT_VERSION
 
 
 REPAIR = "re-run `python -m data.extract RECIPE` to repair it"
@@ -86,24 +95,28 @@ def check_shard_names(manifest: dict[str, Any], where: str | Path) -> None:
 
 
 def shard_problem(
-    path: Path, entry: dict[str, Any], verify_checksums: bool = True, manifest: str | Path = "the manifest"
+    path: Path,
+    entry: dict[str, Any],
+    verify_checksums: bool = True,
+    manifest: str | Path = "the manifest",
+    what: str = "shard",
 ) -> str | None:
     """How the file at `path` differs from its `manifest` entry (missing, another size, another sha256, a symbolic
-    link out of its directory), or None."""
+    link out of its directory), or None. `what` names the kind of file in the message (a shard, a basis)."""
     if not path.is_file():
         return f"missing, listed in {manifest}"
     if path.is_symlink() and not path.resolve().is_relative_to(path.parent.resolve()):
         return (
-            f"a symbolic link to {path.resolve()}, outside {path.parent}: a feature directory's shards are its own "
+            f"a symbolic link to {path.resolve()}, outside {path.parent}: a feature directory's {what}s are its own "
             "files, and one outside it is not read"
         )
     size = path.stat().st_size
     if size != entry["bytes"]:
-        return f"{size} bytes where {manifest} says {entry['bytes']}: a truncated, edited or foreign shard"
+        return f"{size} bytes where {manifest} says {entry['bytes']}: a truncated, edited or foreign {what}"
     if verify_checksums and (digest := file_sha256(path)) != entry["sha256"]:
         return (
             f"sha256 {digest[:12]}... where {manifest} says {entry['sha256'][:12]}...: "
-            "a corrupted, edited or foreign shard"
+            f"a corrupted, edited or foreign {what}"
         )
     return None
 
@@ -148,21 +161,26 @@ def write_shard(
     lengths: Sequence[int],
     input_ids: torch.Tensor,
     loss_mask: torch.Tensor,
-    hidden: torch.Tensor,
+    hidden: torch.Tensor | dict[str, torch.Tensor],
 ) -> dict[str, Any]:
     """Write one shard from flat tensors (samples end to end); return its manifest entry.
 
-    input_ids, loss_mask: (T,); hidden: (T, n_layers·d) already in the storage dtype.
+    input_ids, loss_mask: (T,); hidden: (T, n_layers·d) already in the storage dtype, or an encoding's tensors
+    (`Codec.encode`: {"hidden": (T, ...), "hidden_scale": (T, n)}).
     """
     T = int(sum(lengths))
-    if input_ids.shape != (T,) or loss_mask.shape != (T,) or hidden.shape[0] != T or hidden.dim() != 2:
+    parts = hidden if isinstance(hidden, dict) else {"hidden": hidden}
+    if (
+        input_ids.shape != (T,) or loss_mask.shape != (T,) or any(p.shape[0] != T for p in parts.values())
+        or parts["hidden"].dim() != 2
+    ):  # fmt: skip
         raise ValueError(f"shard {index}: tensors do not match {len(lengths)} samples of {T} tokens in total")
     offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
     offsets[1:] = torch.cumsum(torch.tensor(list(lengths), dtype=torch.int64), 0)
     tensors = {
         "input_ids": input_ids.to(torch.int32).contiguous(),
         "loss_mask": loss_mask.to(torch.uint8).contiguous(),
-        "hidden": hidden.contiguous(),
+        **{name: part.contiguous() for name, part in parts.items()},
         "offsets": offsets,
         "sample_ids": torch.tensor(list(sample_ids), dtype=torch.int64),
     }
@@ -185,18 +203,26 @@ def write_shard(
 
 
 def build_manifest(header: dict[str, Any], entries: list[dict[str, Any]], extra: dict | None = None) -> dict:
-    """The manifest: header, totals (samples, tokens, bytes, bytes per token) and shard entries by index."""
+    """The manifest: header, totals (samples, tokens, bytes, bytes per token) and shard entries by index.
+
+    Bytes count every file of the feature set: the shards and an encoding's basis file (`encoding.basis_bytes`).
+    `hidden_bytes_per_token` is the shards' hidden states per token (an encoding's scales included)."""
     entries = sorted(entries, key=lambda e: e["index"])
     num_tokens = sum(e["num_tokens"] for e in entries)
-    total_bytes = sum(e["bytes"] for e in entries)
-    n_values = len(header["layers"]) * header["hidden_size"]
+    encoding = header.get("encoding")
+    total_bytes = sum(e["bytes"] for e in entries) + (encoding or {}).get("basis_bytes", 0)
+    if encoding is None:
+        hidden_bytes = len(header["layers"]) * header["hidden_size"] * STORAGE_DTYPES[header["dtype"]].itemsize
+    else:
+        hidden_bytes = encoding["payload_bytes"]
     return {
         **{key: header[key] for key in HEADER_KEYS},
+        **({} if encoding is None else {"encoding": encoding}),
         "num_samples": sum(e["num_samples"] for e in entries),
         "num_tokens": num_tokens,
         "total_bytes": total_bytes,
         "bytes_per_token": total_bytes / max(num_tokens, 1),
-        "hidden_bytes_per_token": n_values * STORAGE_DTYPES[header["dtype"]].itemsize,
+        "hidden_bytes_per_token": hidden_bytes,
         **(extra or {}),
         "shards": entries,
     }
@@ -221,21 +247,76 @@ def check_header(found: dict[str, Any], expect: dict[str, Any], where: str) -> N
             raise FeatureMismatchError(f"{where}: built with {key}={have!r}, expected {want!r}")
 
 
+def write_basis(directory: str | Path, codec: PcaCodec) -> dict[str, Any]:
+    """Write a fitted codec's basis as `BASIS_FILE` in `directory` (temporary name, fsync, rename: on disk before any
+    shard that uses it) and return the manifest's `encoding` record: settings, file, sha256, bytes."""
+    final = Path(directory) / BASIS_FILE
+    tmp = final.with_name(final.name + ".tmp")
+    codec.save(tmp)
+    share_safetensors(tmp)
+    record = {**codec.params(), "basis": final.name, "basis_sha256": file_sha256(tmp)}
+    record["basis_bytes"] = tmp.stat().st_size
+    durable_replace(tmp, final)
+    return record
+
+
+def feature_codec(
+    directory: str | Path, manifest: dict[str, Any], verify_checksums: bool = True, where: str | Path = "the manifest"
+) -> Codec:
+    """The codec that decodes a feature set: its storage dtype's, or for pca the basis file its `encoding` names,
+    checked like a shard (size, and sha256 unless `verify_checksums` is false): a FeatureMismatchError (or
+    FileNotFoundError) names the file and the manifest."""
+    dtype, n, d = manifest["dtype"], len(manifest["layers"]), manifest["hidden_size"]
+    if dtype not in PLAIN_DTYPES and dtype not in ENCODINGS:
+        raise FeatureMismatchError(f"{where}: dtype {dtype!r} is no storage dtype this code reads")
+    if dtype != "pca":
+        return make_codec(dtype, n, d)
+    encoding = manifest.get("encoding") or {}
+    name = encoding.get("basis")
+    if not is_bare_name(name) or not isinstance(encoding.get("basis_bytes"), int):
+        raise FeatureMismatchError(f"{where}: encoding.basis names file {name!r}; a pca feature set names its basis by "
+                                   "bare file name, with its size and sha256")  # fmt: skip
+    path = Path(directory) / name
+    entry = {"bytes": encoding["basis_bytes"], "sha256": encoding.get("basis_sha256")}
+    problem = shard_problem(path, entry, verify_checksums, where, what="basis")
+    if problem is not None:
+        error = FeatureMismatchError if path.is_file() else FileNotFoundError
+        raise error(f"{path}: {problem}; {REPAIR}")
+    try:
+        codec, _ = PcaCodec.load(path)
+    except Exception as exc:  # a file of the right size that is no basis (checksums off)
+        raise FeatureMismatchError(f"{path}: not a readable basis ({exc.__class__.__name__}); {REPAIR}") from None
+    if (codec.n_layers, codec.hidden_size, codec.bytes_per_token) != (n, d, encoding.get("payload_bytes")):
+        raise FeatureMismatchError(
+            f"{path}: a basis for {codec.n_layers} layers of {codec.hidden_size} values in {codec.bytes_per_token} "
+            f"bytes, where {where} says {n} of {d} in {encoding.get('payload_bytes')}; {REPAIR}"
+        )
+    return codec
+
+
 class FeatureShardWriter:
     """Streams samples into shards of about `shard_tokens` tokens, then writes the manifest.
 
     A shard closes at the first sample boundary at or past `shard_tokens`. `data.extract` plans its
-    shards up front instead (for resumability) and calls `write_shard` directly.
+    shards up front instead (for resumability) and calls `write_shard` directly. An encoded `header["dtype"]` encodes
+    each sample (`codec`: a fitted PcaCodec for pca, whose basis is written first; made from the dtype otherwise).
     """
 
-    def __init__(self, directory: str | Path, header: dict[str, Any], shard_tokens: int) -> None:
+    def __init__(self, directory: str | Path, header: dict[str, Any], shard_tokens: int, codec: Codec | None = None):
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
-        self.header = {"format_version": FORMAT_VERSION, **header}
-        self.dtype = STORAGE_DTYPES[self.header["dtype"]]
+        self.header = {"format_version": format_version(header["dtype"]), **header}
+        n, d = len(self.header["layers"]), self.header["hidden_size"]
+        self.codec = codec if codec is not None else make_codec(self.header["dtype"], n, d)
+        if self.codec.name != self.header["dtype"]:
+            raise ValueError(f"a {self.codec.name} codec for features stored as {self.header['dtype']}")
+        if isinstance(self.codec, PcaCodec):
+            self.header["encoding"] = write_basis(self.directory, self.codec)
+        elif self.codec.encoded:
+            self.header["encoding"] = self.codec.params()
         self.shard_tokens = shard_tokens
         self.entries: list[dict[str, Any]] = []
-        self._pending: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self._pending: list[tuple[int, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]] = []
         self._pending_tokens = 0
 
     def add(self, sample_id: int, input_ids: torch.Tensor, loss_mask: torch.Tensor, hidden: torch.Tensor) -> None:
@@ -243,7 +324,7 @@ class FeatureShardWriter:
         T, n, d = hidden.shape
         if n != len(self.header["layers"]) or d != self.header["hidden_size"] or input_ids.shape != (T,):
             raise ValueError(f"sample {sample_id}: hidden {tuple(hidden.shape)} does not match the header")
-        self._pending.append((sample_id, input_ids, loss_mask, hidden.reshape(T, n * d).to(self.dtype)))
+        self._pending.append((sample_id, input_ids, loss_mask, self.codec.encode(hidden)))
         self._pending_tokens += T
         if self._pending_tokens >= self.shard_tokens:
             self.flush()
@@ -251,7 +332,7 @@ class FeatureShardWriter:
     def flush(self) -> None:
         if not self._pending:
             return
-        ids, tokens, masks, hiddens = zip(*self._pending)
+        ids, tokens, masks, parts = zip(*self._pending)
         entry = write_shard(
             self.directory,
             len(self.entries),
@@ -259,7 +340,7 @@ class FeatureShardWriter:
             [len(t) for t in tokens],
             torch.cat(tokens),
             torch.cat(masks),
-            torch.cat(hiddens),
+            {name: torch.cat([p[name] for p in parts]) for name in parts[0]},
         )
         self.entries.append(entry)
         self._pending, self._pending_tokens = [], 0
@@ -277,9 +358,10 @@ def read_manifest(directory: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise FileNotFoundError(f"{directory}: no {MANIFEST} (run `python -m data.extract RECIPE` first)")
     manifest = read_json_file(path, "feature manifest (delete the directory and extract again)")
-    if manifest.get("format_version") != FORMAT_VERSION:
+    if manifest.get("format_version") not in (FORMAT_VERSION, ENCODED_FORMAT_VERSION):
         raise FeatureMismatchError(
-            f"{path}: format_version {manifest.get('format_version')!r}, this code reads {FORMAT_VERSION}"
+            f"{path}: format_version {manifest.get('format_version')!r}, this code reads {FORMAT_VERSION} and "
+            f"{ENCODED_FORMAT_VERSION}"
         )
     check_shard_names(manifest, path)
     return manifest
@@ -329,7 +411,8 @@ class FeatureDataset:
         check_header(self.manifest, expect or {}, str(manifest_path))
         self.layers: list[int] = self.manifest["layers"]
         self.hidden_size: int = self.manifest["hidden_size"]
-        self.dtype = STORAGE_DTYPES[self.manifest["dtype"]]
+        self.codec = feature_codec(self.directory, self.manifest, verify_checksums, manifest_path)
+        self.dtype = self.codec.dtype  # what samples carry: the storage dtype, or float32 decoded
         self.shards: list[dict[str, Any]] = self.manifest["shards"]
         # sizes of all shards first (cheap), then the hashes: a missing last shard fails before hashing the others
         for verify in (False, True) if verify_checksums else (False,):
@@ -373,15 +456,22 @@ class FeatureDataset:
         return handle
 
     def __getitem__(self, i: int) -> dict[str, Any]:
+        """Sample i: `hidden` (T, n, d) in the storage dtype, or decoded to float32 (on the CPU) when encoded."""
+        item = self.encoded(i)
+        item["hidden"] = self.codec.decode(item.pop("parts"))  # (T, n, d)
+        return item
+
+    def encoded(self, i: int) -> dict[str, Any]:
+        """Sample i as stored: `parts`, the shard's hidden-state tensors of its T tokens (`Codec.tensors`), read
+        through the memory map, for a reader that decodes many samples at once (`data.loader.BatchLoader`)."""
         s, start = self._where[i]
         end = start + self.lengths[i]
         handle = self._handle(s)
-        hidden = handle.get_slice("hidden")[start:end]  # (T, n·d), read through the memory map
         return {
             "id": self.sample_ids[i],
             "input_ids": handle.get_slice("input_ids")[start:end].to(torch.int64),  # (T,)
             "loss_mask": handle.get_slice("loss_mask")[start:end].to(torch.float32),  # (T,)
-            "hidden": hidden.view(end - start, len(self.layers), self.hidden_size),  # (T, n, d)
+            "parts": {name: handle.get_slice(name)[start:end] for name in self.codec.tensors},
         }
 
     def split(self, heldout_fraction: float, seed: int = 0) -> tuple[list[int], list[int]]:

@@ -7,6 +7,7 @@ launches `accelerate launch --multi_gpu --num_processes 2` on CPU (gloo).
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import re
@@ -19,10 +20,11 @@ import pytest
 import torch
 import yaml
 from accelerate.state import AcceleratorState, GradientState
+from tiny import accelerate_launch
 
 from data.extract import STOP_AFTER_ENV, ExtractError, length_batches, main, plan_shards
 from data.prepare import prepare_dataset
-from data.shards import MANIFEST, FeatureDataset, FeatureMismatchError
+from data.shards import MANIFEST, FeatureDataset, FeatureMismatchError, file_sha256
 from models.target import load_target
 from train.__main__ import main as train_main
 from train.config import RecipeError, load_recipe
@@ -226,6 +228,19 @@ def test_checksums_are_on_by_default_and_not_a_setting(recipe_path: Path) -> Non
     assert on.section_hash("target", "data", "drafter") == off.section_hash("target", "data", "drafter")
 
 
+def test_pca_settings_are_settings_of_pca_only(recipe_path: Path) -> None:
+    """`data.storage_bits` and `data.storage_fit_tokens` change what pca features hold, so checkpoints hash them
+    for pca; for other dtypes they mean nothing and are not hashed (checkpoints of before they existed still match).
+    Impossible values are refused at load, naming the key."""
+    hashed = lambda *o: load_recipe(recipe_path, list(o)).section_hash("target", "data", "drafter")  # noqa: E731
+    assert hashed() == hashed("data.storage_bits=3", "data.storage_fit_tokens=5")
+    assert hashed("data.storage_dtype=pca") != hashed("data.storage_dtype=pca", "data.storage_bits=3")
+    assert hashed("data.storage_dtype=pca") != hashed("data.storage_dtype=pca", "data.storage_fit_tokens=5")
+    for value, message in [("[3,3]", "lists 2 values for 3 data.layers"), ("0.5", r"within \[1, 8\]")]:
+        with pytest.raises(RecipeError, match=rf"data.storage_bits: .*{message}"):
+            load_recipe(recipe_path, ["data.storage_dtype=pca", f"data.storage_bits={value}"])
+
+
 @pytest.mark.parametrize("name", ["../x.safetensors", "ABSOLUTE", "sub/x.safetensors"])
 def test_manifest_entry_with_a_path_is_refused(recipe_path: Path, reference: Path, tmp_path: Path, name: str) -> None:
     features = tmp_path / "features"
@@ -356,3 +371,154 @@ def test_two_processes_write_disjoint_shards_equal_to_one(recipe_path: Path, ref
         assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["loss_mask"], b["loss_mask"])
         # thread counts differ between the runs; allow one bf16 rounding step
         torch.testing.assert_close(a["hidden"].float(), b["hidden"].float(), rtol=1e-2, atol=1e-4)
+
+
+# ------------------------------------------------------------------------------------------------ encoded storage
+
+PCA = ("data.storage_dtype=pca", "data.storage_fit_tokens=600")  # a third of the fixture's tokens: a real subset
+
+
+@pytest.fixture(scope="module")
+def pca_reference(recipe_path: Path) -> Path:
+    """One uninterrupted pca extraction (3.8 bits a value), shared by the tests below."""
+    features = recipe_path.parent / "pca-reference"
+    run_inprocess(recipe_path, features, *PCA)
+    return features
+
+
+def hidden_of(features: Path) -> dict[int, torch.Tensor]:
+    ds = FeatureDataset(features)
+    return {ds.sample_ids[i]: ds[i]["hidden"].float() for i in range(len(ds))}
+
+
+@pytest.mark.parametrize("dtype, bound", [("fp8_e4m3", 0.035), ("pca", 0.1)])
+def test_encoded_features_decode_close_to_the_stored_ones(recipe_path, reference, pca_reference, dtype, bound):
+    """An encoded extraction holds the same samples as a bf16 one, decoded to float32 within the encoding's error
+    (relative RMS per layer), in fewer bytes; its manifest records the encoding."""
+    from data.codecs import relative_rms
+
+    features = pca_reference if dtype == "pca" else recipe_path.parent / "fp8-reference"
+    if dtype != "pca":
+        run_inprocess(recipe_path, features, f"data.storage_dtype={dtype}")
+    plain, encoded = hidden_of(reference), hidden_of(features)
+    assert plain.keys() == encoded.keys()
+    ids = sorted(plain)
+    errors = relative_rms(torch.cat([encoded[i] for i in ids]), torch.cat([plain[i] for i in ids]))
+    assert max(errors) < bound, errors
+    manifest, bf16 = (json.loads((f / MANIFEST).read_text()) for f in (features, reference))
+    assert manifest["encoding"]["name"] == manifest["dtype"] == dtype and manifest["format_version"] == 2
+    assert [e["sample_ids"] for e in manifest["shards"]] == [e["sample_ids"] for e in bf16["shards"]]
+    # d = 64: fp8's float32 scale per layer weighs 4/64 more than bf16's half; pca holds 3.8 of bf16's 16 bits
+    assert manifest["hidden_bytes_per_token"] <= bf16["hidden_bytes_per_token"] * (3.8 / 16 if dtype == "pca" else 0.54)
+    if dtype == "pca":
+        assert manifest["encoding"]["bits"] == [3.8] * 3 and 0 < manifest["encoding"]["fitted_tokens"] <= 700
+        assert manifest["encoding"]["basis_sha256"] == file_sha256(features / "basis.safetensors")
+
+
+def test_pca_killed_then_resumed_equals_uninterrupted(recipe_path, pca_reference, monkeypatch) -> None:
+    """Killed after its first shard (the basis already durable), and killed while writing the basis (a torn
+    temporary file, or a torn basis under its name), a pca extraction resumes to the same bytes, basis included."""
+    features = recipe_path.parent / "pca-resumed"
+    monkeypatch.setenv(STOP_AFTER_ENV, "1")
+    with pytest.raises(SystemExit):
+        run_inprocess(recipe_path, features, *PCA)
+    assert sorted(p.name for p in features.glob("*.safetensors")) == ["basis.safetensors", "shard-00000.safetensors"]
+    assert not (features / MANIFEST).exists()
+    monkeypatch.delenv(STOP_AFTER_ENV)
+    run_inprocess(recipe_path, features, *PCA)
+    assert encoded_bytes(features) == encoded_bytes(pca_reference)
+
+    for torn in ("basis.safetensors.tmp", "basis.safetensors"):
+        shutil.rmtree(features)
+        features.mkdir()
+        (features / torn).write_bytes((pca_reference / "basis.safetensors").read_bytes()[:1000])
+        run_inprocess(recipe_path, features, *PCA)
+        assert encoded_bytes(features) == encoded_bytes(pca_reference) and not list(features.glob("*.tmp"))
+
+
+def encoded_bytes(features: Path) -> dict[str, bytes]:
+    return {**shard_bytes(features), "basis": (features / "basis.safetensors").read_bytes()}
+
+
+def test_a_damaged_basis_is_refused_then_repaired(recipe_path, pca_reference, tmp_path, capfd) -> None:
+    """A flipped bit in the basis: training's reader refuses it naming the file; extraction fits it again (the fit
+    is deterministic: the same bytes) and keeps every shard."""
+    features = tmp_path / "features"
+    inodes = copy_features(pca_reference, features)
+    basis = features / "basis.safetensors"
+    data = bytearray(basis.read_bytes())
+    data[-9] ^= 0x01
+    basis.write_bytes(bytes(data))
+    with pytest.raises(FeatureMismatchError, match=rf"^{re.escape(str(basis))}: sha256 .* foreign basis; re-run"):
+        FeatureDataset(features)
+    capfd.readouterr()
+    run_inprocess(recipe_path, features, *PCA)
+    assert f"{basis}: not the basis of the recorded shards; fitting it again" in capfd.readouterr().err
+    assert encoded_bytes(features) == encoded_bytes(pca_reference)
+    assert {p.name: p.stat().st_ino for p in features.glob("shard-*.safetensors")} == inodes
+
+
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        ((), "dtype"),
+        (("data.storage_dtype=fp8_e4m3",), "dtype"),
+        ((*PCA, "data.storage_bits=3.0"), "encoding.bits"),
+        ((*PCA, "data.storage_bits=[3.8,3.8,6]"), "encoding.bits"),
+        (("data.storage_dtype=pca", "data.storage_fit_tokens=900"), "encoding.fit_tokens"),
+    ],
+)
+def test_reuse_with_another_encoding_is_refused(recipe_path, pca_reference, overrides, field) -> None:
+    before = encoded_bytes(pca_reference)
+    with pytest.raises(FeatureMismatchError, match=rf"built with {re.escape(field)}=.*; use another data.features_dir"):
+        run_inprocess(recipe_path, pca_reference, *overrides)
+    assert encoded_bytes(pca_reference) == before
+
+
+@pytest.mark.parametrize("method", ["eagle2", "eagle3"])
+def test_training_on_encoded_features_learns_like_on_plain_ones(tmp_path: Path, monkeypatch, method: str) -> None:
+    """A tiny recipe trained 30 steps on its float32 features and on fp8 and pca encodings of the same hidden states
+    (same seed, same batches): every run trains on the decoded states, and EAGLE-2's loss (feature regression + soft
+    CE) stays within 2% of the plain run's. The tiny EAGLE-3's loss counts only positions whose target top-1 is in a
+    128-token draft vocabulary, and a random target's near-ties let pca's error move a few of them: fp8 stays within
+    2% there, pca only has to train."""
+    monkeypatch.chdir(ROOT)  # the tiny recipes name repository-relative files
+    tiny = ROOT / f"recipes/tiny/{method}.yaml"
+    quiet = ["train.max_steps=30", "train.eval_every=0", "train.save_every=0", "train.log_every=1"]
+    mean = {}
+    for dtype in ("float32", "fp8_e4m3", "pca"):
+        settings = [f"data.features_dir={tmp_path / dtype}", f"data.storage_dtype={dtype}"]
+        try:
+            main([str(tiny), *settings])
+            train_main([str(tiny), *settings, f"train.output_dir={tmp_path / ('run-' + dtype)}", *quiet])
+        finally:
+            AcceleratorState._reset_state(reset_partial_state=True)
+            GradientState._reset_state()
+        metrics = (tmp_path / f"run-{dtype}" / "metrics.jsonl").read_text().splitlines()
+        losses = [json.loads(line)["train/loss"] for line in metrics if "train/loss" in line]
+        assert len(losses) == 30 and all(map(math.isfinite, losses)) and sum(losses) > 0
+        mean[dtype] = sum(losses) / len(losses)
+        if method == "eagle2":
+            assert sum(losses[-10:]) < sum(losses[:10])
+    for dtype in ("fp8_e4m3", "pca") if method == "eagle2" else ("fp8_e4m3",):
+        assert abs(mean[dtype] - mean["float32"]) < 0.02 * mean["float32"], mean
+
+
+@pytest.mark.slow
+def test_two_processes_share_one_basis_and_write_what_one_does(recipe_path: Path, pca_reference: Path) -> None:
+    """Process 0 fits and writes the basis before either process writes a shard; both encode with it: the same
+    files as one process (threads aside: compared within pca's own quantization step, and the basis exactly)."""
+    features = recipe_path.parent / "pca-two-procs"
+    cmd = accelerate_launch("--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
+                            "--dynamo_backend", "no", "-m", "data.extract", str(recipe_path),
+                            f"data.features_dir={features}", *PCA)  # fmt: skip
+    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    one, two = (json.loads((f / MANIFEST).read_text()) for f in (pca_reference, features))
+    assert one["encoding"] == two["encoding"] and [e["sample_ids"] for e in one["shards"]] == [
+        e["sample_ids"] for e in two["shards"]
+    ]
+    a, b = hidden_of(pca_reference), hidden_of(features)
+    for i in a:
+        torch.testing.assert_close(a[i], b[i], rtol=0, atol=1e-3 * float(a[i].abs().max()))

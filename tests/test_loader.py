@@ -190,3 +190,41 @@ def test_an_unscored_fill_counts_every_sample_once_on_any_number_of_processes(fe
     # the training loader's fill is scored: 11 rows on 2 processes of 4 fill to 16, 5 samples counted twice
     training = [BatchLoader(ds, batch_size=4, shuffle=False, rank=r, world_size=2) for r in range(2)]
     assert sum(float(b["loss_mask"].sum()) for loader in training for b in loader.epoch(0)) > want
+
+
+@pytest.mark.parametrize("dtype", ["fp8_e4m3", "pca"])
+@pytest.mark.parametrize("packing", [False, True])
+def test_encoded_features_are_decoded_a_batch_at_a_time(tmp_path, dtype: str, packing: bool) -> None:
+    """An encoded store's batches carry float32 states decoded on the loader's device: each row's tokens are what
+    the dataset decodes for its samples (per sample), padding is 0, and everything else is as for plain features."""
+    from data.codecs import PcaCodec
+
+    samples = token_samples(11, max_len=30)
+    g = torch.Generator().manual_seed(0)
+    d = 32
+    mix = torch.randn(d, d, generator=g)
+    hidden = {s["id"]: torch.randn(len(s["input_ids"]), len(LAYERS), d, generator=g) @ mix for s in samples}
+    header = {"target": {"name": "t"}, "layers": LAYERS, "hidden_size": d, "dtype": dtype, "template": "x"}
+    codec = PcaCodec.fit(torch.cat(list(hidden.values())), [4.0, 4.0]) if dtype == "pca" else None
+    writer = FeatureShardWriter(tmp_path, header, shard_tokens=60, codec=codec)
+    for s in samples:
+        writer.add(s["id"], torch.tensor(s["input_ids"]), torch.tensor(s["loss_mask"]), hidden[s["id"]])
+    writer.close()
+    ds = FeatureDataset(tmp_path)
+    loader = BatchLoader(ds, batch_size=3, packing=packing, max_len=40, shuffle=True, device="cpu")
+    for rows, batch in zip(loader.plan(0), loader.epoch(0)):
+        assert batch["hidden"].dtype == torch.float32 and batch["hidden"].shape[2:] == (len(LAYERS), d)
+        assert not any(k.startswith("parts") for k in batch)
+        for b, row in enumerate(rows):
+            t = 0
+            for i in row:
+                n = loader.lengths[i]
+                want = ds[i]["hidden"][:n]
+                torch.testing.assert_close(batch["hidden"][b, t : t + n], want, rtol=1e-5, atol=1e-5)
+                assert torch.equal(batch["input_ids"][b, t : t + n], ds[i]["input_ids"][:n])
+                t += n
+            assert not batch["hidden"][b, t:].any()
+    # within the encoding's error of what was written
+    got = torch.cat([ds[i]["hidden"] for i in range(len(ds))])
+    want = torch.cat([hidden[i] for i in ds.sample_ids])
+    assert (got - want).pow(2).mean().sqrt() < 0.1 * want.pow(2).mean().sqrt()

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from data import shards
+from data import codecs, shards
 from data.shards import FeatureDataset, FeatureMismatchError, FeatureShardWriter, file_sha256, split_by_id
 
 D, LAYERS = 16, [0, -1]
@@ -229,3 +230,141 @@ def test_split_is_deterministic_by_id() -> None:
     rev = ids[::-1]
     assert {rev[i] for i in split_by_id(rev, 0.1, seed=0)[1]} == {ids[i] for i in heldout}
     assert split_by_id(ids, 0.0, seed=0) == (list(range(200)), [])
+
+
+# ------------------------------------------------------------------------------------------------ encoded storage
+
+ED, ELAYERS = 64, [1, -1]
+
+
+def structured_hidden(T: int, seed: int = 0) -> torch.Tensor:
+    """(T, 2, 64) states shaped like a model's: correlated channels with a falling spectrum, an offset, and tokens of
+    different norms (what a per-layer basis and per-token scales are for)."""
+    g = torch.Generator().manual_seed(seed)
+    mix = torch.randn(2, ED, ED, generator=torch.Generator().manual_seed(99))  # the same axes in every sample
+    spectrum = torch.logspace(0, -2, ED)
+    z = torch.randn(T, 2, ED, generator=g) * spectrum
+    norms = torch.exp(torch.randn(T, 1, 1, generator=g) * 0.3)
+    return torch.einsum("tnk,nkd->tnd", z, mix) * norms + torch.linspace(-1, 1, ED)
+
+
+def encoded_samples(n: int, seed: int = 0) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        T = int(torch.randint(20, 60, (1,), generator=g))
+        out.append(
+            {
+                "id": i,
+                "input_ids": torch.randint(0, 8192, (T,), generator=g),
+                "loss_mask": torch.randint(0, 2, (T,), generator=g),
+                "hidden": structured_hidden(T, seed + i),
+            }
+        )
+    return out
+
+
+def write_encoded(directory, samples, dtype: str, bits=3.8, shard_tokens=200) -> dict:
+    header = {**HEADER, "layers": ELAYERS, "hidden_size": ED, "dtype": dtype}
+    codec = None
+    if dtype == "pca":
+        fit = torch.cat([s["hidden"] for s in samples])
+        codec = codecs.PcaCodec.fit(fit, codecs.bits_per_layer(bits, len(ELAYERS)))
+    writer = FeatureShardWriter(directory, header, shard_tokens=shard_tokens, codec=codec)
+    for s in samples:
+        writer.add(s["id"], s["input_ids"], s["loss_mask"], s["hidden"])
+    return writer.close()
+
+
+# relative RMS error bound per layer on structured_hidden, and hidden bytes per token for 2 layers of 64 values
+PCA_BYTES = 2 * (math.floor(3.8 * ED) - 16) // 8 + 2 * 2  # whole bytes of codes, then a float16 scale per layer
+ENCODED = {"bfloat16": (0.004, 2 * 2 * ED), "fp8_e4m3": (0.035, 2 * (ED + 4)), "pca": (0.06, PCA_BYTES)}
+
+
+@pytest.mark.parametrize("dtype", list(ENCODED))
+def test_encoded_roundtrip_error_bytes_and_manifest(tmp_path, dtype: str) -> None:
+    samples = encoded_samples(12)
+    manifest = write_encoded(tmp_path, samples, dtype)
+    bound, hidden_bytes = ENCODED[dtype]
+    assert manifest["dtype"] == dtype and manifest["hidden_bytes_per_token"] == hidden_bytes
+    assert manifest["format_version"] == (1 if dtype == "bfloat16" else 2)  # older readers refuse encoded sets
+    ds = FeatureDataset(tmp_path, expect={"dtype": dtype})
+    got = torch.cat([ds[i]["hidden"] for i in range(len(ds))])
+    want = torch.cat([s["hidden"] for s in samples])
+    assert got.dtype == (torch.bfloat16 if dtype == "bfloat16" else torch.float32) and got.shape == want.shape
+    errors = codecs.relative_rms(got, want)
+    assert max(errors) < bound, errors
+    raw = load_file(tmp_path / "shard-00000.safetensors")
+    T0 = manifest["shards"][0]["num_tokens"]
+    extra = 0
+    if dtype == "bfloat16":
+        assert "encoding" not in manifest and set(raw) == {"input_ids", "loss_mask", "hidden", "offsets", "sample_ids"}
+    else:
+        assert raw["hidden_scale"].shape == (T0, len(ELAYERS))
+        assert manifest["encoding"]["name"] == dtype and manifest["encoding"]["payload_bytes"] == hidden_bytes
+    if dtype == "fp8_e4m3":
+        assert raw["hidden"].dtype == torch.float8_e4m3fn and raw["hidden_scale"].dtype == torch.float32
+    if dtype == "pca":
+        encoding = manifest["encoding"]
+        assert raw["hidden"].dtype == torch.uint8 and raw["hidden_scale"].dtype == torch.float16
+        assert raw["hidden"].shape == (T0, hidden_bytes - 4)
+        assert encoding["bits"] == [3.8, 3.8] and all(0 < kept < ED for kept in encoding["kept"])  # tail axes: 0 bits
+        assert encoding["basis"] == "basis.safetensors"
+        assert encoding["basis_sha256"] == file_sha256(tmp_path / "basis.safetensors")
+        extra = encoding["basis_bytes"] == (tmp_path / "basis.safetensors").stat().st_size and encoding["basis_bytes"]
+        assert extra
+    # every file of the set counts: shards and the basis
+    assert manifest["total_bytes"] == sum(e["bytes"] for e in manifest["shards"]) + extra
+    assert manifest["bytes_per_token"] == manifest["total_bytes"] / manifest["num_tokens"]
+
+
+def test_pca_bits_buy_accuracy_and_fit_is_deterministic(tmp_path) -> None:
+    samples = encoded_samples(12)
+    hidden = torch.cat([s["hidden"] for s in samples])
+    errors = {}
+    for bits in (2.0, 3.8, 6.0):
+        codec = codecs.PcaCodec.fit(hidden, [bits, bits])
+        assert codec.bytes_per_token <= bits * 2 * ED / 8
+        errors[bits] = max(codecs.relative_rms(codec.decode(codec.encode(hidden)), hidden))
+    assert errors[2.0] > errors[3.8] > 2 * errors[6.0]
+    # one fit, one basis file: the same data fits to the same bytes
+    for name in ("a", "b"):
+        codecs.PcaCodec.fit(hidden, [3.8, 3.8]).save(tmp_path / name)
+    assert (tmp_path / "a").read_bytes() == (tmp_path / "b").read_bytes()
+    codec, _ = codecs.PcaCodec.load(tmp_path / "a")
+    again = codecs.PcaCodec.fit(hidden, [3.8, 3.8])
+    assert torch.equal(codec.decode(codec.encode(hidden)), again.decode(again.encode(hidden)))
+
+
+def test_pca_codes_pack_and_unpack_exactly() -> None:
+    """Codes of 1..8 bits, packed end to end across byte boundaries, come back as they were."""
+    hidden = structured_hidden(300)
+    codec = codecs.PcaCodec.fit(hidden, [5.0, 2.5])
+    bits = torch.cat([layer["bits"].long() for layer in codec.layers])
+    assert bits.min() >= 1 and bits.max() <= 8 and len(set(bits.tolist())) >= 4
+    codes = torch.stack([torch.randint(0, 1 << int(b), (50,)) for b in bits], 1).to(torch.int32)
+    assert torch.equal(codec.unpack(codec._pack(codes)), codes)
+
+
+def test_a_damaged_basis_is_refused_naming_it(tmp_path) -> None:
+    write_encoded(tmp_path, encoded_samples(6), "pca")
+    basis = tmp_path / "basis.safetensors"
+    flip_byte(basis, offset=-7)
+    with pytest.raises(FeatureMismatchError) as refused:
+        FeatureDataset(tmp_path)
+    message = str(refused.value)
+    assert message.startswith(f"{basis}: sha256 ") and f"{tmp_path / 'manifest.json'} says" in message
+    assert "corrupted, edited or foreign basis" in message and message.endswith("to repair it")
+    basis.write_bytes(basis.read_bytes()[:-1])
+    with pytest.raises(FeatureMismatchError, match=r"basis.safetensors: \d+ bytes where .* foreign basis"):
+        FeatureDataset(tmp_path, verify_checksums=False)
+    basis.unlink()
+    with pytest.raises(FileNotFoundError, match="basis.safetensors: missing, listed in .*manifest.json"):
+        FeatureDataset(tmp_path)
+
+
+def test_an_encoded_shard_is_checked_like_any(tmp_path) -> None:
+    write_encoded(tmp_path, encoded_samples(6), "fp8_e4m3", shard_tokens=60)
+    flip_byte(tmp_path / "shard-00001.safetensors")
+    with pytest.raises(FeatureMismatchError, match=rf"^{re.escape(str(tmp_path / 'shard-00001.safetensors'))}: sha"):
+        FeatureDataset(tmp_path)

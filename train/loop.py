@@ -201,6 +201,7 @@ def build_loaders(
         rank=accelerator.process_index,
         world_size=accelerator.num_processes,
         seed=cfg.seed,
+        device=accelerator.device,  # encoded features are decoded there, a batch at a time
     )
     train_loader = BatchLoader(samples, train_idx, shuffle=True, **common)
     # every evaluated held-out sample counts once, whatever the accumulation and the number of processes
