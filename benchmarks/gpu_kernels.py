@@ -308,6 +308,7 @@ def section(name: str, fn: Callable[..., object], *args) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU under the Triton interpreter")
+    parser.add_argument("--timings", action="store_true", help="GPU: the timings alone (bf16), no checks")
     args = parser.parse_args()
     gen = torch.Generator().manual_seed(0)
     import triton
@@ -328,6 +329,12 @@ def main() -> None:
             sys.exit("TRITON_INTERPRET is set: the kernels would run in the interpreter; unset it for the GPU run")
         device = torch.device("cuda")
         print(f"device {torch.cuda.get_device_name()}", flush=True)
+        if args.timings:  # a short lease: what the full run's checks leave no time for
+            section("attention timing", time_attention, [1, 8], 32, 8, 4096, 128, [torch.bfloat16], device, gen)
+            section("verify timing 128k", time_verify, 1, 128256, device, gen)
+            section("verify timing 32k", time_verify, 1, 32000, device, gen)
+            print(f"gpu_kernels/failed_checks: {len(FAILURES)} (goal == 0)", flush=True)
+            sys.exit(1 if FAILURES else 0)
         shapes = [(2, 4, 2, 37, 20, 32), (2, 8, 2, 300, 64, 128), (3, 32, 8, 1000, 64, 128), (1, 4, 4, 0, 7, 64),
                   (1, 8, 4, 512, 64, 256)]  # fmt: skip
         section("attention", check_attention, [torch.bfloat16, torch.float16, torch.float32], shapes, device, gen)
