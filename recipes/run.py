@@ -22,6 +22,7 @@ A recipe set is a directory with `pipeline.yaml` and one training recipe per met
       batch_size: 32
       dtype: bfloat16
       processes: 2                              # `accelerate launch` processes (CPU: gloo)
+      engine: hf                                # or vllm (engine_python, engine_args: see data.selfdistill)
     # or a list of such jobs, each with its own prompts and out (e.g. a dataset's prompts and synthesize's out)
     recipes: {eagle2: recipes/smollm2/eagle2.yaml, medusa1: recipes/smollm2/medusa1.yaml}
     shipped: {eagle2: recipes/smollm2/drafters/eagle2}   # optional: committed exports, for --shipped
@@ -66,7 +67,10 @@ from train.schema import YAMLTooLarge, safe_load, yaml_problem
 
 ROOT = Path(__file__).resolve().parents[1]
 PIPELINE = "pipeline.yaml"
-SELFDISTILL_KEYS = {"prompts", "out", "limit", "max_new_tokens", "batch_size", "dtype", "processes", "temperature"}
+SELFDISTILL_KEYS = {
+    "prompts", "out", "limit", "max_new_tokens", "batch_size", "dtype", "processes", "temperature", "engine",
+    "engine_python", "engine_args",
+}  # fmt: skip
 SYNTHESIZE_KEYS = {
     "out", "count", "kinds", "max_new_tokens", "batch_size", "dtype", "processes", "temperature", "top_p", "seed",
     "min_words", "max_words", "language", "near_duplicate",
@@ -204,8 +208,12 @@ def launch_cmd(module: str, settings: dict[str, Any], target: str, flags: list[s
 
 
 def selfdistill_cmd(distill: dict[str, Any], target: str) -> list[str]:
-    flags = ["prompts", "out", "seed", "limit", "max_new_tokens", "batch_size", "dtype", "temperature"]
-    return launch_cmd("data.selfdistill", {"seed": 0} | distill, target, flags)
+    flags = ["prompts", "out", "seed", "limit", "max_new_tokens", "batch_size", "dtype", "temperature", "engine"]
+    flags += ["engine_python", "engine_args"]
+    settings = {"seed": 0} | distill
+    if isinstance(settings.get("engine_args"), dict):  # a mapping in YAML, JSON on the command line
+        settings["engine_args"] = json.dumps(settings["engine_args"])
+    return launch_cmd("data.selfdistill", settings, target, flags)
 
 
 def synthesize_cmd(synth: dict[str, Any], target: str) -> list[str]:

@@ -183,6 +183,8 @@ def test_synthesis_and_several_self_distillation_jobs_become_their_commands(tmp_
     second = selfdistill_cmd(spec["selfdistill"][1], "t")
     assert second[1:] == ["-m", "data.selfdistill", "--target", "t", "--prompts", "s.jsonl", "--out", "s-out.jsonl",
         "--seed", "0"]  # fmt: skip
+    engine = selfdistill_cmd({"prompts": "a", "out": "o", "engine": "vllm", "engine_args": {"max_num_seqs": 8}}, "t")
+    assert engine[engine.index("--engine") :] == ["--engine", "vllm", "--engine-args", '{"max_num_seqs": 8}']
     one = load_pipeline(write_pipeline(tmp_path, selfdistill=jobs[0]))  # a single job as a mapping, as before
     assert one["selfdistill"] == [jobs[0]]
 
