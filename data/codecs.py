@@ -336,8 +336,8 @@ class PcaCodec(Codec):
         q = codec.unpack(packed).float()
         out = torch.empty(len(packed), self.n_layers, self.hidden_size, device=packed.device)
         for i, codes in enumerate(q.split(codec._split, dim=1)):
-            torch.addmm(codec._beta[i], codes, codec._weight[i], out=out[:, i])
-            out[:, i].mul_(scale[:, i : i + 1]).add_(codec.layers[i]["mean"])
+            out[:, i] = torch.addmm(codec._beta[i], codes, codec._weight[i]).mul_(scale[:, i : i + 1])
+            out[:, i] += codec.layers[i]["mean"]
         return out
 
 

@@ -228,3 +228,23 @@ def test_encoded_features_are_decoded_a_batch_at_a_time(tmp_path, dtype: str, pa
     got = torch.cat([ds[i]["hidden"] for i in range(len(ds))])
     want = torch.cat([hidden[i] for i in ds.sample_ids])
     assert (got - want).pow(2).mean().sqrt() < 0.1 * want.pow(2).mean().sqrt()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("dtype", ["fp8_e4m3", "pca"])
+def test_encoded_batches_decode_on_the_gpu_as_on_the_cpu(tmp_path, dtype: str) -> None:
+    """The loader decodes on the training device: the same states there as on the CPU (float32 rounding aside)."""
+    from data.codecs import PcaCodec
+
+    samples = token_samples(8, max_len=30)
+    hidden = {s["id"]: torch.randn(len(s["input_ids"]), len(LAYERS), 32) for s in samples}
+    header = {"target": {"name": "t"}, "layers": LAYERS, "hidden_size": 32, "dtype": dtype, "template": "x"}
+    codec = PcaCodec.fit(torch.cat(list(hidden.values())), [4.0, 4.0]) if dtype == "pca" else None
+    writer = FeatureShardWriter(tmp_path, header, shard_tokens=60, codec=codec)
+    for s in samples:
+        writer.add(s["id"], torch.tensor(s["input_ids"]), torch.tensor(s["loss_mask"]), hidden[s["id"]])
+    writer.close()
+    ds = FeatureDataset(tmp_path)
+    on = {dev: next(BatchLoader(ds, batch_size=4, shuffle=False, device=dev).batches()) for dev in ("cpu", "cuda")}
+    assert on["cuda"]["hidden"].device.type == "cuda"
+    torch.testing.assert_close(on["cuda"]["hidden"].cpu(), on["cpu"]["hidden"], rtol=1e-4, atol=1e-4)
