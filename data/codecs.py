@@ -325,10 +325,9 @@ class PcaCodec(Codec):
     def unpack(self, packed: torch.Tensor) -> torch.Tensor:
         """(N, payload) uint8 -> (N, R) int32 codes."""
         codec = self.to(packed.device)
-        p = packed.to(torch.int32)
-        low = p.index_select(1, codec._byte)
-        high = p.index_select(1, (codec._byte + 1).clamp(max=codec.payload - 1))  # unused when it would overflow
-        return ((low | (high << 8)) >> codec._shift) & codec._mask
+        p = torch.nn.functional.pad(packed.to(torch.int32), (0, 1))
+        windows = p[:, :-1] | (p[:, 1:] << 8)  # (N, payload): the 16 bits from each byte on
+        return (windows.index_select(1, codec._byte) >> codec._shift) & codec._mask
 
     def decode(self, parts: dict[str, torch.Tensor]) -> torch.Tensor:
         packed, scale = parts["hidden"], parts["hidden_scale"].float()
