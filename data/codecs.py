@@ -279,16 +279,19 @@ class PcaCodec(Codec):
                            "bits": b.to(torch.uint8)})  # fmt: skip
         return cls(layers, bits, fit_tokens if fit_tokens is not None else N, N)
 
-    def save(self, path: str | Path) -> None:
+    def save(self, path: str | Path, fitted_for: str | None = None) -> None:
+        """Write the basis; `fitted_for` (metadata) names what it was fitted for (extraction: its settings' hash)."""
         tensors = {f"layer{i}.{k}": v.contiguous().cpu() for i, layer in enumerate(self.layers) for k, v in
                    layer.items()}  # fmt: skip
-        meta = {"encoding": json.dumps({"bits": self.bits_setting, "fit_tokens": self.fit_tokens,
-                                        "fitted_tokens": self.fitted_tokens})}  # fmt: skip
-        save_file(tensors, str(path), metadata=meta)
+        # one metadata key: safetensors writes several in a random order, and the file's bytes must not vary
+        settings = {"bits": self.bits_setting, "fit_tokens": self.fit_tokens, "fitted_tokens": self.fitted_tokens}
+        settings |= {} if fitted_for is None else {"fitted_for": fitted_for}
+        save_file(tensors, str(path), metadata={"encoding": json.dumps(settings, sort_keys=True)})
 
     @classmethod
     def load(cls, path: str | Path) -> tuple[PcaCodec, dict[str, Any]]:
-        """(codec, the file's metadata). Raises ValueError (or safetensors' error) on a file that is not a basis."""
+        """(codec, the settings the file records: bits, fit_tokens, fitted_tokens, fitted_for when extraction wrote
+        it). Raises ValueError (or safetensors' error) on a file that is not a basis."""
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata() or {}
             keys = set(f.keys())
@@ -296,7 +299,7 @@ class PcaCodec(Codec):
             layers = [{k: f.get_tensor(f"layer{i}.{k}") for k in ("mean", "basis", "sigma", "step", "bits")}
                       for i in range(n)]  # fmt: skip
         settings = json.loads(meta["encoding"])
-        return cls(layers, settings["bits"], settings["fit_tokens"], settings["fitted_tokens"]), meta
+        return cls(layers, settings["bits"], settings["fit_tokens"], settings["fitted_tokens"]), settings
 
     # ------------------------------------------------------------------------------------------- encode, decode
 

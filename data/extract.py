@@ -33,6 +33,7 @@ import argparse
 import dataclasses
 import hashlib
 import itertools
+import json
 import os
 import sys
 import time
@@ -241,22 +242,25 @@ def _recorded_bases(directory: Path) -> set[str]:
 def _resolve_basis(target: Target, samples: list[TokenSample], plan: list[list[int]], directory: Path,
                    header: dict[str, Any], batch_tokens: int) -> None:  # fmt: skip
     """Process 0: leave in `directory` the basis this extraction encodes with. An existing basis is kept when it was
-    fitted with these settings and is the one the recorded shards name (or none are recorded); otherwise (none,
-    torn, damaged, another run's) it is fitted again, durably, before any shard."""
+    fitted for these settings (`fit_key`) and is the one the recorded shards name (or none are recorded); otherwise
+    (none, torn, damaged, another extraction's) it is fitted again, durably, before any shard."""
     path = directory / BASIS_FILE
     recorded = _recorded_bases(directory)
     if path.is_file():
         try:
-            codec, _ = PcaCodec.load(path)
-            fitted_alike = codec.params()["bits"] == header["encoding"]["bits"] and (
-                codec.fit_tokens == header["encoding"]["fit_tokens"] and codec.n_layers == len(header["layers"])
-            )
-            if fitted_alike and (not recorded or file_sha256(path) in recorded):
+            _, meta = PcaCodec.load(path)
+            if meta.get("fitted_for") == fit_key(header) and (not recorded or file_sha256(path) in recorded):
                 return
         except Exception:  # a torn or foreign file: fitted again below
             pass
-        print(f"{path}: not the basis of the recorded shards; fitting it again", file=sys.stderr, flush=True)
-    write_basis(directory, fit_basis(target, samples, plan, header, batch_tokens))
+        print(f"{path}: not this extraction's basis or its shards; fitting it again", file=sys.stderr, flush=True)
+    write_basis(directory, fit_basis(target, samples, plan, header, batch_tokens), fit_key(header))
+
+
+def fit_key(header: dict[str, Any]) -> str:
+    """What a basis is fitted for: a hash of the extraction's settings (target, layers, data, plan, encoding
+    settings), recorded in the basis file, so that a basis left by another extraction is never reused."""
+    return hashlib.sha256(json.dumps(_settings(header), sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _known_entries(directory: Path, header: dict[str, Any]) -> dict[int, dict]:

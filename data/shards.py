@@ -247,12 +247,12 @@ def check_header(found: dict[str, Any], expect: dict[str, Any], where: str) -> N
             raise FeatureMismatchError(f"{where}: built with {key}={have!r}, expected {want!r}")
 
 
-def write_basis(directory: str | Path, codec: PcaCodec) -> dict[str, Any]:
+def write_basis(directory: str | Path, codec: PcaCodec, fitted_for: str | None = None) -> dict[str, Any]:
     """Write a fitted codec's basis as `BASIS_FILE` in `directory` (temporary name, fsync, rename: on disk before any
     shard that uses it) and return the manifest's `encoding` record: settings, file, sha256, bytes."""
     final = Path(directory) / BASIS_FILE
     tmp = final.with_name(final.name + ".tmp")
-    codec.save(tmp)
+    codec.save(tmp, fitted_for)
     share_safetensors(tmp)
     record = {**codec.params(), "basis": final.name, "basis_sha256": file_sha256(tmp)}
     record["basis_bytes"] = tmp.stat().st_size

@@ -453,9 +453,22 @@ def test_a_damaged_basis_is_refused_then_repaired(recipe_path, pca_reference, tm
         FeatureDataset(features)
     capfd.readouterr()
     run_inprocess(recipe_path, features, *PCA)
-    assert f"{basis}: not the basis of the recorded shards; fitting it again" in capfd.readouterr().err
+    assert f"{basis}: not this extraction's basis or its shards; fitting it again" in capfd.readouterr().err
     assert encoded_bytes(features) == encoded_bytes(pca_reference)
     assert {p.name: p.stat().st_ino for p in features.glob("shard-*.safetensors")} == inodes
+
+
+def test_a_basis_left_by_another_extraction_is_not_reused(recipe_path, pca_reference, tmp_path, capfd) -> None:
+    """A basis in the directory that was fitted for other data (same encoding settings, no shards recorded) is fitted
+    again for this extraction's data, not used."""
+    features = tmp_path / "features"
+    features.mkdir()
+    shutil.copy(pca_reference / "basis.safetensors", features)
+    capfd.readouterr()
+    run_inprocess(recipe_path, features, *PCA, "data.max_samples=20")
+    assert "basis.safetensors: not this extraction's basis" in capfd.readouterr().err
+    assert (features / "basis.safetensors").read_bytes() != (pca_reference / "basis.safetensors").read_bytes()
+    assert len(FeatureDataset(features)) == 20
 
 
 @pytest.mark.parametrize(
