@@ -180,7 +180,6 @@ class PcaCodec(Codec):
         self.payload = math.ceil(self.total_bits / 8)
         self._byte, self._shift = first // 8, (first % 8).to(torch.int32)
         self._mask = ((1 << all_bits) - 1).to(torch.int32)
-        self._levels = (1 << all_bits).float()
         self._split = [int(layer["bits"].numel()) for layer in layers]
         self._device_cache: dict[str, PcaCodec] = {}
         self._prepare()
@@ -222,11 +221,10 @@ class PcaCodec(Codec):
         if key == str(self._mean_device()):
             return self
         if key not in self._device_cache:
-            moved = {k: v for k, v in self.__dict__.items()}
             codec = PcaCodec.__new__(PcaCodec)
-            codec.__dict__.update(moved)
+            codec.__dict__.update(self.__dict__)
             codec.layers = [{k: v.to(device) for k, v in layer.items()} for layer in self.layers]
-            for name in ("_byte", "_shift", "_mask", "_levels"):
+            for name in ("_byte", "_shift", "_mask"):
                 setattr(codec, name, getattr(self, name).to(device))
             codec._device_cache = {}
             codec._prepare()
