@@ -193,8 +193,28 @@ def test_cli(runs, tmp_path, capsys):
     export_main([str(runs["medusa1"]), "--out", str(tmp_path / "cli")])
     assert "exported" in capsys.readouterr().out
     assert (tmp_path / "cli" / WEIGHTS_FILE).is_file()
-    with pytest.raises(SystemExit, match="no such recipe file"):
+    with pytest.raises(SystemExit, match="a native export; give --format"):  # a native export is no run
         export_main([str(tmp_path / "cli"), "--out", str(tmp_path / "x")])
+    with pytest.raises(SystemExit, match="no such recipe file"):
+        export_main([str(tmp_path), "--out", str(tmp_path / "x")])
+
+
+@pytest.mark.parametrize("run,fmt", [("eagle2-vllm", "vllm"), ("medusa1", "vllm"), ("eagle2-plain", "sglang")])
+def test_a_native_export_exports_to_an_engine_format_as_its_run_does(run, fmt, runs, tmp_path):
+    """A native export (a shipped drafter is one) is a source for engine formats: the drafter and the recipe its
+    config.json records give the same files as exporting the run, through the same gate; --out is required (the
+    default would write inside the export), and native-to-native is refused."""
+    native = export(runs[run], tmp_path / "native")
+    from_native = export(native, tmp_path / "from-native", fmt=fmt)
+    from_run = export(runs[run], tmp_path / "from-run", fmt=fmt)
+    files = sorted(p.name for p in from_run.iterdir())
+    assert sorted(p.name for p in from_native.iterdir()) == files
+    for name in files:
+        assert (from_native / name).read_bytes() == (from_run / name).read_bytes(), name
+    for args in ({"fmt": fmt}, {"out": tmp_path / "x", "fmt": "native"}, {"out": tmp_path / "x"}):
+        with pytest.raises(ExportError, match="a native export; give --format"):
+            export(native, **args)
+    assert not (tmp_path / "x").exists()
 
 
 # --------------------------------------------------------------------------------------------

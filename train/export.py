@@ -3,6 +3,7 @@
     python -m train.export RUN_DIR [--out DIR] [--format native|medusa|eagle|sglang|vllm|speculators]
                                    [--checkpoint DIR]
                                    [--include-target-weights] [--merge-lora]
+    python -m train.export NATIVE_EXPORT --format FORMAT --out DIR    # e.g. recipes/smollm2/drafters/medusa1
 
 Reads the run's resolved recipe (`RUN_DIR/recipe.yaml`) and the newest checkpoint's gathered drafter
 tensors (`drafter.safetensors`, written by every checkpoint whatever the parallelism), rebuilds the
@@ -13,7 +14,9 @@ carries `draft_vocab.safetensors` (the data's most frequent loss tokens) when th
 vocabulary subset (`eval.draft_vocab`, `train.loss_vocab`), and is reloaded strictly
 (`models.io.load_drafter`), with the same draft logits (the `native` gate), before the command reports success.
 Drafters with an `export_extra` hook add their method-specific files next to it (Medusa-2: `heads/`, the LoRA
-`adapter/`, `merged/` with --merge-lora).
+`adapter/`, `merged/` with --merge-lora). A native export (a shipped drafter) exports to an engine format too: the
+recipe its config.json records and its drafter, loaded strictly on the target that recipe names, are written and
+gated as a run's would be (the same files).
 
 Engine formats, each a `config.json` + safetensors file:
 - `medusa`: FasterDecoding Medusa, `medusa_lm_head.pt` (what its loader reads: a plain dict of tensors through
@@ -68,24 +71,28 @@ from data.prepare import prepare_dataset
 from data.runs import CheckpointError, latest_checkpoint, read_state
 from data.shards import FeatureDataset, FeatureMismatchError, loss_token_counts, most_frequent
 from models.io import (
+    CONFIG_FILE,
     DRAFT_VOCAB_FILE,
     ExportError,
     check_export_dir,
     legacy_rope,
     load_draft_vocab,
+    load_drafter,
+    read_config,
     read_safetensors,
     save_draft_vocab,
     save_native,
     staged_directory,
     write_safetensors,
 )
+from models.io import FORMAT as NATIVE_FORMAT
 from models.lm_head import fit_samples, save_factors
 from models.medusa import MedusaHeads
 from models.methods import METHODS
 from models.target import Target, TargetError, load_target
 from train import eagle3_layouts
 from train.checkpoint import DRAFTER_FILE, RECIPE_FILE
-from train.config import Recipe, RecipeError, load_recipe
+from train.config import Recipe, RecipeError, load_recipe, recipe_from_dict
 from train.gates import EAGLE_PT, FASTERDECODING_HEADS, GATES, MEDUSA_PT, MEDUSA_SAFETENSORS
 from train.gates import check as gate_check
 
@@ -319,6 +326,28 @@ METHOD_LAYOUTS = {
 FORMATS = ("native", *ENGINE_FORMATS, "speculators")
 
 
+def is_native_export(path: str | Path) -> bool:
+    """A native export directory (e.g. a shipped drafter) rather than a run directory: a specdraft `config.json` and
+    no run recipe."""
+    path = Path(path)
+    if (path / RECIPE_FILE).is_file() or not (path / CONFIG_FILE).is_file():
+        return False
+    try:
+        return json.loads((path / CONFIG_FILE).read_text()).get("format") == NATIVE_FORMAT
+    except (json.JSONDecodeError, AttributeError):
+        return False
+
+
+def load_native(export_dir: str | Path) -> tuple[Recipe, Target, nn.Module]:
+    """(recipe, target on CPU, drafter) of a native export: the recipe its config.json records (the one it was
+    trained with), the target that recipe names, the drafter loaded strictly (`models.io.load_drafter`, which refuses
+    another target)."""
+    where = f"{Path(export_dir) / CONFIG_FILE}: recipe"
+    recipe = recipe_from_dict(read_config(export_dir).get("recipe"), source=where)
+    target = load_target(**dataclasses.asdict(recipe.target))
+    return recipe, target, load_drafter(export_dir, target)
+
+
 def export(
     run_dir: str | Path,
     out: str | Path | None = None,
@@ -328,8 +357,16 @@ def export(
     merge_lora: bool | None = None,
 ) -> Path:
     """Export a run's drafter (from its newest checkpoint, or `checkpoint`); arguments left None come from the
-    recipe's `export` section."""
-    recipe, target, drafter = load_run(run_dir, checkpoint)
+    recipe's `export` section. `run_dir` may also be a native export (a shipped drafter), written to an engine
+    format at `out`."""
+    if is_native_export(run_dir):
+        if out is None or checkpoint is not None or not fmt or fmt == "native":
+            raise ExportError(
+                f"{run_dir}: a native export; give --format (an engine format) and --out, and no --checkpoint"
+            )
+        recipe, target, drafter = load_native(run_dir)
+    else:
+        recipe, target, drafter = load_run(run_dir, checkpoint)
     fmt = fmt or recipe.export.format
     if fmt not in FORMATS:
         raise ExportError(f"export.format: {fmt!r} is not implemented yet (available: {', '.join(FORMATS)})")
@@ -434,7 +471,7 @@ def default_out(recipe: Recipe, run_dir: str | Path, fmt: str) -> Path:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m train.export", description=__doc__.split("\n\n")[0])
-    parser.add_argument("run_dir", help="train.output_dir of a run")
+    parser.add_argument("run_dir", help="train.output_dir of a run, or a native export (with --format and --out)")
     parser.add_argument(
         "--out", default=None, help="output directory (default: export.out, RUN_DIR/export or RUN_DIR/export-FORMAT)"
     )
