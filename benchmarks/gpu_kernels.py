@@ -128,6 +128,34 @@ def check_lowrank(n: int, vocab: int, rank: int, device, gen, cases) -> None:
         check(name, err <= tol and torch.equal(real, want_s > float("-inf")), f"max abs err {err:.2e} (tol {tol:.1e})")
 
 
+def check_loader_decode(device, gen) -> None:
+    """Encoded feature stores (fp8, pca) decode on the training device as on the CPU (`data.loader.BatchLoader`)."""
+    import tempfile
+
+    from data.codecs import PcaCodec
+    from data.loader import BatchLoader
+    from data.shards import FeatureDataset, FeatureShardWriter
+
+    layers, d = [0, -1], 32
+    lengths = [int(torch.randint(5, 30, (), generator=gen)) for _ in range(8)]
+    hidden = [torch.randn(n, len(layers), d, generator=gen) for n in lengths]
+    for dtype in ("fp8_e4m3", "pca"):
+        with tempfile.TemporaryDirectory() as tmp:
+            header = {"target": {"name": "t"}, "layers": layers, "hidden_size": d, "dtype": dtype, "template": "x"}
+            codec = PcaCodec.fit(torch.cat(hidden), [4.0, 4.0]) if dtype == "pca" else None
+            writer = FeatureShardWriter(tmp, header, shard_tokens=60, codec=codec)
+            for i, h in enumerate(hidden):
+                ids = torch.randint(3, 100, (len(h),), generator=gen)
+                writer.add(i, ids, torch.ones(len(h)), h)
+            writer.close()
+            ds = FeatureDataset(tmp)
+            first = lambda dev: next(BatchLoader(ds, batch_size=4, shuffle=False, device=dev).batches())
+            cpu, here = first("cpu"), first(device)
+            err = (here["hidden"].cpu() - cpu["hidden"]).abs().max().item()
+            placed = here["hidden"].device.type == device.type
+            check(f"loader decode {dtype} on {device.type}", placed and err < 1e-4, f"max abs err {err:.2e}")
+
+
 def check_kv_commit(device, gen) -> None:
     caches = [torch.randn(4, 8, 300, 128, generator=gen).to(device, torch.bfloat16) for _ in range(4)]
     twins = [c.clone() for c in caches]
@@ -322,6 +350,7 @@ def main() -> None:
         section("attention timing", time_attention, [1], 4, 2, 40, 32, [torch.float32], device, gen)
         section("spread target", check_spread_target, ["cpu", "cpu"], ("reference", "triton"))
         section("batch decode", check_batch_decode, device, ("reference", "triton"))
+        section("loader decode", check_loader_decode, device, gen)
     else:
         if not torch.cuda.is_available():
             sys.exit("no CUDA device: run with --smoke for the CPU interpreter check")
@@ -344,6 +373,7 @@ def main() -> None:
         lowrank_cases = [(torch.bfloat16, 256), (torch.bfloat16, 512), (torch.bfloat16, 1024), (torch.float32, 256)]
         section("lowrank", check_lowrank, 64, 128256, 64, device, gen, lowrank_cases)
         section("kv_commit", check_kv_commit, device, gen)
+        section("loader decode", check_loader_decode, device, gen)
         section("batch decode", check_batch_decode, device, ("reference", "triton"))
         if torch.cuda.device_count() > 1:  # a target over two GPUs: both kernel paths
             section("spread target", check_spread_target, ["cuda:0", "cuda:1"], ("reference", "triton"))

@@ -230,10 +230,10 @@ def test_encoded_features_are_decoded_a_batch_at_a_time(tmp_path, dtype: str, pa
     assert (got - want).pow(2).mean().sqrt() < 0.1 * want.pow(2).mean().sqrt()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("dtype", ["fp8_e4m3", "pca"])
-def test_encoded_batches_decode_on_the_gpu_as_on_the_cpu(tmp_path, dtype: str) -> None:
-    """The loader decodes on the training device: the same states there as on the CPU (float32 rounding aside)."""
+def test_encoded_batches_decode_on_the_device_asked_for(tmp_path, dtype: str) -> None:
+    """The loader decodes on the training device (`device`): here the CPU given explicitly against the default; on
+    a GPU `benchmarks/gpu_kernels.py` compares the CUDA decode with the CPU one."""
     from data.codecs import PcaCodec
 
     samples = token_samples(8, max_len=30)
@@ -245,6 +245,6 @@ def test_encoded_batches_decode_on_the_gpu_as_on_the_cpu(tmp_path, dtype: str) -
         writer.add(s["id"], torch.tensor(s["input_ids"]), torch.tensor(s["loss_mask"]), hidden[s["id"]])
     writer.close()
     ds = FeatureDataset(tmp_path)
-    on = {dev: next(BatchLoader(ds, batch_size=4, shuffle=False, device=dev).batches()) for dev in ("cpu", "cuda")}
-    assert on["cuda"]["hidden"].device.type == "cuda"
-    torch.testing.assert_close(on["cuda"]["hidden"].cpu(), on["cpu"]["hidden"], rtol=1e-4, atol=1e-4)
+    on = {dev: next(BatchLoader(ds, batch_size=4, shuffle=False, device=dev).batches()) for dev in (None, "cpu")}
+    assert on["cpu"]["hidden"].device.type == "cpu" and on["cpu"]["hidden"].dtype == torch.float32
+    torch.testing.assert_close(on["cpu"]["hidden"], on[None]["hidden"], rtol=1e-4, atol=1e-4)
