@@ -149,7 +149,7 @@ def check_loader_decode(device, gen) -> None:
                 writer.add(i, ids, torch.ones(len(h)), h)
             writer.close()
             ds = FeatureDataset(tmp)
-            first = lambda dev: next(BatchLoader(ds, batch_size=4, shuffle=False, device=dev).batches())
+            first = lambda dev, ds=ds: next(BatchLoader(ds, batch_size=4, shuffle=False, device=dev).batches())
             cpu, here = first("cpu"), first(device)
             err = (here["hidden"].cpu() - cpu["hidden"]).abs().max().item()
             placed = here["hidden"].device.type == device.type
