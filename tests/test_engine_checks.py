@@ -21,6 +21,7 @@ from tiny import perturbed
 from benchmarks.consumers_check import fed_back_reference
 from benchmarks.engine_side import (
     AUX_IDS,
+    CAPTURED,
     CachedCausalAttention,
     copy_with_edited_aux_ids,
     edit_aux_ids,
@@ -71,6 +72,20 @@ def test_ids_filling_every_captured_layer_cannot_be_shifted():
     which is why sglang_check's target has 5 layers."""
     with pytest.raises(ValueError, match="none can move"):
         shifted_aux_ids([0, 1, 2], 0, 2)
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_the_edit_s_ranges_are_what_the_export_writes(engine):
+    """`engine_side.CAPTURED` (the checks run in the engines' environments and cannot import the project) holds the
+    id ranges `train.eagle3_layouts.aux_layer_ids` writes: the lowest and highest ids pass, one beyond each is
+    refused."""
+    L = TINY["num_hidden_layers"]
+    lo, below_top = CAPTURED[engine]
+    hf = {"vllm": lambda i: i, "sglang": lambda i: i + 1}[engine]  # the HF hidden-state index of an engine id
+    assert eagle3_layouts.aux_layer_ids([hf(lo), hf(L - below_top)], L, engine) == [lo, L - below_top]
+    for outside in (lo - 1, L - below_top + 1):
+        with pytest.raises(ExportError, match="cannot be captured"):
+            eagle3_layouts.aux_layer_ids([hf(outside)], L, engine)
 
 
 def test_the_edit_changes_every_place_the_ids_are_written():
