@@ -16,11 +16,11 @@ the others learn its verdict before any of them writes (`shared_verdict`, or the
 launch stops on every process with the same line. `check_output_path` refuses an output path that is (or lies
 under) an existing file, naming it, before anything tries to create it.
 
-Self-distillation / synthesis (`data/selfdistill.py`, `data/synthesize.py`) write one JSONL file: they can lock it
-with a lock file beside it, `directory_lock(out, "self-distillation", key="--out", beside=True)` around their writing
-(`.<out name>.specdraft.lock`), taken on the main process only with the others told its verdict through the process
-group (`shared_verdict(problem, accelerate.utils.gather_object)`, as `train.loop.lock_run_dir` does), and report
-`DirectoryLocked` / `NotADirectory` with their other one-line errors. This module imports nothing heavy.
+Self-distillation and prompt synthesis (`data/selfdistill.py`, `data/synthesize.py`) write one JSONL file and lock
+it with a lock file beside it (`.<out name>.specdraft.lock`); training, self-distillation, synthesis and evaluation
+take their lock with `acquire_for_all`: on the main process only, every other process told its verdict through the
+process group, so that a second launch stops on all of its processes with the same line. This module imports
+nothing heavy.
 """
 
 from __future__ import annotations
@@ -136,3 +136,26 @@ def shared_verdict(problem: str | None, gather) -> str | None:
     process's item in a list (accelerate's `gather_object` on a one-item list). Each process must call it."""
     found = [p for p in gather([problem]) if p is not None]
     return found[0] if found else None
+
+
+def acquire_for_all(
+    directory: str | Path, what: str, key: str | None, is_main: bool, gather, beside: bool = False
+) -> int | None:
+    """`acquire` on the main process of a launch, its verdict shared with every process (`shared_verdict`, through
+    `gather`; None for a single process): returns the lock to `release` on the main process, None on the others, or
+    raises DirectoryLocked / NotADirectory on every process with the main process's message. Every process calls it."""
+    fd, problem, kind = None, None, DirectoryLocked
+    if is_main:
+        try:
+            fd = acquire(directory, what, key, beside)
+        except (DirectoryLocked, NotADirectory) as exc:
+            problem, kind = str(exc), type(exc)
+    if gather is not None:
+        shared = shared_verdict(problem, gather)
+        if shared is not None and problem is None:  # another process's verdict: its kind is not known here
+            problem = shared
+    if problem is not None:
+        if fd is not None:
+            release(fd)
+        raise kind(problem)
+    return fd

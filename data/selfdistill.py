@@ -77,6 +77,7 @@ from transformers import (
 
 from data.chat import SHAREGPT_ROLES, ChatTemplateError, DataError, render_with_turn_ids
 from data.engines import RESERVED_ENGINE_ARGS, EngineError, VllmEngine
+from data.lock import DirectoryLocked, NotADirectory, acquire_for_all, release
 from data.prepare import vocab_fingerprint
 from data.shards import durable_replace
 
@@ -623,12 +624,27 @@ def main(argv: list[str] | None = None) -> None:
         raise SelfDistillError(f"{args.target}: not a Hugging Face model directory (no config.json)")
 
     from accelerate import PartialState
-    from accelerate.utils import parse_flag_from_env
+    from accelerate.utils import gather_object, parse_flag_from_env
 
     # one process without `accelerate launch`; several CPU processes talk gloo (`--multi_gpu` with ACCELERATE_USE_CPU)
     # With --engine vllm the processes only deal out batches (gloo): the engines hold the accelerators.
     cpu = parse_flag_from_env("ACCELERATE_USE_CPU") or not torch.cuda.is_available() or args.engine != "hf"
     state = PartialState(cpu=cpu)
+    # one writer per output: a second self-distillation into the same --out stops on every process with one line
+    gather = gather_object if state.num_processes > 1 else None
+    try:
+        fd = acquire_for_all(args.out, "self-distillation", "--out", state.is_main_process, gather, beside=True)
+    except (DirectoryLocked, NotADirectory) as exc:
+        raise SelfDistillError(str(exc)) from None
+    try:
+        distill(args, engine_args, state)
+    finally:
+        if fd is not None:
+            release(fd)
+
+
+def distill(args: argparse.Namespace, engine_args: dict, state) -> None:
+    """Generate the missing answers (this process's batches) into its part file, then merge the parts into --out."""
     every = read_prompts(args.prompts, None)
     records = every[: args.limit]
     if not records:

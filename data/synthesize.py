@@ -56,7 +56,7 @@ import torch
 import yaml
 from tqdm import tqdm
 
-from data.lock import DirectoryLocked, NotADirectory, acquire, release, shared_verdict
+from data.lock import DirectoryLocked, NotADirectory, acquire_for_all, release
 from data.selfdistill import (
     Generator,
     SelfDistillError,
@@ -394,17 +394,10 @@ def main(argv: list[str] | None = None) -> None:
 
     state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU") or not torch.cuda.is_available())
     # one writer per output: a second synthesis into the same --out stops on every process with one line
-    fd, problem = None, None
-    if state.is_main_process:
-        try:
-            fd = acquire(args.out, "synthesis", key="--out", beside=True)
-        except (DirectoryLocked, NotADirectory) as exc:
-            problem = str(exc)
-    problem = shared_verdict(problem, gather_object)
-    if problem is not None:
-        if fd is not None:
-            release(fd)
-        raise SynthesizeError(problem)
+    try:
+        fd = acquire_for_all(args.out, "synthesis", "--out", state.is_main_process, gather_object, beside=True)
+    except (DirectoryLocked, NotADirectory) as exc:
+        raise SynthesizeError(str(exc)) from None
     try:
         synthesize(args, kinds, state)
     finally:

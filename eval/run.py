@@ -34,6 +34,7 @@ import yaml
 
 from data.chat import ChatTemplateError, DataError
 from data.heldout import HELDOUT_FILE, HeldoutError, read_heldout
+from data.lock import DirectoryLocked, NotADirectory, acquire_for_all, release
 from data.prepare import prepare_dataset
 from data.runs import latest_checkpoint, read_state
 from data.shards import FeatureDataset, FeatureMismatchError, frequent_loss_tokens, loss_token_counts, split_by_id
@@ -439,9 +440,28 @@ def summary_line(summary: dict[str, Any], out_dir: str) -> str:
 
 
 def run(recipe: Recipe) -> dict[str, Any] | None:
-    """Evaluate; returns the summary on the main process (None on the others)."""
+    """Evaluate; returns the summary on the main process (None on the others). `eval.output_dir` is locked
+    meanwhile (`data.lock`): a second evaluation into it is refused with one line, on every one of its processes."""
     from accelerate import PartialState
     from accelerate.utils import gather_object, parse_flag_from_env
+
+    # on CPU-only machines (or ACCELERATE_USE_CPU) processes talk gloo: `accelerate launch --multi_gpu` there
+    state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU") or not torch.cuda.is_available())
+    gather = gather_object if state.num_processes > 1 else None
+    try:
+        key = f"{recipe.source}: eval.output_dir"
+        fd = acquire_for_all(output_dir(recipe), "evaluation", key, state.is_main_process, gather)
+    except (DirectoryLocked, NotADirectory) as exc:
+        raise EvalError(str(exc)) from None
+    try:
+        return _run(recipe, state)
+    finally:
+        if fd is not None:
+            release(fd)
+
+
+def _run(recipe: Recipe, state) -> dict[str, Any] | None:
+    from accelerate.utils import gather_object
     from tqdm import tqdm
 
     ev = recipe.eval
@@ -461,8 +481,6 @@ def run(recipe: Recipe) -> dict[str, Any] | None:
     if ev.drafter is None:  # the run's own export, picked implicitly: it must be of the run's newest checkpoint
         check_export_is_current(recipe, drafter_dir, config)
     check_output_dir(recipe, out_dir)
-    # on CPU-only machines (or ACCELERATE_USE_CPU) processes talk gloo: `accelerate launch --multi_gpu` there
-    state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU") or not torch.cuda.is_available())
     if recipe.target.device_map is None:
         target = load_target(**dataclasses.asdict(recipe.target))
         target.model.to(state.device)

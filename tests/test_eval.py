@@ -675,3 +675,27 @@ def test_context_beyond_the_targets_positions_is_refused_before_decoding(tmp_pat
         from eval.run import run
 
         run(load_recipe(_recipe(tmp_path, "eagle2", {}, section)))
+
+
+def test_a_second_evaluation_into_the_same_output_dir_is_refused(tmp_path, target):
+    """While another evaluation writes eval.output_dir (here: this test holds its lock), `python -m eval` into it
+    stops with one line naming the directory and the holder, before loading anything; once free, it evaluates, and
+    no lock file stays behind."""
+    from data.lock import LOCK_FILE, acquire, release
+
+    torch.manual_seed(0)
+    save_native(tmp_path / "run" / "export", EagleDrafter(EagleConfig(), target.parts([-1])), target)
+    recipe = _recipe(tmp_path, "eagle2", {}, {"tree": "chain", "tree_depth": 2, "baselines": [], "max_prompts": 1})
+    out = tmp_path / "run" / "eval"
+    held = acquire(out, "evaluation")
+    try:
+        with pytest.raises(SystemExit) as refused:
+            main([recipe])
+        message = str(refused.value)
+        assert message.startswith(f"error: {recipe}: eval.output_dir: {out}: another evaluation is writing there")
+        assert f"(pid {os.getpid()}:" in message and "\n" not in message
+        assert sorted(p.name for p in out.iterdir()) == [LOCK_FILE]  # nothing written beside the holder's lock
+    finally:
+        release(held)
+    main([recipe])
+    assert (out / "report.json").is_file() and not (out / LOCK_FILE).exists()

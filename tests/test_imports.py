@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -299,3 +300,21 @@ def test_a_checkpoint_in_another_layout_is_named_with_the_format_to_use(eagle_sr
     native = tmp_path / "native"
     save_native(native, perturbed(EagleDrafter(EagleConfig(), target.parts([-1]))), target)
     refused(native, "eagle", tmp_path / "d", "already a native export", f"eval.drafter={native}")
+
+
+def test_a_second_import_into_the_same_directory_is_refused(eagle_src, target, tmp_path):
+    """While another import writes --out (this test holds its lock, beside --out: --out is renamed into place whole),
+    an import into it stops with one line naming --out and the holder, and stages nothing; once free, it imports,
+    and no lock file stays behind."""
+    from data.lock import acquire, release
+
+    out = tmp_path / "out"
+    held = acquire(out, "import", beside=True)
+    try:
+        msg = refused(eagle_src, "eagle", out, f"--out: {out}: another import is writing there (pid {os.getpid()}:")
+        assert msg.startswith(f"error: --out: {out}")
+    finally:
+        release(held)
+    main([str(eagle_src), "--format", "eagle", "--target", EAGLE_RECIPE, "--out", str(out)])
+    assert load_drafter(out, target) is not None
+    assert not any(p.name.endswith(".specdraft.lock") for p in tmp_path.iterdir())

@@ -422,3 +422,21 @@ def test_each_data_parallel_engine_gets_its_own_accelerators():
     assert selfdistill.engine_devices(["0", "1", "2", "3"], 3, 4, 1) == "3"
     with pytest.raises(SelfDistillError, match="4 processes x 2 accelerator.* need 8, and 4 are visible"):
         selfdistill.engine_devices(["0", "1", "2", "3"], 0, 4, 2)
+
+
+def test_a_second_self_distillation_into_the_same_out_is_refused(tiny_target, tmp_path):
+    """While another run writes --out (this test holds its lock, beside the file), a run into it stops with one line
+    naming --out and the holder before writing anything (no part file, no meta); once free, it runs, and no lock
+    file stays behind."""
+    from data.lock import acquire, release
+
+    prompts, out = write_jsonl(tmp_path / "p.jsonl", PLAIN), tmp_path / "out.jsonl"
+    held = acquire(out, "self-distillation", beside=True)
+    try:
+        with pytest.raises(SelfDistillError, match=rf"^--out: {out}: another self-distillation is writing there"):
+            run(tiny_target, prompts, out)
+        assert sorted(p.name for p in tmp_path.iterdir()) == [".out.jsonl.specdraft.lock", "p.jsonl"]
+    finally:
+        release(held)
+    assert len(run(tiny_target, prompts, out)) == len(PLAIN)
+    assert not any(p.name.endswith(".specdraft.lock") for p in tmp_path.iterdir())

@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from data.lock import DirectoryLocked, NotADirectory, directory_lock
 from models.configs import Eagle3Config, EagleConfig, MedusaConfig
 from models.io import (
     FORMAT,
@@ -363,7 +364,9 @@ def import_checkpoint(src: str | Path, fmt: str, target: Target, out: str | Path
     else:
         drafter = (import_eagle if fmt == "eagle" else import_medusa)(src, config, tensors, weights, target)
     drafter = drafter.to(target.device).eval()
-    with staged_directory(out) as tmp:  # renamed into place once verified: a failed import leaves nothing
+    # one import at a time into `out` (a lock file beside it), renamed into place once verified: a failed import
+    # leaves nothing
+    with directory_lock(out, "import", key="--out", beside=True), staged_directory(out) as tmp:
         save_native(tmp, drafter, target, {"imported_from": str(src.resolve()), "format": fmt})
         if reader is not None:  # EAGLE-3: the layout's reader on the source, the reloaded native drafter
             result = eagle3_layouts.compare(config, tensors, reader, target, load_drafter(tmp, target))
@@ -390,7 +393,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         target = resolve_target(args.target, args.dtype)
         out = import_checkpoint(args.src, args.format, target, args.out)
-    except (ExportError, RecipeError, TargetError, FileNotFoundError) as exc:
+    except (ExportError, RecipeError, TargetError, FileNotFoundError, DirectoryLocked, NotADirectory) as exc:
         sys.exit(f"error: {exc}")
     print(f"imported {args.src} ({args.format}) -> {out}")
 

@@ -34,7 +34,7 @@ from transformers.integrations import set_hf_deepspeed_config, unset_hf_deepspee
 from data.extract import feature_identity
 from data.heldout import write_heldout
 from data.loader import BatchLoader
-from data.lock import DirectoryLocked, NotADirectory, acquire, release, shared_verdict
+from data.lock import DirectoryLocked, NotADirectory, acquire_for_all, release
 from data.prepare import prepare_dataset
 from data.shards import FeatureDataset, FeatureMismatchError, frequent_loss_tokens, split_by_id
 from models.common import DraftBatch, packed_additive_mask
@@ -397,18 +397,11 @@ def lock_run_dir(recipe: Recipe, accelerator: Accelerator) -> int | None:
     a second training into the same `train.output_dir` stops on every one of its processes with the same line,
     naming the directory (the other processes of one launch share the main process's lock). Returns the lock to
     release (main process), else None."""
-    fd, problem = None, None
-    if accelerator.is_main_process:
-        try:
-            fd = acquire(recipe.train.output_dir, "training", key=f"{recipe.source}: train.output_dir")
-        except (DirectoryLocked, NotADirectory) as exc:
-            problem = str(exc)
-    problem = shared_verdict(problem, gather_object)
-    if problem is not None:
-        if fd is not None:
-            release(fd)
-        raise TrainingError(problem)
-    return fd
+    key = f"{recipe.source}: train.output_dir"
+    try:
+        return acquire_for_all(recipe.train.output_dir, "training", key, accelerator.is_main_process, gather_object)
+    except (DirectoryLocked, NotADirectory) as exc:
+        raise TrainingError(str(exc)) from None
 
 
 def train(recipe: Recipe, stop_after: int | None = None) -> Path:
