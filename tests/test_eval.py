@@ -353,6 +353,18 @@ def test_bad_prompts_file(tmp_path, target):
             load_prompts(str(bad), target.tokenizer, None)
 
 
+def test_counts_that_select_data_take_at_most_what_the_data_holds(tmp_path, target):
+    """eval.max_prompts and train.eval_batches are not sizes to bound: a huge value selects every prompt or
+    held-out sample, allocating nothing for the count itself."""
+    from train.loop import evaluated_heldout
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"p{i}"}) + "\n" for i in range(3)))
+    assert len(load_prompts(str(prompts), target.tokenizer, 10**12)) == 3
+    assert evaluated_heldout([4, 1, 7], 10**12 * 4096, seed=0) == [4, 1, 7]
+    assert len(evaluated_heldout(list(range(100)), 8, seed=0)) == 8
+
+
 def _record(i, accepted, extendable, lossless, spec_tokens=10, plain_tokens=10):
     spec = {"accepted": accepted, "extendable": extendable, "new_tokens": spec_tokens, "wall_s": 1.0,
             "target_forwards": 4}  # fmt: skip
