@@ -62,6 +62,10 @@ class Proposer(Protocol):
     def propose(self, states: Sequence[DecodeState]) -> list[Tree]:
         """Draft one tree per row, rooted at `states[b].tokens[:, -1]`."""
 
+    def propose_scored(self, states: Sequence[DecodeState]) -> tuple[list[Tree], list[torch.Tensor]]:
+        """`propose`, with each tree's node scores (N,): log path probabilities under the drafter, the root's 0
+        (what `eval.lookup` ranks prompt-lookup candidates against). EAGLE and Medusa proposers have it."""
+
     def commit(self, paths: Sequence[list[int]]) -> None:
         """Per row, the target accepted `paths[b]` (node indices of its last proposed tree, root first)."""
 
@@ -136,6 +140,8 @@ class MedusaProposer:
     """
 
     feature_layers = [-1]
+    costs = None  # static trees: no cost-aware sizing
+    draft_steps = 1  # the heads' one forward
 
     def __init__(
         self,
@@ -161,19 +167,36 @@ class MedusaProposer:
         pass
 
     def propose(self, states: Sequence[DecodeState]) -> list[Tree]:
+        return self._propose(states)[0]
+
+    def propose_scored(self, states: Sequence[DecodeState]) -> tuple[list[Tree], list[torch.Tensor]]:
+        trees, head_logp = self._propose(states)
+        # a node's score: its head's log-probability of its token, summed down its path (heads draft independently)
+        par, depth, rank = self.tree.parents.tolist(), self.tree.depth.tolist(), self.tree.head_rank.tolist()
+        scores = head_logp.new_zeros(head_logp.shape[0], len(par), dtype=torch.float64)
+        for i in range(1, len(par)):
+            scores[:, i] = scores[:, par[i]] + head_logp[:, depth[i] - 1, rank[i]]
+        return trees, list(scores.cpu())
+
+    def _propose(self, states: Sequence[DecodeState]) -> tuple[list[Tree], torch.Tensor]:
+        """-> trees, and each head's log-probabilities of its top_k tokens (B, D, top_k)."""
         last = torch.cat([state.new_hidden[:, -1:, 0] for state in states])  # (B, 1, d)
         if self.vocab is None:
             logits = self.heads.head_logits(last, self.tree.max_depth)[:, :, 0]  # (D, B, V): the heads the tree reaches
-            head_topk = logits.topk(self.top_k, dim=-1).indices.transpose(0, 1)  # (B, D, top_k)
+            top = logits.topk(self.top_k, dim=-1).indices  # (D, B, top_k)
+            logp = logits.float().log_softmax(dim=-1).gather(-1, top)
+            head_topk, head_logp = top.transpose(0, 1), logp.transpose(0, 1)  # (B, D, top_k)
         else:
-            top = []
+            ids, logp = [], []
             for k, vocab in enumerate(self.vocab, 1):
                 logits = vocab(self.heads.head_state(k, last[:, 0]))  # (B, K)
-                top.append(vocab.token_ids(logits.topk(self.top_k, dim=-1).indices))  # (B, top_k) token ids
-            head_topk = torch.stack(top, dim=1)  # (B, D, top_k)
+                top = logits.topk(self.top_k, dim=-1).indices  # (B, top_k) rows of the projection
+                ids.append(vocab.token_ids(top))  # token ids
+                logp.append(logits.float().log_softmax(dim=-1).gather(-1, top))
+            head_topk, head_logp = torch.stack(ids, dim=1), torch.stack(logp, dim=1)  # (B, D, top_k)
         roots = torch.cat([state.tokens[:, -1] for state in states]).to(head_topk.device)
         tokens = medusa_tokens(self.tree, roots, head_topk)  # (B, N)
-        return [dataclasses.replace(self.tree, tokens=row) for row in tokens]
+        return [dataclasses.replace(self.tree, tokens=row) for row in tokens], head_logp
 
     def commit(self, paths: Sequence[list[int]]) -> None:
         pass
@@ -213,6 +236,7 @@ class EagleProposer:
         _check_draft_vocab(draft_vocab, top_k)
         self.vocab = draft_vocab
         self.costs = None  # eval.cost_trees.Costs: keep the batch_tree_size best candidates, not total_tokens
+        self.draft_steps = depth  # drafter forwards of the last round (fewer when a cost-aware tree stopped early)
         self.reset(1)
 
     def reset(self, batch_size: int) -> None:
@@ -273,6 +297,9 @@ class EagleProposer:
         return logits[:, 0], (hidden[torch.arange(bsz, device=device), last] if padded else hidden[:, -1])
 
     def propose(self, states: Sequence[DecodeState]) -> list[Tree]:
+        return self.propose_scored(states)[0]
+
+    def propose_scored(self, states: Sequence[DecodeState]) -> tuple[list[Tree], list[torch.Tensor]]:
         logits, hidden = self._catch_up(states)
         device, committed = hidden.device, self.committed
         if all(length == committed for length in self.lengths):
@@ -313,8 +340,8 @@ class EagleProposer:
 
         roots = torch.cat([state.tokens[:, -1] for state in states])
         size_fn = stop_fn = None
+        steps = [self.depth]  # draft steps this round actually ran
         if self.costs is not None:
-            steps = [self.depth]  # draft steps this round actually ran
 
             def size_fn(scores: torch.Tensor) -> int:  # (B, n) log path probabilities -> one size for the batch
                 ranked = scores.exp().sort(dim=-1, descending=True).values.tolist()
@@ -328,7 +355,10 @@ class EagleProposer:
                 steps[0] = done if stop else steps[0]
                 return stop
 
-        return dynamic_trees(expand, roots, self.depth, self.top_k, self.total_tokens, size_fn, stop_fn)
+        scores: list[torch.Tensor] = []
+        trees = dynamic_trees(expand, roots, self.depth, self.top_k, self.total_tokens, size_fn, stop_fn, scores)
+        self.draft_steps = steps[0]
+        return trees, scores
 
     def commit(self, paths: Sequence[list[int]]) -> None:
         self.cache.crop(self.committed)

@@ -256,7 +256,8 @@ def to_markdown(s: dict[str, Any]) -> str:
             f"τ = mean over {s['rounds']} rounds of (accepted + 1). "
             f"Prompt lookup (transformers, no training): {_fmt(pl, 1)} tok/s, "
             f"{_fmt(s['prompt_lookup_vs_plain'], 2, '×')} vs plain."
-            + (f" Tree calibrated on {s['tree_calibration']}." if s.get("tree_calibration") else ""),
+            + (f" Tree calibrated on {s['tree_calibration']}." if s.get("tree_calibration") else "")
+            + _lookup_note(s.get("lookup")),
             *([f"kernels: {s['kernels_backend']}"] if s.get("kernels_backend") else []),
             markdown_table(SUMMARY_HEADER, [summary_row(s)]),
             "## Acceptance by depth\n\n" + markdown_table(depth_header, depth_rows),
@@ -266,6 +267,16 @@ def to_markdown(s: dict[str, Any]) -> str:
             *([_time_table(s["time_per_round"])] if s.get("time_per_round") else []),
             "## Per prompt\n\n" + markdown_table(["prompt", "new tokens", "τ", "speedup", "lossless"], prompt_rows),
         ]
+    )
+
+
+def _lookup_note(lookup: dict[str, Any] | None) -> str:
+    """What prompt lookup inside the tree (`eval.lookup_tokens`) contributed."""
+    if not lookup:
+        return ""
+    return (
+        f" Prompt lookup in the tree ({lookup['tokens']} tokens, n-gram <= {lookup['ngram']}): verification reached "
+        f"{lookup['tried']} lookup tokens and accepted {lookup['accepted']} ({_fmt(lookup['rate'], 2)})."
     )
 
 

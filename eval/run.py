@@ -44,6 +44,7 @@ from eval.checks import near_tie, tie_margin
 from eval.costs import measure_costs
 from eval.decode import DecodeSettings, GenerationResult, sliding_window, speculative_generate_batch
 from eval.heads import FitData, shard_fit_data, two_stage_projections
+from eval.lookup import LookupProposer
 from eval.prompts import load_conversations, load_prompts, stop_token_ids
 from eval.proposers import Proposer, build_proposer
 from eval.report import summarize, write_report
@@ -547,6 +548,10 @@ def _run(recipe: Recipe, state) -> dict[str, Any] | None:
         print(
             f"eval: cost-aware tree: verify ms by size {{{points}}}, draft step {proposer.costs.draft_cost * 1e3:.1f}"
         )
+    lookup = None
+    if ev.lookup_tokens:  # prompt-lookup candidates merged into the drafter's trees
+        proposer = lookup = LookupProposer(proposer, ev.lookup_tokens, ev.lookup_ngram, ev.tree_total_tokens)
+        tree_desc += f", + prompt lookup {ev.lookup_tokens} (n-gram <= {ev.lookup_ngram})"
     with state.split_between_processes(prompts) as local:
         batches = [local[i : i + ev.batch_size] for i in range(0, len(local), ev.batch_size)]
         if batches:  # warm-up (kernel compilation, allocator), not timed
@@ -556,14 +561,18 @@ def _run(recipe: Recipe, state) -> dict[str, Any] | None:
             longest = max(batches, key=lambda b: max(len(p["input_ids"]) for p in b))
             warm = settings if compiled else dataclasses.replace(settings, max_new_tokens=WARMUP_TOKENS)
             evaluate_batch(target, proposer, longest if compiled else batches[0], warm, ev)
+            if lookup is not None:
+                lookup.tried = lookup.accepted = 0  # the warm-up's lookup tokens are not counted
         bar = tqdm(total=len(local), desc=f"eval {recipe.drafter.method}", disable=not state.is_local_main_process)
         records = []
         for batch in batches:
             records += evaluate_batch(target, proposer, batch, settings, ev)
             bar.update(len(batch))
         bar.close()
+    lookup_counts = [(lookup.tried, lookup.accepted)] if lookup is not None else []
     if state.num_processes > 1:
         records = gather_object(records)
+        lookup_counts = gather_object(lookup_counts)
     if not state.is_main_process:
         return None
     meta = {
@@ -585,7 +594,17 @@ def _run(recipe: Recipe, state) -> dict[str, Any] | None:
         "tree_calibration": calibration[0] if calibration else None,
         "context_source": ev.context_source if any(ev.context_lengths) else None,
         "draft_window": reach if method.proposer == "eagle" else None,
+        "lookup": None,
     }
+    if lookup is not None:
+        tried, accepted = (sum(c[i] for c in lookup_counts) for i in (0, 1))
+        meta["lookup"] = {
+            "tokens": ev.lookup_tokens,
+            "ngram": ev.lookup_ngram,
+            "tried": tried,
+            "accepted": accepted,
+            "rate": accepted / tried if tried else None,
+        }
     summary = summarize(records, meta)
     write_report(summary, out_dir)
     recipe.save(Path(out_dir) / "recipe.yaml")

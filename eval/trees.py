@@ -283,6 +283,7 @@ def dynamic_trees(
     total_tokens: int,
     size_fn: Callable[[torch.Tensor], int] | None = None,
     stop_fn: Callable[[torch.Tensor, torch.Tensor, int], bool] | None = None,
+    scores_out: list[torch.Tensor] | None = None,
 ) -> list[Tree]:
     """EAGLE-2 dynamic trees (Li et al., 2024) for a batch of B requests, one tree each, grown in lockstep.
 
@@ -296,7 +297,8 @@ def dynamic_trees(
     connected. Nodes are returned in creation order; every tree has the same node count.
     `size_fn(scores)`: the scores (B, n_candidates) float64 -> the tree size to keep instead of `total_tokens`
     (cost-aware trees, `eval.cost_trees`); clamped to 1 + n_candidates. `stop_fn(scores, frontier_scores (B, k),
-    steps_done) -> True` ends the drafting before `depth` steps.
+    steps_done) -> True` ends the drafting before `depth` steps. `scores_out`, a list, receives each tree's node
+    scores (N,) float64 (cumulative draft log-probabilities, the root's 0).
     """
     if total_tokens < 1 or top_k < 1 or depth < 1:
         raise ValueError("depth, top_k and total_tokens must be positive")
@@ -337,4 +339,6 @@ def dynamic_trees(
         assert bool((tree_parents >= 0).all()), "EAGLE-2 re-ranking kept a node without its parent"
         node_tokens = torch.cat([root_tokens[row : row + 1], tokens[row, kept]])
         trees.append(Tree.from_parents(torch.cat([torch.tensor([-1]), tree_parents]), tokens=node_tokens))
+        if scores_out is not None:
+            scores_out.append(torch.cat([scores.new_zeros(1), scores[row, kept]]))
     return trees

@@ -711,3 +711,28 @@ def test_a_second_evaluation_into_the_same_output_dir_is_refused(tmp_path, targe
         release(held)
     main([recipe])
     assert (out / "report.json").is_file() and not (out / LOCK_FILE).exists()
+
+
+@pytest.mark.parametrize("tree", ["dynamic", "cost"])
+def test_eval_with_prompt_lookup_in_the_tree_is_lossless_and_reports_it(tmp_path, target, tree):
+    torch.manual_seed(0)
+    save_native(tmp_path / "run" / "export", EagleDrafter(EagleConfig(), target.parts([-1])), target)
+    section = {"tree": tree, "tree_depth": 3, "tree_top_k": 2, "tree_total_tokens": 8, "lookup_tokens": 4}
+    main([_recipe(tmp_path, "eagle2", {}, {**section, "baselines": ["plain"]})])
+    report = json.loads((tmp_path / "run" / "eval" / "report.json").read_text())
+    assert report["lossless"] is True and report["lossless_prompts"] == "3/3"
+    assert report["tree"].endswith(", + prompt lookup 4 (n-gram <= 3)")
+    lookup = report["lookup"]
+    assert lookup["tokens"] == 4 and lookup["ngram"] == 3 and lookup["tried"] >= lookup["accepted"] >= 0
+    assert "Prompt lookup in the tree (4 tokens" in (tmp_path / "run" / "eval" / "report.md").read_text()
+
+
+@pytest.mark.parametrize(
+    "key,value,message", [("lookup_tokens", -1, "must be >= 0"), ("lookup_ngram", 0, "must be >= 1")]
+)
+def test_prompt_lookup_settings_are_checked(tmp_path, key, value, message):
+    from train.config import RecipeError
+
+    path = _recipe(tmp_path, "eagle2", {}, {})
+    with pytest.raises(RecipeError, match=f"eval.{key}: {message}"):
+        load_recipe(path, [f"eval.{key}={value}"])

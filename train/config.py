@@ -338,6 +338,12 @@ class EvalConfig(SamplingConfig):
     drafter trained on (`data.max_len` of the recipe its export records), so that it never meets a distance it did
     not train on, however long the context (SmolLM2 EAGLE-3.1 at 4k tokens: τ 3.42 windowed at 384, 2.95 without);
     0: the whole context. Serving engines do not apply it: they run the drafter over the whole context."""
+    lookup_tokens: int = 0
+    """0: off. N > 0: each round, the tokens that followed the most recent earlier occurrence of the row's last
+    `lookup_ngram` (down to 1) tokens, at most N of them, join the drafter's tree as a branch (prompt lookup inside
+    the tree, `eval/lookup.py`), scored by their measured acceptance against the drafter's own path probabilities for
+    the tree's places (with `tree: cost`, the size is chosen again on both). Lossless: outputs are unchanged."""
+    lookup_ngram: int = 3
     context_source: str | None = None
     """JSONL conversations that precede the prompts under `context_lengths`: chat records with assistant turns, or
     {prompt, completion} records (e.g. data.selfdistill's answers to prompts the drafter never trained on)."""
@@ -403,6 +409,12 @@ class EvalConfig(SamplingConfig):
         check_at_most(err, "eval.tree_top_k", self.tree_top_k, MAX_TREE_TOKENS)
         check_at_most(err, "eval.tree_total_tokens", self.tree_total_tokens, MAX_TREE_TOKENS)
         check_at_most(err, "eval.batch_size", self.batch_size, MAX_EVAL_BATCH)
+        if self.lookup_tokens < 0:
+            err("eval.lookup_tokens", f"must be >= 0 (0: no prompt lookup in the tree), got {self.lookup_tokens}")
+        if self.lookup_ngram < 1:
+            err("eval.lookup_ngram", f"must be >= 1, got {self.lookup_ngram}")
+        check_at_most(err, "eval.lookup_tokens", self.lookup_tokens, MAX_TREE_TOKENS)
+        check_at_most(err, "eval.lookup_ngram", self.lookup_ngram, MAX_TREE_TOKENS)
         for key in ("draft_vocab", "head_rank", "head_candidates"):
             check_at_most(err, f"eval.{key}", getattr(self, key), MAX_VOCAB)
 
