@@ -1,4 +1,4 @@
-"""Drafters as the speculative loop uses them: the `Proposer` contract, the EAGLE-2 and Medusa proposers.
+"""Drafters as the speculative loop uses them: the `Proposer` contract, the EAGLE-2, Medusa and P-EAGLE proposers.
 
     proposer, desc = build_proposer(METHODS[method], drafter, recipe.eval, calibrate, draft_vocab)  # per `eval.tree`
     proposer.reset(batch_size)
@@ -6,15 +6,16 @@
     proposer.commit(paths)  # the accepted node indices of each row's tree, root first
 
 `eval.decode` runs the loop: it calls `reset(B)`, then each round `propose` with the states of the rows still
-decoding, `commit` with their accepted paths, and `keep_rows` when some rows finish. `EagleProposer` and
-`MedusaProposer` draft every row of a batch in the same forwards; `VocabProjection` restricts drafting to a draft
-vocabulary (`eval.draft_vocab`).
+decoding, `commit` with their accepted paths, and `keep_rows` when some rows finish. `EagleProposer`,
+`MedusaProposer` and `ParallelProposer` draft every row of a batch in the same forwards (the last two fill static
+trees, `StaticTreeProposer`, whose calibration `parallel_rank_accuracy` measures for P-EAGLE); `VocabProjection`
+restricts drafting to a draft vocabulary (`eval.draft_vocab`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -132,7 +133,51 @@ def _check_draft_vocab(vocab, top_k: int) -> None:
         raise ValueError(f"{what}: {min(v.size for v in items)} tokens, fewer than the top {top_k} a tree drafts")
 
 
-class MedusaProposer:
+class StaticTreeProposer:
+    """A static tree filled from per-depth top-k lists: the node at depth k with rank r gets depth k's r-th most
+    likely token. Subclasses give the lists (`depth_topk`); node scores are log-probabilities summed down the path
+    (each depth's list is drafted independently of the tokens above it)."""
+
+    costs = None  # static trees: no cost-aware sizing
+    draft_steps = 1  # one drafter forward per round
+
+    def __init__(self, tree: Tree):
+        self.tree = tree
+        self.top_k = int(tree.head_rank.max()) + 1
+
+    def depth_topk(self, states: Sequence[DecodeState]) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> each depth's top_k token ids and their log-probabilities, (B, D, top_k) each, D = tree.max_depth."""
+        raise NotImplementedError
+
+    def reset(self, batch_size: int) -> None:
+        pass
+
+    def propose(self, states: Sequence[DecodeState]) -> list[Tree]:
+        return self._propose(states)[0]
+
+    def propose_scored(self, states: Sequence[DecodeState]) -> tuple[list[Tree], list[torch.Tensor]]:
+        trees, depth_logp = self._propose(states)
+        # a node's score: its depth's log-probability of its token, summed down its path
+        par, depth, rank = self.tree.parents.tolist(), self.tree.depth.tolist(), self.tree.head_rank.tolist()
+        scores = depth_logp.new_zeros(depth_logp.shape[0], len(par), dtype=torch.float64)
+        for i in range(1, len(par)):
+            scores[:, i] = scores[:, par[i]] + depth_logp[:, depth[i] - 1, rank[i]]
+        return trees, list(scores.cpu())
+
+    def _propose(self, states: Sequence[DecodeState]) -> tuple[list[Tree], torch.Tensor]:
+        ids, logp = self.depth_topk(states)
+        roots = torch.cat([state.tokens[:, -1] for state in states]).to(ids.device)
+        tokens = medusa_tokens(self.tree, roots, ids)  # (B, N)
+        return [dataclasses.replace(self.tree, tokens=row) for row in tokens], logp
+
+    def commit(self, paths: Sequence[list[int]]) -> None:
+        pass
+
+    def keep_rows(self, rows: list[int]) -> None:
+        pass
+
+
+class MedusaProposer(StaticTreeProposer):
     """Medusa heads fill a static tree: node at depth k with rank r gets head k's r-th most likely token.
 
     The heads read the target's last hidden state at the last cached position (the one that chose the root):
@@ -140,8 +185,6 @@ class MedusaProposer:
     """
 
     feature_layers = [-1]
-    costs = None  # static trees: no cost-aware sizing
-    draft_steps = 1  # the heads' one forward
 
     def __init__(
         self,
@@ -153,9 +196,8 @@ class MedusaProposer:
         head (the two-stage heads); None: the whole vocabulary."""
         if tree.max_depth > heads.cfg.num_heads:
             raise ValueError(f"tree depth {tree.max_depth} exceeds the number of Medusa heads ({heads.cfg.num_heads})")
+        super().__init__(tree)
         self.heads = heads
-        self.tree = tree
-        self.top_k = int(tree.head_rank.max()) + 1
         self.vocab = None  # per head the tree reaches: its projection restricted to the draft vocabulary
         if isinstance(draft_vocab, torch.Tensor):
             self.vocab = [VocabProjection(heads.projection(k), draft_vocab) for k in range(1, tree.max_depth + 1)]
@@ -163,46 +205,107 @@ class MedusaProposer:
             self.vocab = list(draft_vocab)[: tree.max_depth]
         _check_draft_vocab(self.vocab, self.top_k)
 
-    def reset(self, batch_size: int) -> None:
-        pass
-
-    def propose(self, states: Sequence[DecodeState]) -> list[Tree]:
-        return self._propose(states)[0]
-
-    def propose_scored(self, states: Sequence[DecodeState]) -> tuple[list[Tree], list[torch.Tensor]]:
-        trees, head_logp = self._propose(states)
-        # a node's score: its head's log-probability of its token, summed down its path (heads draft independently)
-        par, depth, rank = self.tree.parents.tolist(), self.tree.depth.tolist(), self.tree.head_rank.tolist()
-        scores = head_logp.new_zeros(head_logp.shape[0], len(par), dtype=torch.float64)
-        for i in range(1, len(par)):
-            scores[:, i] = scores[:, par[i]] + head_logp[:, depth[i] - 1, rank[i]]
-        return trees, list(scores.cpu())
-
-    def _propose(self, states: Sequence[DecodeState]) -> tuple[list[Tree], torch.Tensor]:
-        """-> trees, and each head's log-probabilities of its top_k tokens (B, D, top_k)."""
+    def depth_topk(self, states: Sequence[DecodeState]) -> tuple[torch.Tensor, torch.Tensor]:
         last = torch.cat([state.new_hidden[:, -1:, 0] for state in states])  # (B, 1, d)
         if self.vocab is None:
             logits = self.heads.head_logits(last, self.tree.max_depth)[:, :, 0]  # (D, B, V): the heads the tree reaches
             top = logits.topk(self.top_k, dim=-1).indices  # (D, B, top_k)
             logp = logits.float().log_softmax(dim=-1).gather(-1, top)
-            head_topk, head_logp = top.transpose(0, 1), logp.transpose(0, 1)  # (B, D, top_k)
-        else:
-            ids, logp = [], []
-            for k, vocab in enumerate(self.vocab, 1):
-                logits = vocab(self.heads.head_state(k, last[:, 0]))  # (B, K)
-                top = logits.topk(self.top_k, dim=-1).indices  # (B, top_k) rows of the projection
-                ids.append(vocab.token_ids(top))  # token ids
-                logp.append(logits.float().log_softmax(dim=-1).gather(-1, top))
-            head_topk, head_logp = torch.stack(ids, dim=1), torch.stack(logp, dim=1)  # (B, D, top_k)
-        roots = torch.cat([state.tokens[:, -1] for state in states]).to(head_topk.device)
-        tokens = medusa_tokens(self.tree, roots, head_topk)  # (B, N)
-        return [dataclasses.replace(self.tree, tokens=row) for row in tokens], head_logp
+            return top.transpose(0, 1), logp.transpose(0, 1)  # (B, D, top_k)
+        ids, logp = [], []
+        for k, vocab in enumerate(self.vocab, 1):
+            logits = vocab(self.heads.head_state(k, last[:, 0]))  # (B, K)
+            top = logits.topk(self.top_k, dim=-1).indices  # (B, top_k) rows of the projection
+            ids.append(vocab.token_ids(top))  # token ids
+            logp.append(logits.float().log_softmax(dim=-1).gather(-1, top))
+        return torch.stack(ids, dim=1), torch.stack(logp, dim=1)  # (B, D, top_k)
 
-    def commit(self, paths: Sequence[list[int]]) -> None:
-        pass
+
+class ParallelProposer(StaticTreeProposer):
+    """P-EAGLE drafting for a batch of rows: one drafter forward per round catches up on the target features of the
+    newly verified tokens and runs the `parallel_tokens - 1` mask slots after them; the last real position and mask
+    slot j give the logits of depths 1 and j + 1, whose top-k fill a static tree.
+
+    The drafter's KV cache holds each row's verified prefix, packed as `EagleProposer`'s: a round's new real
+    positions are padded to the longest row's, the mask slots follow the padding; each row's mask slot j stands at
+    its last real position + j and sees its own prefix, its own real positions and mask slots 1..j. Padding and mask
+    slots leave the cache after the forward (the next round re-runs the accepted tokens with the target's features).
+    """
+
+    def __init__(
+        self,
+        drafter: torch.nn.Module,
+        tree: Tree,
+        vocab: VocabProjection | TwoStageProjection,
+        window: int | None = None,
+    ):
+        """`vocab`: the projection of the drafter's final-norm outputs onto the draft tokens (its own head, a subset
+        of its rows, or the two-stage head). `window`: the drafter attends to fewer than this many positions back."""
+        if tree.max_depth > drafter.cfg.parallel_tokens:
+            raise ValueError(
+                f"tree depth {tree.max_depth} exceeds the tokens one drafter forward drafts "
+                f"(drafter.parallel_tokens: {drafter.cfg.parallel_tokens})"
+            )
+        super().__init__(tree)
+        self.drafter, self.vocab, self.window = drafter, vocab, window
+        self.feature_layers = list(drafter.cfg.feature_layers)
+        _check_draft_vocab(vocab, self.top_k)
+        self.reset(1)
+
+    def reset(self, batch_size: int) -> None:
+        self.cache = self.drafter.new_cache()
+        self.lengths = [0] * batch_size  # per row: cached positions that are its own
+
+    def depth_topk(self, states: Sequence[DecodeState]) -> tuple[torch.Tensor, torch.Tensor]:
+        normed = self.forward(states)  # (B, D, d)
+        logits = self.vocab(normed)  # (B, D, K)
+        top = logits.topk(self.top_k, dim=-1).indices  # (B, D, top_k) rows of the projection
+        logp = logits.float().log_softmax(dim=-1).gather(-1, top)
+        return self.vocab.token_ids(top), logp
+
+    def forward(self, states: Sequence[DecodeState]) -> torch.Tensor:
+        """The round's one drafter forward; -> final-norm outputs (B, D, d) of the last real position (depth 1) and of
+        the first D - 1 mask slots (depths 2..D), D = the tree's depth."""
+        feats = [state.new_hidden.flatten(2) for state in states]  # (1, n_b, n_feat·d) each
+        counts = [f.shape[1] for f in feats]
+        bsz, n, slots = len(states), max(counts), self.tree.max_depth - 1
+        device, cached = feats[0].device, self.cache.length
+        width = n + slots
+        inputs = feats[0].new_zeros(bsz, width, feats[0].shape[2], dtype=self.drafter.compute_dtype)
+        ids = torch.full((bsz, width), self.drafter.cfg.mask_token_id, dtype=torch.long, device=device)
+        positions = torch.zeros(bsz, width, dtype=torch.long, device=device)
+        inputs[:, n:] = self.drafter.mask_hidden.detach().to(inputs.dtype)
+        for b, (state, f, m) in enumerate(zip(states, feats, counts)):
+            inputs[b, :m], ids[b, :m] = f[0], state.tokens[0, -m:]
+            last = state.prefix_len - 1  # the last real position: it reads the root
+            positions[b, :n] = last - m + 1 + torch.arange(n, device=device)  # past m: padding
+            positions[b, n:] = last + 1 + torch.arange(slots, device=device)
+        count = torch.tensor(counts, device=device)
+        key = torch.arange(width, device=device)
+        real_key = key[None, :] < count[:, None]  # (B, width): a row's own real positions
+        causal = key[None, :] <= key[:, None]  # (width, width)
+        is_mask = key >= n
+        # real queries: causal over their row's real keys; mask slots: every real key of the row, causal among slots
+        new = causal[None] & (real_key[:, None, :] | (is_mask[None, :] & is_mask[:, None])[None])
+        new |= torch.eye(width, dtype=torch.bool, device=device)  # padded positions see themselves: no empty row
+        own = torch.arange(cached, device=device) < torch.tensor(self.lengths, device=device)[:, None]  # (B, S)
+        mask = torch.cat([own[:, None, :].expand(-1, width, -1), new], dim=-1)  # (B, width, S + width)
+        identity = lambda h: h  # noqa: E731  the final-norm outputs, projected below at the positions that draft
+        normed, _ = self.drafter.step(inputs, ids, positions, self.cache, mask, project=identity, window=self.window)
+        if any(m != n for m in counts) or any(length != cached for length in self.lengths):
+            keep = [list(range(length)) + list(range(cached, cached + m)) for length, m in zip(self.lengths, counts)]
+            longest = max(len(k) for k in keep)
+            self.cache.select(torch.tensor([k + [0] * (longest - len(k)) for k in keep], device=device))  # packed
+        else:
+            self.cache.crop(cached + n)  # the mask slots go
+        self.lengths = [length + m for length, m in zip(self.lengths, counts)]
+        at = torch.cat([(count - 1)[:, None], n + torch.arange(slots, device=device).expand(bsz, -1)], dim=1)
+        return normed[torch.arange(bsz, device=device)[:, None], at]  # (B, D, d)
 
     def keep_rows(self, rows: list[int]) -> None:
-        pass
+        self.cache.keep_rows(torch.tensor(rows, dtype=torch.long))
+        self.lengths = [self.lengths[r] for r in rows]
+        self.cache.crop(max(self.lengths, default=0))
 
 
 class EagleProposer:
@@ -406,17 +509,8 @@ def build_proposer(
         if two_stage:
             (vocab,) = vocab  # an EAGLE drafter drafts through one head
         if method.own_vocab:  # its own head over its draft vocabulary (sorted ids), or the N most frequent of them
-            own = drafter.draft_ids
-            if not two_stage:
-                rows = None
-                if vocab is not None:
-                    if not bool(drafter.t2d[vocab.to(drafter.t2d.device)].all()):
-                        raise ValueError(
-                            f"eval.draft_vocab: {len(vocab)} tokens, not all among its own {len(own)} draft tokens"
-                        )
-                    rows = torch.searchsorted(own, vocab.to(own.device))
-                vocab = VocabProjection.trained(drafter.lm_head, own, drafter.target_vocab_size, rows)
-            suffix = f", own draft vocab {len(own)}{suffix}"
+            vocab = own_projection(drafter, vocab, two_stage)
+            suffix = f", own draft vocab {len(drafter.d2t)}{suffix}"
         suffix += "" if window is None else f", window {window}"
         if tree == "chain":
             proposer = EagleProposer(drafter, ev.tree_depth, 1, ev.tree_depth + 1, vocab, window)
@@ -424,14 +518,72 @@ def build_proposer(
         k, n = ev.tree_top_k, ev.tree_total_tokens
         proposer = EagleProposer(drafter, ev.tree_depth, k, n, vocab, window)
         if tree == "cost":  # the caller measures `proposer.costs` on the machine before decoding
-            return proposer, f"cost-aware d{ev.tree_depth} k{k} n<={n}{suffix}"
+            return proposer, f"cost-aware d{ev.tree_depth} k{k} n{n}{suffix}"
         return proposer, f"dynamic d{ev.tree_depth} k{k} n{n}{suffix}"
-    heads = drafter.cfg.num_heads  # Medusa: auto, calibrated, chain and the named trees
+    if method.proposer == "parallel":  # P-EAGLE: auto, calibrated, chain and the named trees, up to K deep
+        if two_stage:
+            (vocab,) = vocab  # one head: its own
+        vocab = own_projection(drafter, vocab, two_stage)
+        suffix = f", own draft vocab {len(drafter.d2t)}{suffix}" + ("" if window is None else f", window {window}")
+        static, desc = static_tree(ev, drafter.cfg.parallel_tokens, calibrate)
+        return ParallelProposer(drafter, static, vocab, window), f"{desc}{suffix}"
+    static, desc = static_tree(ev, drafter.cfg.num_heads, calibrate)  # Medusa heads
+    return MedusaProposer(drafter, static, vocab), f"{desc}{suffix}"
+
+
+def static_tree(ev: EvalConfig, depths: int, calibrate: Callable[[int], torch.Tensor]) -> tuple[Tree, str]:
+    """`eval.tree` as a static tree over `depths` per-depth top-k lists, and its description: a chain, a named tree,
+    or (auto, calibrated) one grown from the measured rank accuracies `calibrate(top_k)` (depths, top_k)."""
+    tree = ev.tree
+    depth = min(ev.tree_depth, depths)
     if tree == "chain":
-        depth = min(ev.tree_depth, heads)
-        return MedusaProposer(drafter, chain(depth), vocab), f"chain d{depth}{suffix}"
+        return chain(depth), f"chain d{depth}"
     if tree in NAMED_TREES:
-        return MedusaProposer(drafter, medusa_tree(NAMED_TREES[tree], heads), vocab), f"{tree}{suffix}"
-    depth = min(ev.tree_depth, heads)
+        return medusa_tree(NAMED_TREES[tree], depths), tree
     static = calibrated_tree(calibrate(ev.tree_top_k)[:depth], ev.tree_total_tokens - 1)
-    return MedusaProposer(drafter, static, vocab), f"calibrated d{static.max_depth} n{static.num_nodes}{suffix}"
+    return static, f"calibrated d{static.max_depth} n{static.num_nodes}"
+
+
+def own_projection(
+    drafter: torch.nn.Module, vocab: torch.Tensor | TwoStageProjection | None, two_stage: bool
+) -> VocabProjection | TwoStageProjection:
+    """A drafter's own head over its draft vocabulary (sorted ids), or `vocab`'s N most frequent of them (they must
+    be among its own), or the two-stage projection of that head as given."""
+    if two_stage:
+        return vocab
+    own = drafter.draft_ids
+    rows = None
+    if vocab is not None:
+        if not bool(drafter.t2d[vocab.to(drafter.t2d.device)].all()):
+            raise ValueError(f"eval.draft_vocab: {len(vocab)} tokens, not all among its own {len(own)} draft tokens")
+        rows = torch.searchsorted(own, vocab.to(own.device))
+    return VocabProjection.trained(drafter.lm_head, own, drafter.target_vocab_size, rows)
+
+
+@torch.inference_mode()
+def parallel_rank_accuracy(
+    drafter: torch.nn.Module, sequences: Iterable[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], top_k: int
+) -> torch.Tensor:
+    """(K, top_k) measured P(depth k's rank-r token is right) of a P-EAGLE drafter, teacher-forced: the calibration of
+    its static tree. `sequences` yields (the target's hidden states at `drafter.stored_layers` (T, S, d), token ids
+    (T,), scored (T,) bool); depth k + 1 (unrolled step k) at position t predicts token t + k + 2."""
+    K = drafter.cfg.parallel_tokens
+    hits, counts = torch.zeros(K, top_k), torch.zeros(K)
+    for hidden, ids, scored in sequences:
+        T = len(ids)
+        device = drafter.d2t.device
+        batch = {
+            "input_ids": ids[None].to(device),
+            "loss_mask": scored[None].to(device),
+            "attention_mask": torch.ones(1, T, dtype=torch.long, device=device),
+            "position_ids": torch.arange(T, device=device)[None],
+            "hidden": hidden[None].to(device),
+        }
+        for k, normed in enumerate(drafter.unroll(batch)):
+            pos = torch.nonzero(scored[k + 2 :]).flatten()  # t such that token t + k + 2 is scored
+            if pos.numel() == 0:
+                continue
+            top = drafter.draft_ids[drafter.draft_logits(normed[0, pos.to(device)]).topk(top_k, dim=-1).indices]
+            hits[k] += (top.cpu() == ids[pos + k + 2, None].cpu()).sum(0).float()
+            counts[k] += pos.numel()
+    return hits / counts.clamp(min=1)[:, None]

@@ -46,7 +46,7 @@ from eval.decode import DecodeSettings, GenerationResult, sliding_window, specul
 from eval.heads import FitData, shard_fit_data, two_stage_projections
 from eval.lookup import LookupProposer
 from eval.prompts import load_conversations, load_prompts, stop_token_ids
-from eval.proposers import Proposer, build_proposer
+from eval.proposers import Proposer, build_proposer, parallel_rank_accuracy
 from eval.report import summarize, write_report
 from models.io import ExportError, load_draft_vocab, load_drafter, read_config
 from models.medusa import MedusaHeads
@@ -524,6 +524,11 @@ def _run(recipe: Recipe, state) -> dict[str, Any] | None:
         """Every process measures the same data, so every process builds the same tree."""
         samples, desc = calibration_samples(recipe, target.tokenizer, CALIBRATION_SAMPLES)
         calibration.append(desc)
+        if method.proposer == "parallel":  # P-EAGLE: its depths' accuracy, from the target's stored layers
+            layers = list(drafter.stored_layers)
+            features = ((target.hidden_states(ids[None].to(target.device), layers=layers)[0], ids, scored)
+                        for ids, scored in samples)  # fmt: skip
+            return parallel_rank_accuracy(drafter, features, top_k)
         return medusa_rank_accuracy(drafter, calibration_sequences(target, samples), top_k)
 
     draft_vocab = None

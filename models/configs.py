@@ -124,8 +124,87 @@ class EagleConfig:
             err("data.layers", f"EAGLE regresses the last hidden state: -1 must be stored, got {recipe.data.layers}")
 
 
+class FusedOwnVocab:
+    """What the EAGLE-3 and P-EAGLE configs share: the target's fused low / mid / high features and the drafter's own
+    head over a draft vocabulary (fields `method`, `feature_layers`, `draft_vocab`, `step_decay`, `input_noise`,
+    `topk_metric`: each config declares them)."""
+
+    def validate_fused(self, err) -> None:
+        if len(set(self.feature_layers)) != len(self.feature_layers):
+            err("drafter.feature_layers", f"has duplicates: {self.feature_layers}")
+        if self.draft_vocab < 1:
+            err("drafter.draft_vocab", f"must be >= 1, got {self.draft_vocab}")
+        if not 0.0 < self.step_decay <= 1.0:
+            err("drafter.step_decay", f"must be in (0, 1], got {self.step_decay}")
+        if self.input_noise < 0:
+            err("drafter.input_noise", f"must be >= 0, got {self.input_noise}")
+        if self.topk_metric < 1:
+            err("drafter.topk_metric", f"must be >= 1, got {self.topk_metric}")
+        at_most(err, "drafter.draft_vocab", self.draft_vocab, MAX_VOCAB)
+        at_most(err, "drafter.topk_metric", self.topk_metric, MAX_VOCAB)
+
+    def resolved_layers(self, num_layers: int) -> list[int]:
+        """`feature_layers`, or low / mid / high of a `num_layers`-layer target; ValueError when there is none."""
+        if self.feature_layers:
+            return list(self.feature_layers)
+        low_mid_high = [2, num_layers // 2, num_layers - 3]
+        if len(set(low_mid_high)) < 3 or num_layers < 8:
+            raise ValueError(
+                f"drafter.feature_layers: a {num_layers}-layer target has no distinct low/mid/high layers "
+                f"{low_mid_high}; list the hidden-state indices to fuse"
+            )
+        return low_mid_high
+
+    @property
+    def borrows_lm_head(self) -> bool:
+        """It drafts through its own head over the draft vocabulary, not the target's lm_head."""
+        return False
+
+    def target_sized(self) -> dict[str, int]:
+        """Its fields a size of the target bounds (`check_target_sizes`)."""
+        return {"draft_vocab": self.draft_vocab, "topk_metric": self.topk_metric}
+
+    def without_inputs(self):
+        """No input files of its own: itself."""
+        return self
+
+    def check_inputs(self, err) -> None:
+        """No input files of its own."""
+
+    def check_recipe(self, recipe, err) -> None:
+        check_target_sizes(self.target_sized(), recipe, err)
+        if -1 not in recipe.data.layers:
+            err(
+                "data.layers",
+                f"{self.method} learns the last hidden state's distribution: -1 must be stored, got "
+                f"{recipe.data.layers}",
+            )
+        if recipe.eval.draft_vocab > self.draft_vocab:  # a smaller draft vocabulary keeps rows of its own head
+            err(
+                "eval.draft_vocab",
+                f"{recipe.eval.draft_vocab} is more than the drafter's own draft vocabulary (drafter.draft_vocab: "
+                f"{self.draft_vocab})",
+            )
+        if recipe.train.loss_vocab:
+            err(
+                "train.loss_vocab",
+                f"{self.method} learns over its own draft vocabulary (drafter.draft_vocab); set it to 0",
+            )
+        n_layers = recipe.target.num_layers
+        if n_layers is None:
+            return
+        try:
+            layers = self.resolved_layers(n_layers)
+        except ValueError as exc:
+            err("drafter.feature_layers", str(exc).split(": ", 1)[1])
+            return
+        missing = [layer for layer in [*layers, -1] if layer not in recipe.data.layers]
+        if missing:
+            err("data.layers", f"must store the drafter's layers {layers} and -1; missing {missing}")
+
+
 @dataclass
-class Eagle3Config:
+class Eagle3Config(FusedOwnVocab):
     """EAGLE-3 / EAGLE-3.1 drafter (recipe section `drafter`, `method: eagle3`)."""
 
     method: Literal["eagle3"] = "eagle3"
@@ -151,76 +230,71 @@ class Eagle3Config:
     """k of the `acc@k` metric."""
 
     def validate(self, err) -> None:
-        if len(set(self.feature_layers)) != len(self.feature_layers):
-            err("drafter.feature_layers", f"has duplicates: {self.feature_layers}")
-        if self.draft_vocab < 1:
-            err("drafter.draft_vocab", f"must be >= 1, got {self.draft_vocab}")
+        self.validate_fused(err)
         if self.ttt_steps < 1:
             err("drafter.ttt_steps", f"must be >= 1, got {self.ttt_steps}")
-        if not 0.0 < self.step_decay <= 1.0:
-            err("drafter.step_decay", f"must be in (0, 1], got {self.step_decay}")
-        if self.input_noise < 0:
-            err("drafter.input_noise", f"must be >= 0, got {self.input_noise}")
-        if self.topk_metric < 1:
-            err("drafter.topk_metric", f"must be >= 1, got {self.topk_metric}")
-        at_most(err, "drafter.draft_vocab", self.draft_vocab, MAX_VOCAB)
         at_most(err, "drafter.ttt_steps", self.ttt_steps, MAX_TTT_STEPS)
-        at_most(err, "drafter.topk_metric", self.topk_metric, MAX_VOCAB)
 
-    def resolved_layers(self, num_layers: int) -> list[int]:
-        """`feature_layers`, or low / mid / high of a `num_layers`-layer target; ValueError when there is none."""
-        if self.feature_layers:
-            return list(self.feature_layers)
-        low_mid_high = [2, num_layers // 2, num_layers - 3]
-        if len(set(low_mid_high)) < 3 or num_layers < 8:
-            raise ValueError(
-                f"drafter.feature_layers: a {num_layers}-layer target has no distinct low/mid/high layers "
-                f"{low_mid_high}; list the hidden-state indices to fuse"
-            )
-        return low_mid_high
+
+@dataclass
+class PeagleConfig(FusedOwnVocab):
+    """P-EAGLE drafter (recipe section `drafter`, `method: peagle`): EAGLE-3's drafter that drafts
+    `parallel_tokens` tokens in one forward, through mask slots appended after the real positions."""
+
+    method: Literal["peagle"] = "peagle"
+    feature_layers: list[int] = field(default_factory=list)
+    """As EAGLE-3's: the fused hidden-state indices (empty = low / mid / high)."""
+    draft_vocab: int = 32000
+    """K: its own LM head covers the K most frequent loss tokens of the training data (`d2t` / `t2d`)."""
+    parallel_tokens: int = 4
+    """Tokens drafted per forward: the real last position drafts the first, `parallel_tokens - 1` mask slots the
+    others. Training unrolls as many steps (step j >= 1 reads the mask slot's inputs, not its own outputs)."""
+    mask_token_id: int = 0
+    """A token of the target's vocabulary whose (frozen) embedding every mask slot reads, beside the learned
+    `mask_hidden` features; any token will do, the learned features carry the slot."""
+    step_decay: float = 0.8
+    """Weight of unrolled step j (0-based, = mask slot j) in the loss: step_decay ** j."""
+    fc_norm: bool = False
+    """EAGLE-3.1 FC-Norm: an RMSNorm on each target feature (and on each chunk of `mask_hidden`) before `fc`."""
+    norm_before_residual: bool = False
+    """The decoder layer's residual is the normed input feature (`hidden_norm(g)`) instead of g itself."""
+    input_noise: float = 0.0
+    """Training-only noise U(-a, a) added to the target features."""
+    topk_metric: int = 5
+    """k of the `acc@k` metric."""
 
     @property
-    def borrows_lm_head(self) -> bool:
-        """It drafts through its own head over the draft vocabulary, not the target's lm_head."""
+    def ttt_steps(self) -> int:
+        """Unrolled training steps: one per drafted token."""
+        return self.parallel_tokens
+
+    @property
+    def norm_output(self) -> bool:
+        """No draft step reads another's output (mask slots read `mask_hidden`): no post-norm switch."""
         return False
 
-    def target_sized(self) -> dict[str, int]:
-        """Its fields a size of the target bounds (`check_target_sizes`)."""
-        return {"draft_vocab": self.draft_vocab, "topk_metric": self.topk_metric}
-
-    def without_inputs(self) -> Eagle3Config:
-        """No input files of its own: itself."""
-        return self
-
-    def check_inputs(self, err) -> None:
-        """No input files of its own."""
+    def validate(self, err) -> None:
+        self.validate_fused(err)
+        if self.parallel_tokens < 1:
+            err("drafter.parallel_tokens", f"must be >= 1, got {self.parallel_tokens}")
+        if self.mask_token_id < 0:
+            err("drafter.mask_token_id", f"must be >= 0, got {self.mask_token_id}")
+        at_most(err, "drafter.parallel_tokens", self.parallel_tokens, MAX_TTT_STEPS)
 
     def check_recipe(self, recipe, err) -> None:
-        check_target_sizes(self.target_sized(), recipe, err)
-        if -1 not in recipe.data.layers:
-            err(
-                "data.layers",
-                f"EAGLE-3 learns the last hidden state's distribution: -1 must be stored, got {recipe.data.layers}",
-            )
-        if recipe.eval.draft_vocab > self.draft_vocab:  # a smaller draft vocabulary keeps rows of its own head
-            err(
-                "eval.draft_vocab",
-                f"{recipe.eval.draft_vocab} is more than the drafter's own draft vocabulary (drafter.draft_vocab: "
-                f"{self.draft_vocab})",
-            )
-        if recipe.train.loss_vocab:
-            err("train.loss_vocab", "eagle3 learns over its own draft vocabulary (drafter.draft_vocab); set it to 0")
-        n_layers = recipe.target.num_layers
-        if n_layers is None:
-            return
-        try:
-            layers = self.resolved_layers(n_layers)
-        except ValueError as exc:
-            err("drafter.feature_layers", str(exc).split(": ", 1)[1])
-            return
-        missing = [layer for layer in [*layers, -1] if layer not in recipe.data.layers]
-        if missing:
-            err("data.layers", f"must store the drafter's layers {layers} and -1; missing {missing}")
+        super().check_recipe(recipe, err)
+        vocab = recipe.target.size("vocab_size")
+        if vocab is not None and self.mask_token_id >= vocab:
+            err("drafter.mask_token_id", f"{self.mask_token_id} is not below the target's vocab_size ({vocab})")
+        tree, K = recipe.eval.tree, self.parallel_tokens
+        if tree in ("chain", "calibrated") and recipe.eval.tree_depth > K:
+            err("eval.tree_depth", f"{recipe.eval.tree_depth} exceeds the tokens one forward drafts ({K})")
+        if tree in named_trees.NAMED_TREES:
+            depth, top_k = named_trees.depth(tree), named_trees.top_k(tree)
+            if K < depth:
+                err("eval.tree", f"{tree} is {depth} deep and needs drafter.parallel_tokens >= {depth}, got {K}")
+            if min(self.draft_vocab, recipe.eval.draft_vocab or self.draft_vocab) < top_k:
+                err("eval.tree", f"{tree} drafts each depth's top {top_k} tokens, more than the draft vocabulary")
 
 
 @dataclass

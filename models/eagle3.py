@@ -228,24 +228,29 @@ class Eagle3Drafter(nn.Module):
         if self.training and self.cfg.input_noise > 0:
             features = features + (torch.rand_like(features) * 2 - 1) * self.cfg.input_noise
         ids, positions = batch["input_ids"], batch["position_ids"]
-        B, T = ids.shape
         seg, real = segment_ids(positions), batch["attention_mask"].bool()  # (B, T) each
         past: list[KeyValue] = []
-        g = self.fuse_features(features)  # (B, T, d)
+        fed = self.fuse_features(features)  # (B, T, d)
         outputs = []
         # Always `ttt_steps` steps, even when a batch is too short for the later ones to have any target: every
         # process then runs the layer as often and reports the same metrics (collectives and ZeRO-3 gathers match).
-        ahead = torch.arange(T, device=ids.device)
         for j in range(self.cfg.ttt_steps):
-            next_ids = ids.gather(1, (ahead + j + 1).clamp(max=T - 1).expand(B, T))  # x_{t+j+1} (the last id past T)
-            emb = self.embed_tokens(next_ids).to(g.dtype)
+            emb, g = self.unrolled_inputs(j, ids, fed)
             # step j stands at t + j and attends to t's prefix (step 0) and to t's own steps 1..j
             h, kv = self.midlayer.unrolled(emb, g, self.rotary_emb(g, positions + j), past, seg, real)
             past.append(kv)
             normed = self.norm(h)
             outputs.append(normed)
-            g = normed if self.cfg.norm_output else h
+            fed = normed if self.cfg.norm_output else h
         return outputs
+
+    def unrolled_inputs(self, j: int, ids: torch.Tensor, fed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Unrolled step j's inputs at every position t, (B, T, d) each: the embedding of the true token x_{t+j+1}
+        (the last id past T) and `fed`, the fused target features at step 0 and the step before's output after."""
+        B, T = ids.shape
+        ahead = torch.arange(T, device=ids.device)
+        next_ids = ids.gather(1, (ahead + j + 1).clamp(max=T - 1).expand(B, T))  # x_{t+j+1}
+        return self.embed_tokens(next_ids).to(fed.dtype), fed
 
     def forward(self, batch: DraftBatch) -> DrafterOutput:
         last = batch["hidden"][:, :, self.stored_layers.index(-1)]  # (B, T, d)

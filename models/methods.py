@@ -11,7 +11,8 @@ A method declares:
   computed online) or "tokens" (token batches: it runs the target itself, e.g. through a LoRA backbone);
   `online_only`: it cannot train from stored features;
 - `proposer`: how it drafts at evaluation ("eagle": a dynamic tree or a chain from the drafter's own feature
-  recurrence; "medusa": a static tree filled from per-head top-k), and `trees`: the `eval.tree` values it drafts;
+  recurrence; "medusa": a static tree filled from per-head top-k; "parallel": a static tree filled from the per-depth
+  top-k of one drafter forward with mask slots, P-EAGLE), and `trees`: the `eval.tree` values it drafts;
 - `formats`: the export formats that can hold it (`train.export`);
 - `step_dependent`: its loss depends on the optimizer step (the loop calls `set_step(step)` before each step);
   `adapts_target`: evaluation verifies with `drafter.adapt_target(target)` (a LoRA-merged target) and drafts with
@@ -29,9 +30,10 @@ import importlib
 from dataclasses import dataclass
 from typing import Literal
 
-from models.configs import Eagle3Config, EagleConfig, Medusa2Config, MedusaConfig
+from models.configs import Eagle3Config, EagleConfig, Medusa2Config, MedusaConfig, PeagleConfig
 
-MEDUSA_TREES = ("auto", "chain", "calibrated", "mc_sim_7b_63", "calibrated63")
+STATIC_TREES = ("auto", "chain", "calibrated", "mc_sim_7b_63", "calibrated63")
+"""Trees filled from per-depth top-k lists (Medusa heads, P-EAGLE mask slots): a chain, calibrated or named."""
 EAGLE_TREES = ("auto", "dynamic", "chain", "cost")
 
 
@@ -41,7 +43,7 @@ class Method:
     config: type
     module_path: str
     inputs: Literal["features", "tokens"]
-    proposer: Literal["eagle", "medusa"]
+    proposer: Literal["eagle", "medusa", "parallel"]
     trees: tuple[str, ...]
     formats: tuple[str, ...]
     online_only: bool = False
@@ -63,9 +65,11 @@ METHODS: dict[str, Method] = {
                formats=("native", "eagle", "sglang", "vllm")),
         Method("eagle3", Eagle3Config, "models.eagle3:Eagle3Drafter", "features", "eagle", EAGLE_TREES,
                formats=("native", "speculators", "sglang", "vllm"), own_vocab=True),
-        Method("medusa1", MedusaConfig, "models.medusa:MedusaHeads", "features", "medusa", MEDUSA_TREES,
+        Method("peagle", PeagleConfig, "models.peagle:PeagleDrafter", "features", "parallel", STATIC_TREES,
+               formats=("native", "speculators", "vllm"), own_vocab=True),
+        Method("medusa1", MedusaConfig, "models.medusa:MedusaHeads", "features", "medusa", STATIC_TREES,
                formats=("native", "medusa", "vllm")),
-        Method("medusa2", Medusa2Config, "models.medusa2:Medusa2Model", "tokens", "medusa", MEDUSA_TREES,
+        Method("medusa2", Medusa2Config, "models.medusa2:Medusa2Model", "tokens", "medusa", STATIC_TREES,
                formats=("native",), online_only=True, step_dependent=True, adapts_target=True, export_extra=True),
     )
 }  # fmt: skip

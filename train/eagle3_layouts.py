@@ -91,12 +91,14 @@ def aux_layer_ids(feature_layers: list[int], num_layers: int, engine: str) -> li
 
 def in_layer_order(tensors: dict[str, torch.Tensor], ids: list[int]) -> list[int]:
     """Engines capture the auxiliary hidden states in layer order, whatever order the config lists them in: permute
-    `fc.weight`'s input blocks and the `fc_norm.{i}` weights (in place) from the drafter's feature order to ascending
-    ids; -> the sorted ids."""
+    `fc.weight`'s input blocks, the `fc_norm.{i}` weights and P-EAGLE's `mask_hidden` chunks (in place) from the
+    drafter's feature order to ascending ids; -> the sorted ids."""
     order = sorted(range(len(ids)), key=ids.__getitem__)
     if order != list(range(len(ids))):
         w = tensors["fc.weight"]
         tensors["fc.weight"] = w.view(w.shape[0], len(ids), -1)[:, order].reshape(w.shape)
+        if "mask_hidden" in tensors:  # P-EAGLE: the mask slots' fc input, one chunk per aux state
+            tensors["mask_hidden"] = tensors["mask_hidden"].view(len(ids), -1)[order].reshape(-1)
         norms = {i: tensors.pop(f"fc_norm.{i}.weight") for i in range(len(ids)) if f"fc_norm.{i}.weight" in tensors}
         for new, old in enumerate(order):
             if old in norms:
@@ -152,11 +154,15 @@ def write_speculators(out: Path, recipe, target, drafter: nn.Module, include_tar
     ids = in_layer_order(tensors, aux_layer_ids(cfg.feature_layers, tc.num_hidden_layers, "vllm"))
     tensors["embed_tokens.weight"] = drafter.embed_tokens.weight  # exact copy: the package has no other source
     write_safetensors(tensors, out / WEIGHTS)
+    parallel = cfg.method == "peagle"
+    layer = layer_config(tc)
+    if parallel:  # vLLM's peagle reading copies no fc_norm from the top level: its layer config carries it
+        layer["fc_norm"] = cfg.fc_norm
     config = {
-        "architectures": ["Eagle3DraftModel"],
-        "speculators_model_type": "eagle3",
+        "architectures": ["PeagleDraftModel" if parallel else "Eagle3DraftModel"],
+        "speculators_model_type": cfg.method,
         "speculators_version": SPECULATORS_VERSION,
-        "transformer_layer_config": layer_config(tc),
+        "transformer_layer_config": layer,
         "draft_vocab_size": cfg.draft_vocab,
         "target_hidden_size": tc.hidden_size,
         "eagle_aux_hidden_state_layer_ids": ids,
@@ -168,11 +174,12 @@ def write_speculators(out: Path, recipe, target, drafter: nn.Module, include_tar
         # the trained tensors' dtype: from_pretrained would otherwise load all in the first stored (the embedding's)
         "dtype": str(drafter.compute_dtype).removeprefix("torch."),
         "speculators_config": {
-            "algorithm": "eagle3",
+            "algorithm": cfg.method,
             "proposal_methods": [
                 {
                     "proposal_type": "greedy",
-                    "speculative_tokens": max(recipe.eval.tree_depth, 1),
+                    # P-EAGLE: every token one forward drafts (vLLM appends speculative_tokens - 1 mask slots)
+                    "speculative_tokens": cfg.parallel_tokens if parallel else max(recipe.eval.tree_depth, 1),
                     "verifier_accept_k": 1,
                     "accept_tolerance": 0.0,
                 }
@@ -184,6 +191,9 @@ def write_speculators(out: Path, recipe, target, drafter: nn.Module, include_tar
             },
         },
     }
+    if parallel:
+        config["mask_token_id"] = cfg.mask_token_id
+        del config["norm_output"]  # no draft step reads another's output
     (out / "config.json").write_text(json.dumps(config, indent=2, default=str) + "\n")
 
 
@@ -238,6 +248,10 @@ class Eagle3Reader:
     their serving dtype instead."""
     fused: int | None = None
     """How many hidden states its fc reads whatever the config lists (None: as many as the aux ids)."""
+    parallel: bool = False
+    """P-EAGLE (`speculators_model_type: peagle`): after the real positions it runs `speculative_tokens - 1` mask
+    slots (`mask_hidden` through fc, the `mask_token_id` embedding) instead of one step fed back; `fc_norm` is read
+    from the layer config, `norm_before_residual` defaults to false."""
 
 
 VLLM_SPECULATORS = Eagle3Reader(
@@ -245,6 +259,10 @@ VLLM_SPECULATORS = Eagle3Reader(
 )
 SPECULATORS = Eagle3Reader("speculators Eagle3DraftModel", ("layers.0.",), 0, True, False, True, True)
 SGLANG = Eagle3Reader("SGLang LlamaForCausalLMEagle3", ("midlayer.",), 1, False, False, False, fused=ENGINE_FUSED)
+VLLM_PEAGLE = Eagle3Reader(
+    "vLLM (speculators peagle config)", ("layers.0.", "midlayer."), 0, True, False, True, fused=ENGINE_FUSED,
+    parallel=True,
+)  # fmt: skip
 
 
 def from_pretrained_dtype(config: dict, tensors: dict[str, torch.Tensor], notes: list[str]) -> torch.dtype:
@@ -279,7 +297,7 @@ def eagle3_consumer_logits(
     """Draft logits over the target vocabulary (-inf off the draft vocabulary) as `reader` builds the drafter:
     (B, T + 1, V): T causal positions from the target's hidden states `hidden` (B, T, L+1, d, every HF index), then
     one more draft step at the last position fed the drafter's own output, reading token `extra[0]` (B,) at
-    position `extra[1]` (B,)."""
+    position `extra[1]` (B,); for a parallel reader (B, T + S, V), the S mask slots after the T positions instead."""
     top = config
     layer = config.get("transformer_layer_config") if reader.speculators_config else config
     if not isinstance(layer, dict):
@@ -317,7 +335,10 @@ def eagle3_consumer_logits(
         )
     K = top.get("draft_vocab_size") or layer.get("vocab_size")
     flags = {"fc_norm": False, "norm_output": False, "norm_before_residual": reader.residual_default}
-    if reader.reads_flags:
+    if reader.parallel:
+        flags["fc_norm"] = bool(layer.get("fc_norm", False))
+        flags["norm_before_residual"] = bool(config_value(top, "norm_before_residual", False, notes))
+    elif reader.reads_flags:
         for key, default in flags.items():
             flags[key] = bool(config_value(top, key, default, notes) if key == "norm_before_residual" else
                               top.get(key, default))  # fmt: skip
@@ -330,6 +351,17 @@ def eagle3_consumer_logits(
     embed = tensors.get("embed_tokens.weight")
     embed = target.embed_tokens.weight if embed is None else embed
     feats = hidden[:, :, index].float()  # (B, T, 3, d)
+    B, T = next_ids.shape
+    if reader.parallel:  # the mask slots' fc input joins the features: the same FC-Norm and fc
+        if "mask_token_id" not in top:
+            raise ExportError(f"config.json: no mask_token_id: {reader.name} refuses the config (KeyError)")
+        if "mask_hidden" not in tensors:
+            raise ExportError(f"{WEIGHTS}: no mask_hidden: {reader.name} refuses to load (ValueError)")
+        slots = top["speculators_config"]["proposal_methods"][0]["speculative_tokens"] - 1
+        mask_hidden = tensors["mask_hidden"].to(dev, torch.float32)
+        if mask_hidden.numel() != len(index) * feats.shape[-1]:
+            raise ExportError(f"{WEIGHTS}: mask_hidden has {mask_hidden.numel()} values, fc reads {len(index)} x d")
+        feats = torch.cat([feats, mask_hidden.view(1, 1, len(index), -1).expand(B, slots, -1, -1)], dim=1)
     if flags["fc_norm"]:
         feats = torch.stack([_rms(feats[:, :, i], p.get(f"fc_norm.{i}.weight", (d,), "ones"), eps) for i in
                              range(len(index))], dim=2)  # fmt: skip
@@ -361,7 +393,6 @@ def eagle3_consumer_logits(
     if int(draft_to_target.max()) >= target.config.vocab_size or int(draft_to_target.min()) < 0:
         raise ExportError(f"{WEIGHTS}: d2t maps draft ids outside the target vocabulary (ids instead of offsets?)")
 
-    B, T = next_ids.shape
     cache: list[torch.Tensor] = []
 
     def run(g: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -388,11 +419,19 @@ def eagle3_consumer_logits(
         return normed, (normed if flags["norm_output"] else h)
 
     causal = torch.ones(T, T, dtype=torch.bool, device=dev).tril().expand(B, T, T)
-    normed0, fed = run(g, next_ids, positions, causal)
-    token, pos = extra
-    normed1, _ = run(fed[:, -1:], token[:, None], pos[:, None], torch.ones(B, 1, T + 1, dtype=torch.bool, device=dev))
-    draft = F.linear(torch.cat([normed0, normed1], dim=1), head)  # (B, T+1, K)
-    out = torch.full((B, T + 1, target.config.vocab_size), float("-inf"), device=dev)
+    normed0, fed = run(g[:, :T], next_ids, positions, causal)
+    if reader.parallel:  # mask slot j at the last position + j sees the real prefix and slots 1..j
+        ids = torch.full((B, slots), int(top["mask_token_id"]), dtype=torch.long, device=dev)
+        pos = positions[:, -1:].to(dev) + 1 + torch.arange(slots, device=dev)
+        seen = torch.ones(B, slots, T, dtype=torch.bool, device=dev)
+        mask = torch.cat([seen, torch.ones(slots, slots, dtype=torch.bool, device=dev).tril().expand(B, -1, -1)], -1)
+        normed1, _ = run(g[:, T:], ids, pos, mask)
+    else:
+        token, pos = extra
+        seen = torch.ones(B, 1, T + 1, dtype=torch.bool, device=dev)
+        normed1, _ = run(fed[:, -1:], token[:, None], pos[:, None], seen)
+    draft = F.linear(torch.cat([normed0, normed1], dim=1), head)  # (B, T + steps after, K)
+    out = torch.full((*draft.shape[:2], target.config.vocab_size), float("-inf"), device=dev)
     out[..., draft_to_target.to(dev)] = draft
     return out
 
@@ -411,15 +450,23 @@ def eagle3_inputs(drafter: nn.Module, num_layers: int, vocab: int):
 
 @torch.no_grad()
 def drafter_logits(drafter: nn.Module, hidden, next_ids, positions, token, pos) -> torch.Tensor:
-    """The trained drafter on the gate's input, the same two steps, mapped to the target vocabulary."""
+    """The trained drafter on the gate's input, the same two steps (a P-EAGLE drafter: its one forward over the
+    positions and its `parallel_tokens - 1` mask slots), mapped to the target vocabulary."""
     dev = next(drafter.parameters()).device
     L = hidden.shape[2] - 1
     index = [hf_index(layer, L) for layer in drafter.cfg.feature_layers]
     feats = hidden[:, :, index].flatten(2).to(dev)
     cache = drafter.new_cache()
-    logits0, h = drafter.step(feats, next_ids.to(dev), positions.to(dev), cache)
-    logits1, _ = drafter.step(h[:, -1:], token[:, None].to(dev), pos[:, None].to(dev), cache, from_target=False)
-    draft = torch.cat([logits0, logits1], dim=1).float()
+    if drafter.cfg.method == "peagle":
+        B, slots = next_ids.shape[0], drafter.cfg.parallel_tokens - 1
+        feats = torch.cat([feats, drafter.mask_hidden.to(feats.dtype).expand(B, slots, -1)], dim=1)
+        ids = torch.cat([next_ids.to(dev), torch.full((B, slots), drafter.cfg.mask_token_id, device=dev)], dim=1)
+        pos = torch.cat([positions, positions[:, -1:] + 1 + torch.arange(slots)], dim=1).to(dev)
+        draft = drafter.step(feats, ids, pos, cache)[0].float()  # causal: slot j sees the positions, slots 1..j
+    else:
+        logits0, h = drafter.step(feats, next_ids.to(dev), positions.to(dev), cache)
+        logits1, _ = drafter.step(h[:, -1:], token[:, None].to(dev), pos[:, None].to(dev), cache, from_target=False)
+        draft = torch.cat([logits0, logits1], dim=1).float()
     out = torch.full((*draft.shape[:2], drafter.target_vocab_size), float("-inf"), device=dev)
     out[..., drafter.draft_ids] = draft
     return out
@@ -448,6 +495,11 @@ def compare(config: dict, tensors: dict, reader: Eagle3Reader, target, drafter: 
     consumer = eagle3_consumer_logits(config, tensors, reader, target, hidden, next_ids, positions, (token, pos), notes)
     reference = drafter_logits(drafter, hidden, next_ids, positions, token, pos)
     return finite_pairs(consumer, reference, notes)
+
+
+def peagle_gate(out_dir: Path, recipe, target, drafter: nn.Module) -> GateResult:
+    """vLLM's reading of a P-EAGLE speculators export (`speculators_model_type: peagle`, parallel drafting)."""
+    return eagle3_gate(out_dir, target, drafter, VLLM_PEAGLE)
 
 
 def speculators_gate(out_dir: Path, recipe, target, drafter: nn.Module) -> GateResult:

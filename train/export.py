@@ -322,6 +322,8 @@ METHOD_LAYOUTS = {
     ("eagle3", "speculators"): eagle3_layouts.write_speculators,
     ("eagle3", "vllm"): eagle3_layouts.write_speculators,  # vLLM reads the speculators layout natively
     ("eagle3", "sglang"): eagle3_layouts.write_sglang_eagle3,
+    ("peagle", "speculators"): eagle3_layouts.write_speculators,  # vLLM's `peagle` speculators type
+    ("peagle", "vllm"): eagle3_layouts.write_speculators,
 }
 FORMATS = ("native", *ENGINE_FORMATS, "speculators")
 

@@ -497,4 +497,7 @@ GATES: dict[str, Gate] = {
     "speculators/eagle3": eagle3_layouts.speculators_gate,
     "vllm/eagle3": eagle3_layouts.speculators_gate,  # vLLM reads the speculators layout natively
     "sglang/eagle3": eagle3_layouts.sglang_eagle3_gate,
+    "native/peagle": eagle3_layouts.native_eagle3_gate,  # the same comparison: one forward with its mask slots
+    "speculators/peagle": eagle3_layouts.peagle_gate,
+    "vllm/peagle": eagle3_layouts.peagle_gate,
 }
