@@ -598,7 +598,7 @@ def _run(recipe: Recipe, state) -> dict[str, Any] | None:
         "prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS,
         "tree_calibration": calibration[0] if calibration else None,
         "context_source": ev.context_source if any(ev.context_lengths) else None,
-        "draft_window": reach if method.proposer == "eagle" else None,
+        "draft_window": reach if method.proposer in ("eagle", "parallel") else None,
         "lookup": None,
     }
     if lookup is not None:
