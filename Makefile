@@ -64,6 +64,12 @@ check-speculators: install
 	$(BIN)/python benchmarks/speculators_check.py prepare runs/speculators-check-3.1 drafter.fc_norm=true \
 		drafter.norm_output=true drafter.norm_before_residual=true
 	$(SPEC_VENV)/bin/python benchmarks/speculators_check.py consume runs/speculators-check-3.1
+	rm -rf runs/speculators-check-peagle runs/speculators-check-peagle-fcnorm
+	$(BIN)/python benchmarks/speculators_check.py prepare runs/speculators-check-peagle --method peagle
+	$(SPEC_VENV)/bin/python benchmarks/speculators_check.py consume runs/speculators-check-peagle
+	$(BIN)/python benchmarks/speculators_check.py prepare runs/speculators-check-peagle-fcnorm drafter.fc_norm=true \
+		drafter.norm_before_residual=true --method peagle
+	$(SPEC_VENV)/bin/python benchmarks/speculators_check.py consume runs/speculators-check-peagle-fcnorm
 
 # The real consumers on PyPI of `--format eagle` and `--format medusa` exports: SafeAILab's eagle-llm 1.2.1 and
 # FasterDecoding's medusa-llm 0.1, in their own virtual environment (transformers 4; their pinned web-UI and chat

@@ -358,7 +358,7 @@ def test_speculators_layout_passes_vllms_peagle_reading(fmt, run, tmp_path):
     assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 4
     assert config["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3] and config["norm_before_residual"] is False
     assert config["transformer_layer_config"]["fc_norm"] is True and "norm_output" not in config
-    assert torch.equal(tensors["mask_hidden"], drafter.mask_hidden.detach())
+    assert torch.equal(tensors["mask_hidden"], drafter.mask_hidden.detach().view(1, 1, -1))  # speculators' shape
     assert torch.equal(tensors["embed_tokens.weight"], target.embed_tokens.weight)
 
 

@@ -98,7 +98,8 @@ def in_layer_order(tensors: dict[str, torch.Tensor], ids: list[int]) -> list[int
         w = tensors["fc.weight"]
         tensors["fc.weight"] = w.view(w.shape[0], len(ids), -1)[:, order].reshape(w.shape)
         if "mask_hidden" in tensors:  # P-EAGLE: the mask slots' fc input, one chunk per aux state
-            tensors["mask_hidden"] = tensors["mask_hidden"].view(len(ids), -1)[order].reshape(-1)
+            mask = tensors["mask_hidden"]
+            tensors["mask_hidden"] = mask.reshape(len(ids), -1)[order].reshape(mask.shape)
         norms = {i: tensors.pop(f"fc_norm.{i}.weight") for i in range(len(ids)) if f"fc_norm.{i}.weight" in tensors}
         for new, old in enumerate(order):
             if old in norms:
@@ -153,8 +154,10 @@ def write_speculators(out: Path, recipe, target, drafter: nn.Module, include_tar
     tensors = _tensors(drafter, "layers.0.")
     ids = in_layer_order(tensors, aux_layer_ids(cfg.feature_layers, tc.num_hidden_layers, "vllm"))
     tensors["embed_tokens.weight"] = drafter.embed_tokens.weight  # exact copy: the package has no other source
-    write_safetensors(tensors, out / WEIGHTS)
     parallel = cfg.method == "peagle"
+    if parallel:  # speculators' PEagleDraftModel parameter shape, (1, 1, n_feat·d): its loader refuses (n_feat·d,)
+        tensors["mask_hidden"] = tensors["mask_hidden"].reshape(1, 1, -1)  # vLLM reads any shape (view(1, -1))
+    write_safetensors(tensors, out / WEIGHTS)
     layer = layer_config(tc)
     if parallel:  # vLLM's peagle reading copies no fc_norm from the top level: its layer config carries it
         layer["fc_norm"] = cfg.fc_norm
