@@ -145,8 +145,13 @@ def _by_group(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     for name, rows in sorted(groups.items()):
         spec = [r["speculative"] for r in rows]
         stats = round_stats([a for x in spec for a in x["accepted"]], [e for x in spec for e in x["extendable"]])
-        speedup = _ratio(_speed(rows, "speculative"), _speed(rows, "plain"))
-        out[name] = {"prompts": len(rows), **stats, "speedup_vs_plain": speedup}
+        spec_speed = _speed(rows, "speculative")
+        out[name] = {
+            "prompts": len(rows),
+            **stats,
+            "speedup_vs_plain": _ratio(spec_speed, _speed(rows, "plain")),
+            "speedup_vs_prompt_lookup": _ratio(spec_speed, _speed(rows, "prompt_lookup")),
+        }
     return out
 
 
@@ -295,10 +300,11 @@ def _group_table(groups: dict[str, dict[str, Any]]) -> str:
             _fmt(g["accept_len"]),
             " / ".join(_fmt(x) for x in g["accept_rate_by_depth"][:4]),
             _fmt(g["speedup_vs_plain"], 2, "×"),
+            _fmt(g.get("speedup_vs_prompt_lookup"), 2, "×"),
         ]
         for name, g in groups.items()
     ]
-    header = ["group", "prompts", "τ", "acceptance by depth", "vs plain"]
+    header = ["group", "prompts", "τ", "acceptance by depth", "vs plain", "vs prompt lookup"]
     return "## By prompt group (category / kind)\n\n" + markdown_table(header, rows)
 
 

@@ -409,6 +409,10 @@ def test_report_breaks_tau_down_by_prompt_group():
     assert s["by_group"]["coding"]["accept_len"] == pytest.approx((4 + 2 + 3) / 3)
     assert s["by_group"]["writing"]["accept_len"] == 1.0 and s["by_group"]["writing"]["prompts"] == 1
     assert "| coding | 2 | 3.00 |" in to_markdown(s)
+    # every record: 10 tokens in 1 s speculative, 2 s plain, 1.5 s prompt lookup
+    assert s["by_group"]["coding"]["speedup_vs_plain"] == pytest.approx(2.0)
+    assert s["by_group"]["coding"]["speedup_vs_prompt_lookup"] == pytest.approx(1.5)
+    assert "| 2.00× | 1.50× |" in to_markdown(s)
     assert s["time_per_round"] is None  # these records carry no target / draft split
     assert summarize([_record(0, [1], [True], True)], REPORT_META)["by_group"] == {}
 
