@@ -555,6 +555,8 @@ own = gather_object([torch.rand(3).tolist()])
 if acc.is_main_process:
     print("after set_seed:", "same" if alike[0] == alike[1] else "differ")
     print("after seed_process_streams:", "same" if own[0] == own[1] else "differ")
+acc.wait_for_everyone()
+torch.distributed.destroy_process_group()  # a process leaving with its group alive can abort at shutdown
 """
 
 
