@@ -18,9 +18,9 @@ under) an existing file, naming it, before anything tries to create it.
 
 Self-distillation and prompt synthesis (`data/selfdistill.py`, `data/synthesize.py`) write one JSONL file and lock
 it with a lock file beside it (`.<out name>.specdraft.lock`); training, self-distillation, synthesis and evaluation
-take their lock with `acquire_for_all`: on the main process only, every other process told its verdict through the
-process group, so that a second launch stops on all of its processes with the same line. This module imports
-nothing heavy.
+take their lock with `acquire_for_all` (`lock_for_all` around a block): on the main process only, every other
+process told its verdict through the process group, so that a second launch stops on all of its processes with the
+same line. This module imports nothing heavy.
 """
 
 from __future__ import annotations
@@ -159,3 +159,26 @@ def acquire_for_all(
             release(fd)
         raise kind(problem)
     return fd
+
+
+@contextmanager
+def lock_for_all(
+    directory: str | Path,
+    what: str,
+    key: str | None,
+    is_main: bool,
+    gather,
+    beside: bool = False,
+    error: type[Exception] = DirectoryLocked,
+) -> Iterator[None]:
+    """`acquire_for_all` for the block, released after it; a refusal is raised as `error` (the stage's own one-line
+    error) on every process."""
+    try:
+        fd = acquire_for_all(directory, what, key, is_main, gather, beside)
+    except (DirectoryLocked, NotADirectory) as exc:
+        raise error(str(exc)) from None
+    try:
+        yield
+    finally:
+        if fd is not None:
+            release(fd)

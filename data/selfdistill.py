@@ -77,7 +77,7 @@ from transformers import (
 
 from data.chat import SHAREGPT_ROLES, ChatTemplateError, DataError, render_with_turn_ids
 from data.engines import RESERVED_ENGINE_ARGS, EngineError, VllmEngine
-from data.lock import DirectoryLocked, NotADirectory, acquire_for_all, release
+from data.lock import lock_for_all
 from data.prepare import vocab_fingerprint
 from data.shards import durable_replace
 
@@ -631,16 +631,10 @@ def main(argv: list[str] | None = None) -> None:
     cpu = parse_flag_from_env("ACCELERATE_USE_CPU") or not torch.cuda.is_available() or args.engine != "hf"
     state = PartialState(cpu=cpu)
     # one writer per output: a second self-distillation into the same --out stops on every process with one line
-    gather = gather_object if state.num_processes > 1 else None
-    try:
-        fd = acquire_for_all(args.out, "self-distillation", "--out", state.is_main_process, gather, beside=True)
-    except (DirectoryLocked, NotADirectory) as exc:
-        raise SelfDistillError(str(exc)) from None
-    try:
+    with lock_for_all(
+        args.out, "self-distillation", "--out", state.is_main_process, gather_object, True, SelfDistillError
+    ):
         distill(args, engine_args, state)
-    finally:
-        if fd is not None:
-            release(fd)
 
 
 def distill(args: argparse.Namespace, engine_args: dict, state) -> None:

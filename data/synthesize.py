@@ -56,7 +56,7 @@ import torch
 import yaml
 from tqdm import tqdm
 
-from data.lock import DirectoryLocked, NotADirectory, acquire_for_all, release
+from data.lock import lock_for_all
 from data.selfdistill import (
     Generator,
     SelfDistillError,
@@ -394,15 +394,8 @@ def main(argv: list[str] | None = None) -> None:
 
     state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU") or not torch.cuda.is_available())
     # one writer per output: a second synthesis into the same --out stops on every process with one line
-    try:
-        fd = acquire_for_all(args.out, "synthesis", "--out", state.is_main_process, gather_object, beside=True)
-    except (DirectoryLocked, NotADirectory) as exc:
-        raise SynthesizeError(str(exc)) from None
-    try:
+    with lock_for_all(args.out, "synthesis", "--out", state.is_main_process, gather_object, True, SynthesizeError):
         synthesize(args, kinds, state)
-    finally:
-        if fd is not None:
-            release(fd)
 
 
 def synthesize(args: argparse.Namespace, kinds: list[Kind], state) -> None:

@@ -34,7 +34,7 @@ import yaml
 
 from data.chat import ChatTemplateError, DataError
 from data.heldout import HELDOUT_FILE, HeldoutError, read_heldout
-from data.lock import DirectoryLocked, NotADirectory, acquire_for_all, release
+from data.lock import lock_for_all
 from data.prepare import prepare_dataset
 from data.runs import latest_checkpoint, read_state
 from data.shards import FeatureDataset, FeatureMismatchError, frequent_loss_tokens, loss_token_counts, split_by_id
@@ -448,17 +448,9 @@ def run(recipe: Recipe) -> dict[str, Any] | None:
 
     # on CPU-only machines (or ACCELERATE_USE_CPU) processes talk gloo: `accelerate launch --multi_gpu` there
     state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU") or not torch.cuda.is_available())
-    gather = gather_object if state.num_processes > 1 else None
-    try:
-        key = f"{recipe.source}: eval.output_dir"
-        fd = acquire_for_all(output_dir(recipe), "evaluation", key, state.is_main_process, gather)
-    except (DirectoryLocked, NotADirectory) as exc:
-        raise EvalError(str(exc)) from None
-    try:
+    key = f"{recipe.source}: eval.output_dir"
+    with lock_for_all(output_dir(recipe), "evaluation", key, state.is_main_process, gather_object, error=EvalError):
         return _run(recipe, state)
-    finally:
-        if fd is not None:
-            release(fd)
 
 
 def _run(recipe: Recipe, state) -> dict[str, Any] | None:
