@@ -55,11 +55,11 @@ def ngram_continuation(tokens: Sequence[int] | torch.Tensor, max_ngram: int, max
 
 def merge(
     tree: Tree, scores: torch.Tensor, continuation: Sequence[int], rate: float
-) -> tuple[list[int], list[int], list[float], list[int]]:
+) -> tuple[list[int], list[int], list[float], list[int], list[int]]:
     """Candidates of `tree` (unbatched, node 0 the root) plus the continuation as a branch.
 
     -> (parents, tokens, log scores, inner index of each candidate or -1 for a lookup token), root first, parents
-    before children; the lookup path's nodes (shared or new) are those whose score was raised or added."""
+    before children, and the nodes spelling the continuation (shared or new), in order."""
     parents = tree.parents.tolist()
     tokens = tree.tokens.tolist()
     log_scores = scores.double().tolist()
@@ -68,7 +68,7 @@ def merge(
     for i, p in enumerate(parents[1:], 1):
         children.setdefault(p, {})[tokens[i]] = i
     log_rate = math.log(max(rate, 1e-12))
-    node = 0
+    node, path = 0, []
     for j, token in enumerate(continuation, 1):
         lookup_score = j * log_rate
         child = children.get(node, {}).get(token)
@@ -82,7 +82,8 @@ def merge(
         else:
             log_scores[child] = max(log_scores[child], lookup_score)
         node = child
-    return parents, tokens, log_scores, inner
+        path.append(child)
+    return parents, tokens, log_scores, inner, path
 
 
 def keep_best(parents: list[int], log_scores: list[float], size: int, first: int | None = None) -> list[int]:
@@ -134,9 +135,7 @@ class LookupProposer:
         merged = []
         for b, (state, tree, score) in enumerate(zip(states, trees, scores)):
             continuation = ngram_continuation(state.tokens[0], self.max_ngram, self.max_tokens)
-            parents, tokens, log_scores, inner = merge(tree.to("cpu"), score.cpu(), continuation, self.rate(b))
-            path = _lookup_path(parents, tokens, continuation)
-            merged.append((parents, tokens, log_scores, inner, path))
+            merged.append(merge(tree.to("cpu"), score.cpu(), continuation, self.rate(b)))
         size = trees[0].num_nodes
         if self.costs is not None:  # cost-aware: the size that pays on the merged scores
             ranked = [sorted((math.exp(s) for s in m[2][1:]), reverse=True) for m in merged]
@@ -177,12 +176,3 @@ class LookupProposer:
     def keep_rows(self, rows: list[int]) -> None:
         self.inner.keep_rows(rows)
         self.counts = [self.counts[r] for r in rows]
-
-
-def _lookup_path(parents: list[int], tokens: list[int], continuation: Sequence[int]) -> list[int]:
-    """The nodes spelling the continuation from the root, in order (merged: every token of it has one)."""
-    path, node = [], 0
-    for token in continuation:
-        node = next(i for i in range(1, len(parents)) if parents[i] == node and tokens[i] == token)
-        path.append(node)
-    return path

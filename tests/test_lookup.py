@@ -11,7 +11,7 @@ import math
 
 import pytest
 import torch
-from test_generate import BATCH_PROMPTS, _eagle, _medusa, tiny_target
+from test_generate import BATCH_PROMPTS, _eagle, _medusa, one_thread, tiny_target  # noqa: F401 (autouse fixture)
 
 from eval.baselines import plain_generate
 from eval.cost_trees import Costs
@@ -19,14 +19,6 @@ from eval.decode import DecodeSettings, speculative_generate, speculative_genera
 from eval.lookup import LookupProposer, keep_best, merge, ngram_continuation
 from eval.proposers import DecodeState, EagleProposer, MedusaProposer
 from eval.trees import Tree, medusa_tree
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_ngram_continuation_takes_the_longest_suffix_and_its_most_recent_match():
@@ -47,7 +39,7 @@ def _tree():
 
 def test_merge_walks_shared_tokens_then_hangs_the_rest_as_a_chain():
     tree, scores = _tree()
-    parents, tokens, log_scores, inner = merge(tree, scores, [11, 14, 15], rate=0.5)
+    parents, tokens, log_scores, inner, path = merge(tree, scores, [11, 14, 15], rate=0.5)
     assert parents == [-1, 0, 0, 1, 1, 4] and tokens == [10, 11, 12, 13, 14, 15]
     assert inner == [0, 1, 2, 3, -1, -1]
     assert log_scores[1] == pytest.approx(math.log(0.6))  # shared: max(.6, .5)
@@ -55,7 +47,7 @@ def test_merge_walks_shared_tokens_then_hangs_the_rest_as_a_chain():
     siblings = [tokens[i] for i in range(1, 6) if parents[i] == 1]
     assert sorted(siblings) == [13, 14]  # distinct: verification sees one deterministic draft per token
     # a continuation the tree already holds adds nothing, and raises the scores along it
-    parents, _, log_scores, _ = merge(tree, scores, [11, 13], rate=0.9)
+    parents, _, log_scores, _, _ = merge(tree, scores, [11, 13], rate=0.9)
     assert len(parents) == 4 and log_scores[3] == pytest.approx(2 * math.log(0.9))
 
 
