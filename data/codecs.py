@@ -57,6 +57,8 @@ GAUSS_STEP = {1: 1.596, 2: 0.9957, 3: 0.5860, 4: 0.3352, 5: 0.1881, 6: 0.1041, 7
 GAUSS_MSE = {0: 1.0, 1: 0.3634, 2: 0.1188, 3: 0.03744, 4: 0.01154, 5: 0.003490, 6: 0.001035, 7: 0.0003, 8: 0.0000871}
 STEP_GRID = (0.6, 0.7, 0.8, 0.9, 1.0, 1.1, 1.25, 1.4, 1.6, 1.8, 2.0, 2.4)
 """Multipliers of the Gaussian step tried per axis on the fit tokens (real coefficients have heavier tails)."""
+MASSIVE_NORM = 4.0
+"""Tokens above this multiple of a layer's median norm are left out of its pca mean (massive activations)."""
 
 
 class Codec:
@@ -238,10 +240,17 @@ class PcaCodec(Codec):
 
     @classmethod
     def fit(cls, hidden: torch.Tensor, bits: Sequence[float], fit_tokens: int | None = None) -> PcaCodec:
-        """Fit on (N, n, d) hidden states: per layer the principal axes (float64 covariance, eigenvectors with their
-        largest entry positive: deterministic), the bit allocation for `bits[i]` bits per value (the token's float16
-        scale included; the last layer gives up the bits that would not fill a byte), and each axis's step, tuned over
-        STEP_GRID on these tokens."""
+        """Fit on (N, n, d) hidden states: per layer the principal axes (float64, eigenvectors with their largest
+        entry positive: deterministic), the bit allocation for `bits[i]` bits per value (the token's float16 scale
+        included; the last layer gives up the bits that would not fill a byte), and each axis's step, tuned over
+        STEP_GRID on these tokens.
+
+        Every token counts once, whatever its norm. Trained LLMs' middle layers carry "massive activations": on
+        SmolLM2, 1% of the tokens (attention sinks) hold 95-99.6% of the energy of layers 15 and 27 at 160x the median
+        norm. A plain covariance spends the bits on those few directions and leaves the ordinary tokens at 19% error
+        (median, layer 15, 3.8 bits). So the mean is taken over tokens within MASSIVE_NORM x the median norm, the
+        covariance over tokens scaled to unit RMS (the per-token scale restores their norm), and the steps minimise
+        the error relative to each token: 5.4% then, the massive tokens at 3.6%."""
         N, n, d = hidden.shape
         if len(bits) != n:
             raise ValueError(f"pca: {len(bits)} bit settings for {n} stored layers")
@@ -253,15 +262,18 @@ class PcaCodec(Codec):
             if budget < 1:
                 raise ValueError(f"pca: {bits[i]} bits per value leave no bits for {d} values after the scale")
             x = hidden[:, i]
+            norms = torch.cat([chunk.double().norm(dim=-1) for chunk in x.split(8192)])
+            ordinary = norms <= MASSIVE_NORM * norms.median()
             mean = torch.zeros(d, dtype=torch.float64)
-            for chunk in x.split(8192):
-                mean += chunk.double().sum(0)
-            mean /= N
+            for chunk, keep in zip(x.split(8192), ordinary.split(8192)):
+                mean += chunk.double()[keep].sum(0)
+            mean /= max(int(ordinary.sum()), 1)
             cov = torch.zeros(d, d, dtype=torch.float64)
             for chunk in x.split(8192):
                 c = chunk.double() - mean
+                c = c / c.pow(2).mean(-1, keepdim=True).sqrt().clamp_min(1e-12)  # unit RMS: every token counts once
                 cov += c.T @ c
-            cov /= max(N - 1, 1)
+            cov /= max(N, 1)
             lam, vec = torch.linalg.eigh(cov)  # ascending
             lam, vec = lam.flip(0), vec.flip(1)
             signs = torch.sign(vec.gather(0, vec.abs().argmax(0, keepdim=True)))
@@ -351,11 +363,10 @@ def _tune_steps(x: torch.Tensor, mean: torch.Tensor, basis: torch.Tensor, sigma:
         c = (chunk.float() - mean) @ basis
         scale = (c / sigma).pow(2).mean(-1).sqrt().to(torch.float16).float().clamp_min(SCALE_MIN)
         u = c / (scale[:, None] * sigma)  # unit-variance coefficients of unit-scale tokens
-        w = scale[:, None].pow(2)  # the error counts in coefficient units
-        for g, m in enumerate(STEP_GRID):
+        for g, m in enumerate(STEP_GRID):  # the error relative to each token: massive tokens do not decide the steps
             step = gauss * m
             back = (_quantize(u, step, levels) - levels / 2 + 0.5) * step
-            errors[g] += ((back - u).pow(2) * w).sum(0).double()
+            errors[g] += (back - u).pow(2).sum(0).double()
     best = torch.tensor(STEP_GRID)[errors.argmin(0)]
     return (gauss * best * sigma).float()
 

@@ -336,6 +336,23 @@ def test_pca_bits_buy_accuracy_and_fit_is_deterministic(tmp_path) -> None:
     assert torch.equal(codec.decode(codec.encode(hidden)), again.decode(again.encode(hidden)))
 
 
+def test_pca_keeps_ordinary_tokens_accurate_beside_massive_activations() -> None:
+    """1% of the tokens at 150x the median norm along one direction (attention sinks, as trained LLMs' middle layers
+    have them) must not take the bits: ordinary tokens and the massive ones both stay within a few percent."""
+    hidden = structured_hidden(4000, seed=3)
+    massive = torch.zeros(len(hidden), dtype=torch.bool)
+    massive[::100] = True
+    direction = torch.nn.functional.normalize(torch.randn(ED, generator=torch.Generator().manual_seed(5)), dim=0)
+    hidden[massive, 0] += 150 * hidden[:, 0].norm(dim=-1).median() * direction
+    codec = codecs.PcaCodec.fit(hidden, [3.8, 3.8])
+    back = codec.decode(codec.encode(hidden))
+    relative = (back[:, 0] - hidden[:, 0]).norm(dim=-1) / hidden[:, 0].norm(dim=-1)
+    ordinary = relative[~massive].median()
+    assert ordinary < 0.05, f"ordinary tokens at {ordinary:.3f} relative error"
+    assert relative[massive].median() < 0.05
+    assert max(codecs.relative_rms(back, hidden)) < 0.05
+
+
 def test_pca_codes_pack_and_unpack_exactly() -> None:
     """Codes of 1..8 bits, packed end to end across byte boundaries, come back as they were."""
     hidden = structured_hidden(300)
