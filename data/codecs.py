@@ -269,11 +269,14 @@ class PcaCodec(Codec):
                 mean += chunk.double()[keep].sum(0)
             mean /= max(int(ordinary.sum()), 1)
             cov = torch.zeros(d, d, dtype=torch.float64)
+            squares = []
             for chunk in x.split(8192):
                 c = chunk.double() - mean
-                c = c / c.pow(2).mean(-1, keepdim=True).sqrt().clamp_min(1e-12)  # unit RMS: every token counts once
+                squares.append(c.pow(2).mean(-1, keepdim=True))
+                c = c / squares[-1].sqrt().clamp_min(1e-12)  # unit RMS: every token counts once
                 cov += c.T @ c
-            cov /= max(N, 1)
+            # back in the units of a median token, so that its scale is about 1 and a massive one's fits float16
+            cov *= torch.cat(squares).median() / max(N, 1)
             lam, vec = torch.linalg.eigh(cov)  # ascending
             lam, vec = lam.flip(0), vec.flip(1)
             signs = torch.sign(vec.gather(0, vec.abs().argmax(0, keepdim=True)))
