@@ -58,21 +58,22 @@ if [ ! -f artifacts/smollm2-135m-instruct/provenance.json ]; then
 fi
 
 FILES_SET=${FILES:+"data.train_files=$FILES"}
-common() { # the recipe's settings with this run's paths: common ENCODING
-  echo "data.features_dir=$RUN/features-$1 train.max_steps=$STEPS eval.max_prompts=$PROMPTS eval.kernels=$KERNELS ${FILES_SET} ${EXTRA:-}"
-}
-encoding_set() {
-  case $1 in
-    bf16) echo "data.storage_dtype=bfloat16" ;;
-    fp8) echo "data.storage_dtype=fp8_e4m3" ;;
-    pca) echo "data.storage_dtype=pca" ;;
+settings() { # settings NAME ENCODING: the recipe's overrides for run NAME on the ENCODING store
+  local dtype
+  case $2 in
+    bf16) dtype=bfloat16 ;;
+    fp8) dtype=fp8_e4m3 ;;
+    pca) dtype=pca ;;
   esac
+  echo "data.features_dir=$RUN/features-$2 data.storage_dtype=$dtype train.max_steps=$STEPS" \
+    "train.output_dir=$RUN/$1 eval.output_dir=$RUN/$1/eval eval.max_prompts=$PROMPTS eval.kernels=$KERNELS" \
+    "${FILES_SET} ${EXTRA:-}"
 }
 # train_run NAME RECIPE ENCODING: extract (once per encoding), train, export
 train_run() {
   local name=$1 recipe=recipes/smollm2/$2.yaml enc=$3
   local o
-  o="$(common "$enc") $(encoding_set "$enc") train.output_dir=$RUN/$name eval.output_dir=$RUN/$name/eval"
+  o=$(settings "$name" "$enc")
   if [ ! -f "$RUN/features-$enc/manifest.json" ]; then
     # shellcheck disable=SC2086
     stage "extract-$enc" "$PY" -m data.extract "$recipe" $o || return 1
@@ -82,11 +83,11 @@ train_run() {
   stage "export-$name" "$PY" -m train.export "$RUN/$name" || return 1
 }
 eval_run() { # eval_run NAME RECIPE ENCODING BASELINES
-  local name=$1 recipe=recipes/smollm2/$2.yaml enc=$3 baselines=$4
+  local name=$1 recipe=recipes/smollm2/$2.yaml
   local o
-  o="$(common "$enc") $(encoding_set "$enc") train.output_dir=$RUN/$name eval.output_dir=$RUN/$name/eval"
+  o=$(settings "$name" "$3")
   # shellcheck disable=SC2086
-  stage "eval-$name" "$PY" -m eval "$recipe" $o "eval.drafter=$RUN/$name/export" "eval.baselines=$baselines"
+  stage "eval-$name" "$PY" -m eval "$recipe" $o "eval.drafter=$RUN/$name/export" "eval.baselines=$4"
 }
 
 train_run eagle3-bf16 eagle3 bf16
