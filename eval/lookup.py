@@ -19,7 +19,9 @@ both compete for the same verification budget:
   continuation's first token whatever its score (a rate is only learnt from tokens that are tried), as many
   as the drafter's tree had, so that every row of a batch keeps the same size; with `eval.tree: cost` the size
   itself is chosen again on the merged scores (`eval.cost_trees.batch_tree_size`, at most `eval.tree_total_tokens`),
-  so lookup tokens that are likely enough grow the tree, and unlikely ones are left out.
+  so lookup tokens that are likely enough grow the tree, and unlikely ones are left out; an EAGLE drafter's early
+  stop then also weighs its deeper drafts against the merged candidates (`merged_ranking`), so a round whose
+  continuation fills the tree with better estimates than a deeper draft could add costs one drafter forward.
 
 The inner proposer sees only its own nodes: `commit` passes it the accepted path up to the first lookup node.
 """
@@ -60,9 +62,23 @@ def merge(
 
     -> (parents, tokens, log scores, inner index of each candidate or -1 for a lookup token), root first, parents
     before children, and the nodes spelling the continuation (shared or new), in order."""
-    parents = tree.parents.tolist()
-    tokens = tree.tokens.tolist()
-    log_scores = scores.double().tolist()
+    return _merge(tree.parents.tolist(), tree.tokens.tolist(), scores.double().tolist(), continuation, rate)
+
+
+def merged_ranking(
+    tokens: torch.Tensor, parents: torch.Tensor, log_scores: torch.Tensor, continuation: Sequence[int], rate: float
+) -> list[float]:
+    """Acceptance estimates, best first, of a drafter's candidates so far (`dynamic_trees`' (n,) tokens, parent
+    candidate indices with -1 for the root, log path probabilities) once the continuation is merged in: what a
+    cost-aware drafter weighs deeper drafting against (`EagleProposer.rank_fn`)."""
+    merged = _merge([-1, *(parents + 1).tolist()], [-1, *tokens.tolist()], [0.0, *log_scores.double().tolist()],
+                    continuation, rate)  # fmt: skip
+    return sorted((math.exp(s) for s in merged[2][1:]), reverse=True)
+
+
+def _merge(
+    parents: list[int], tokens: list[int], log_scores: list[float], continuation: Sequence[int], rate: float
+) -> tuple[list[int], list[int], list[float], list[int], list[int]]:
     inner = list(range(len(parents)))
     children: dict[int, dict[int, int]] = {}
     for i, p in enumerate(parents[1:], 1):
@@ -131,11 +147,20 @@ class LookupProposer:
         return accepted / (accepted + rejected)
 
     def propose(self, states) -> list[Tree]:
-        trees, scores = self.inner.propose_scored(states)
+        continuations = [ngram_continuation(state.tokens[0], self.max_ngram, self.max_tokens) for state in states]
+        rates = [self.rate(b) for b in range(len(states))]
+        if self.costs is not None and hasattr(self.inner, "rank_fn"):  # the drafter stops early once lookup fills in
+            self.inner.rank_fn = lambda b, tokens, parents, scores: merged_ranking(
+                tokens, parents, scores, continuations[b], rates[b]
+            )
+        try:
+            trees, scores = self.inner.propose_scored(states)
+        finally:
+            if hasattr(self.inner, "rank_fn"):
+                self.inner.rank_fn = None
         merged = []
-        for b, (state, tree, score) in enumerate(zip(states, trees, scores)):
-            continuation = ngram_continuation(state.tokens[0], self.max_ngram, self.max_tokens)
-            merged.append(merge(tree.to("cpu"), score.cpu(), continuation, self.rate(b)))
+        for tree, score, continuation, rate in zip(trees, scores, continuations, rates):
+            merged.append(merge(tree.to("cpu"), score.cpu(), continuation, rate))
         size = trees[0].num_nodes
         if self.costs is not None:  # cost-aware: the size that pays on the merged scores
             ranked = [sorted((math.exp(s) for s in m[2][1:]), reverse=True) for m in merged]

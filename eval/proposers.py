@@ -340,6 +340,10 @@ class EagleProposer:
         self.vocab = draft_vocab
         self.costs = None  # eval.cost_trees.Costs: keep the batch_tree_size best candidates, not total_tokens
         self.draft_steps = depth  # drafter forwards of the last round (fewer when a cost-aware tree stopped early)
+        # With costs: (row, tokens (n,), parents (n,), log scores (n,) of the candidates drafted so far) -> the
+        # acceptance estimates, best first, the round's tree will choose from: the early stop weighs deeper drafting
+        # against them (eval.lookup.LookupProposer adds its continuation's). None: the candidates' own.
+        self.rank_fn: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], list[float]] | None = None
         self.reset(1)
 
     def reset(self, batch_size: int) -> None:
@@ -450,8 +454,13 @@ class EagleProposer:
                 ranked = scores.exp().sort(dim=-1, descending=True).values.tolist()
                 return batch_tree_size(ranked, self.costs, steps[0], self.total_tokens)
 
-            def stop_fn(scores: torch.Tensor, frontier: torch.Tensor, done: int) -> bool:
-                ranked = scores.exp().sort(dim=-1, descending=True).values.tolist()
+            def stop_fn(
+                scores: torch.Tensor, frontier: torch.Tensor, done: int, tokens: torch.Tensor, parents: torch.Tensor
+            ) -> bool:
+                if self.rank_fn is None:
+                    ranked = scores.exp().sort(dim=-1, descending=True).values.tolist()
+                else:
+                    ranked = [self.rank_fn(b, tokens[b], parents[b], scores[b]) for b in range(len(scores))]
                 best = frontier.exp().max(dim=-1).values.tolist()
                 new = self.top_k * self.top_k
                 stop = batch_should_stop(ranked, best, self.costs, done, new, self.depth - done, self.total_tokens)

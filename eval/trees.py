@@ -282,7 +282,7 @@ def dynamic_trees(
     top_k: int,
     total_tokens: int,
     size_fn: Callable[[torch.Tensor], int] | None = None,
-    stop_fn: Callable[[torch.Tensor, torch.Tensor, int], bool] | None = None,
+    stop_fn: Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor, torch.Tensor], bool] | None = None,
     scores_out: list[torch.Tensor] | None = None,
 ) -> list[Tree]:
     """EAGLE-2 dynamic trees (Li et al., 2024) for a batch of B requests, one tree each, grown in lockstep.
@@ -297,8 +297,9 @@ def dynamic_trees(
     connected. Nodes are returned in creation order; every tree has the same node count.
     `size_fn(scores)`: the scores (B, n_candidates) float64 -> the tree size to keep instead of `total_tokens`
     (cost-aware trees, `eval.cost_trees`); clamped to 1 + n_candidates. `stop_fn(scores, frontier_scores (B, k),
-    steps_done) -> True` ends the drafting before `depth` steps. `scores_out`, a list, receives each tree's node
-    scores (N,) float64 (cumulative draft log-probabilities, the root's 0).
+    steps_done, tokens, parents) -> True` ends the drafting before `depth` steps (`tokens`, `parents`: (B,
+    n_candidates), the candidates' tokens and their parents' candidate indices, -1 for the root). `scores_out`, a
+    list, receives each tree's node scores (N,) float64 (cumulative draft log-probabilities, the root's 0).
     """
     if total_tokens < 1 or top_k < 1 or depth < 1:
         raise ValueError("depth, top_k and total_tokens must be positive")
@@ -324,8 +325,10 @@ def dynamic_trees(
         keep = torch.sort(-scores, dim=-1, stable=True).indices[:, :top_k]  # (B, k) next frontier, best first
         frontier_tokens, frontier_cand = cand_tokens[-1].gather(1, keep), new_idx[keep]
         frontier_scores, parent_rows = scores.gather(1, keep), keep // top_k
-        if stop_fn is not None and step + 1 < depth and stop_fn(torch.cat(cand_scores, 1), frontier_scores, step + 1):
-            break
+        if stop_fn is not None and step + 1 < depth:
+            drafted = torch.cat(cand_scores, 1), torch.cat(cand_tokens, 1), torch.cat(cand_parents, 1)
+            if stop_fn(drafted[0], frontier_scores, step + 1, drafted[1], drafted[2]):
+                break
     tokens, parents, scores = torch.cat(cand_tokens, 1), torch.cat(cand_parents, 1), torch.cat(cand_scores, 1)
     if size_fn is not None:
         total_tokens = max(1, min(int(size_fn(scores)), n_cand + 1))

@@ -16,7 +16,7 @@ from test_generate import BATCH_PROMPTS, _eagle, _medusa, one_thread, tiny_targe
 from eval.baselines import plain_generate
 from eval.cost_trees import Costs
 from eval.decode import DecodeSettings, speculative_generate, speculative_generate_batch
-from eval.lookup import LookupProposer, keep_best, merge, ngram_continuation
+from eval.lookup import LookupProposer, keep_best, merge, merged_ranking, ngram_continuation
 from eval.proposers import DecodeState, EagleProposer, MedusaProposer
 from eval.trees import Tree, medusa_tree
 
@@ -119,6 +119,15 @@ def test_cost_aware_size_grows_for_likely_lookup_tokens_and_not_for_unlikely_one
     assert tree.num_nodes == 4
 
 
+def test_merged_ranking_takes_the_larger_estimate_of_a_shared_token():
+    tokens, parents = torch.tensor([5, 6, 9]), torch.tensor([-1, -1, 0])  # 5 and 6 under the root, 9 under 5
+    log_scores = torch.tensor([0.6, 0.3, 0.6 * 0.2]).log()
+    # the continuation walks 6 (shared: max(.3, .5)) and hangs 7 under it (.5 ** 2)
+    ranked = merged_ranking(tokens, parents, log_scores, [6, 7], rate=0.5)
+    assert ranked == pytest.approx([0.6, 0.5, 0.25, 0.12])
+    assert merged_ranking(tokens, parents, log_scores, [], rate=0.5) == pytest.approx([0.6, 0.3, 0.12])
+
+
 @pytest.fixture(scope="module")
 def looping():
     """A flatter random target whose greedy continuations fall into loops: lookup finds its n-grams."""
@@ -157,3 +166,29 @@ def test_sampled_with_lookup_decodes_what_each_row_decodes_alone(looping):
     for p, seed, out in zip(prompts, [5, 6, 7], batch):
         alone = speculative_generate(target.model, make(), p[None], dataclasses.replace(settings, seed=seed))
         assert out.tokens == alone.tokens and out.accepted == alone.accepted
+
+
+def test_cost_aware_drafter_stops_early_where_lookup_fills_the_tree(looping):
+    """With `eval.tree: cost` the drafter's early stop weighs deeper drafting against the merged candidates: where
+    the row's continuation fills the tree with better estimates than a deeper draft could add, one draft step is
+    enough; where nothing recurs the drafter's own candidates decide. Greedy output stays plain decoding's."""
+    target, settings = looping, DecodeSettings(max_new_tokens=24)
+    free = Costs.from_points([(1, 1.0), (64, 1.0)], draft_cost=0.0)  # a deeper draft always pays while there is room
+    inner = EagleProposer(_eagle(target), depth=3, top_k=2, total_tokens=4)
+    inner.costs = free
+    proposer = LookupProposer(inner, max_tokens=5, max_size=4)
+    rounds = []
+    propose = proposer.propose
+
+    def recording(states):
+        trees = propose(states)
+        rounds.append((len(ngram_continuation(states[0].tokens[0], 3, 5)), inner.draft_steps))
+        return trees
+
+    proposer.propose = recording
+    for p in BATCH_PROMPTS:
+        out = speculative_generate(target.model, proposer, p[None], settings)
+        assert out.tokens == plain_generate(target.model, p[None], settings).tokens
+    # a random drafter's path probabilities are far below 1/2 (the rate's prior): three lookup tokens fill the tree
+    assert {steps for n, steps in rounds if n >= 3} == {1}
+    assert {steps for n, steps in rounds if n == 0} == {2}  # alone, a second step still pays (a third never does)
