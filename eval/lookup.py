@@ -149,14 +149,16 @@ class LookupProposer:
     def propose(self, states) -> list[Tree]:
         continuations = [ngram_continuation(state.tokens[0], self.max_ngram, self.max_tokens) for state in states]
         rates = [self.rate(b) for b in range(len(states))]
-        if self.costs is not None and hasattr(self.inner, "rank_fn"):  # the drafter stops early once lookup fills in
+        # a cost-aware drafter (EagleProposer: the only one with costs) stops early once the continuation fills in
+        hooked = self.costs is not None
+        if hooked:
             self.inner.rank_fn = lambda b, tokens, parents, scores: merged_ranking(
                 tokens, parents, scores, continuations[b], rates[b]
             )
         try:
             trees, scores = self.inner.propose_scored(states)
         finally:
-            if hasattr(self.inner, "rank_fn"):
+            if hooked:
                 self.inner.rank_fn = None
         merged = []
         for tree, score, continuation, rate in zip(trees, scores, continuations, rates):

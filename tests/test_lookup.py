@@ -64,6 +64,7 @@ class Fixed:
 
     feature_layers = [-1]
     draft_steps = 1
+    rank_fn = None  # set by LookupProposer when costs are given; a fixed tree has no early stop to use it
 
     def __init__(self, costs=None):
         self.costs, self.committed = costs, []
