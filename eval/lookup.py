@@ -70,10 +70,15 @@ def merged_ranking(
 ) -> list[float]:
     """Acceptance estimates, best first, of a drafter's candidates so far (`dynamic_trees`' (n,) tokens, parent
     candidate indices with -1 for the root, log path probabilities) once the continuation is merged in: what a
-    cost-aware drafter weighs deeper drafting against (`EagleProposer.rank_fn`)."""
+    cost-aware drafter weighs deeper drafting against (`propose_scored`'s `rank_fn`)."""
     merged = _merge([-1, *(parents + 1).tolist()], [-1, *tokens.tolist()], [0.0, *log_scores.double().tolist()],
                     continuation, rate)  # fmt: skip
-    return sorted((math.exp(s) for s in merged[2][1:]), reverse=True)
+    return _ranking(merged[2])
+
+
+def _ranking(log_scores: list[float]) -> list[float]:
+    """Root-first log scores -> the candidates' estimates (the root left out), best first."""
+    return sorted((math.exp(s) for s in log_scores[1:]), reverse=True)
 
 
 def _merge(
@@ -149,23 +154,18 @@ class LookupProposer:
     def propose(self, states) -> list[Tree]:
         continuations = [ngram_continuation(state.tokens[0], self.max_ngram, self.max_tokens) for state in states]
         rates = [self.rate(b) for b in range(len(states))]
-        # a cost-aware drafter (EagleProposer: the only one with costs) stops early once the continuation fills in
-        hooked = self.costs is not None
-        if hooked:
-            self.inner.rank_fn = lambda b, tokens, parents, scores: merged_ranking(
-                tokens, parents, scores, continuations[b], rates[b]
+        # a cost-aware drafter stops drafting early once the continuation fills the tree
+        trees, scores = self.inner.propose_scored(
+            states, lambda b, tokens, parents, log_scores: merged_ranking(
+                tokens, parents, log_scores, continuations[b], rates[b]
             )
-        try:
-            trees, scores = self.inner.propose_scored(states)
-        finally:
-            if hooked:
-                self.inner.rank_fn = None
+        )  # fmt: skip
         merged = []
         for tree, score, continuation, rate in zip(trees, scores, continuations, rates):
             merged.append(merge(tree.to("cpu"), score.cpu(), continuation, rate))
         size = trees[0].num_nodes
         if self.costs is not None:  # cost-aware: the size that pays on the merged scores
-            ranked = [sorted((math.exp(s) for s in m[2][1:]), reverse=True) for m in merged]
+            ranked = [_ranking(m[2]) for m in merged]
             size = batch_tree_size(ranked, self.costs, self.inner.draft_steps, self.max_size)
         size = min(size, min(len(m[0]) for m in merged))  # every row keeps the same size
         out, self.proposed = [], []

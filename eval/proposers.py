@@ -46,6 +46,12 @@ class DecodeState:
         return self.tokens.shape[1] - 1
 
 
+RankFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], list[float]]
+"""(row, tokens (n,), parents (n,) with -1 for the root, log path probabilities (n,) of the candidates drafted so
+far) -> the acceptance estimates, best first, that the round's tree will choose from (`eval.lookup.merged_ranking`
+adds a prompt-lookup continuation's)."""
+
+
 class Proposer(Protocol):
     """A drafter as the decoding loop uses it (EAGLE-2, Medusa heads, check stubs), for a batch of rows.
 
@@ -63,9 +69,13 @@ class Proposer(Protocol):
     def propose(self, states: Sequence[DecodeState]) -> list[Tree]:
         """Draft one tree per row, rooted at `states[b].tokens[:, -1]`."""
 
-    def propose_scored(self, states: Sequence[DecodeState]) -> tuple[list[Tree], list[torch.Tensor]]:
+    def propose_scored(
+        self, states: Sequence[DecodeState], rank_fn: RankFn | None = None
+    ) -> tuple[list[Tree], list[torch.Tensor]]:
         """`propose`, with each tree's node scores (N,): log path probabilities under the drafter, the root's 0
-        (what `eval.lookup` ranks prompt-lookup candidates against). EAGLE and Medusa proposers have it."""
+        (what `eval.lookup` ranks prompt-lookup candidates against). EAGLE and Medusa proposers have it.
+        `rank_fn`: what a cost-aware drafter's early stop weighs deeper drafting against (`RankFn`); drafters
+        without an early stop ignore it."""
 
     def commit(self, paths: Sequence[list[int]]) -> None:
         """Per row, the target accepted `paths[b]` (node indices of its last proposed tree, root first)."""
@@ -155,8 +165,10 @@ class StaticTreeProposer:
     def propose(self, states: Sequence[DecodeState]) -> list[Tree]:
         return self._propose(states)[0]
 
-    def propose_scored(self, states: Sequence[DecodeState]) -> tuple[list[Tree], list[torch.Tensor]]:
-        trees, depth_logp = self._propose(states)
+    def propose_scored(
+        self, states: Sequence[DecodeState], rank_fn: RankFn | None = None
+    ) -> tuple[list[Tree], list[torch.Tensor]]:
+        trees, depth_logp = self._propose(states)  # static trees: no early stop for rank_fn to inform
         # a node's score: its depth's log-probability of its token, summed down its path
         par, depth, rank = self.tree.parents.tolist(), self.tree.depth.tolist(), self.tree.head_rank.tolist()
         scores = depth_logp.new_zeros(depth_logp.shape[0], len(par), dtype=torch.float64)
@@ -340,10 +352,6 @@ class EagleProposer:
         self.vocab = draft_vocab
         self.costs = None  # eval.cost_trees.Costs: keep the batch_tree_size best candidates, not total_tokens
         self.draft_steps = depth  # drafter forwards of the last round (fewer when a cost-aware tree stopped early)
-        # With costs: (row, tokens (n,), parents (n,), log scores (n,) of the candidates drafted so far) -> the
-        # acceptance estimates, best first, the round's tree will choose from: the early stop weighs deeper drafting
-        # against them (eval.lookup.LookupProposer adds its continuation's). None: the candidates' own.
-        self.rank_fn: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], list[float]] | None = None
         self.reset(1)
 
     def reset(self, batch_size: int) -> None:
@@ -406,7 +414,11 @@ class EagleProposer:
     def propose(self, states: Sequence[DecodeState]) -> list[Tree]:
         return self.propose_scored(states)[0]
 
-    def propose_scored(self, states: Sequence[DecodeState]) -> tuple[list[Tree], list[torch.Tensor]]:
+    def propose_scored(
+        self, states: Sequence[DecodeState], rank_fn: RankFn | None = None
+    ) -> tuple[list[Tree], list[torch.Tensor]]:
+        """With costs, the early stop weighs deeper drafting against `rank_fn`'s estimates (None: the candidates'
+        own path probabilities)."""
         logits, hidden = self._catch_up(states)
         device, committed = hidden.device, self.committed
         if all(length == committed for length in self.lengths):
@@ -457,10 +469,10 @@ class EagleProposer:
             def stop_fn(
                 scores: torch.Tensor, frontier: torch.Tensor, done: int, tokens: torch.Tensor, parents: torch.Tensor
             ) -> bool:
-                if self.rank_fn is None:
+                if rank_fn is None:
                     ranked = scores.exp().sort(dim=-1, descending=True).values.tolist()
                 else:
-                    ranked = [self.rank_fn(b, tokens[b], parents[b], scores[b]) for b in range(len(scores))]
+                    ranked = [rank_fn(b, tokens[b], parents[b], scores[b]) for b in range(len(scores))]
                 best = frontier.exp().max(dim=-1).values.tolist()
                 new = self.top_k * self.top_k
                 stop = batch_should_stop(ranked, best, self.costs, done, new, self.depth - done, self.total_tokens)

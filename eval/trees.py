@@ -326,8 +326,8 @@ def dynamic_trees(
         frontier_tokens, frontier_cand = cand_tokens[-1].gather(1, keep), new_idx[keep]
         frontier_scores, parent_rows = scores.gather(1, keep), keep // top_k
         if stop_fn is not None and step + 1 < depth:
-            drafted = torch.cat(cand_scores, 1), torch.cat(cand_tokens, 1), torch.cat(cand_parents, 1)
-            if stop_fn(drafted[0], frontier_scores, step + 1, drafted[1], drafted[2]):
+            so_far = torch.cat(cand_scores, 1), torch.cat(cand_tokens, 1), torch.cat(cand_parents, 1)
+            if stop_fn(so_far[0], frontier_scores, step + 1, *so_far[1:]):
                 break
     tokens, parents, scores = torch.cat(cand_tokens, 1), torch.cat(cand_parents, 1), torch.cat(cand_scores, 1)
     if size_fn is not None:

@@ -64,7 +64,6 @@ class Fixed:
 
     feature_layers = [-1]
     draft_steps = 1
-    rank_fn = None  # set by LookupProposer when costs are given; a fixed tree has no early stop to use it
 
     def __init__(self, costs=None):
         self.costs, self.committed = costs, []
@@ -72,7 +71,7 @@ class Fixed:
     def reset(self, batch_size):
         pass
 
-    def propose_scored(self, states):
+    def propose_scored(self, states, rank_fn=None):  # a fixed tree: no early stop for rank_fn to inform
         tree, scores = _tree()
         return [tree] * len(states), [scores] * len(states)
 
