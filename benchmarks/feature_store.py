@@ -21,8 +21,10 @@ tokens of samples spread evenly over the whole set). Reported per encoding:
 - re-encoding throughput: tokens/s of encode + shard write (sha256 included) from float states in memory; what
   encoding adds to an extraction, whose cost is the target's forward (not run here);
 - loader throughput: tokens/s of one shuffled epoch of `BatchLoader` batches (8 rows, the set's max_len, no
-  packing, as the SmolLM2 recipes train) delivered on `--device` (bf16 batches moved there as they are; encoded
-  ones decoded there), best of `--rounds`, page cache warm.
+  packing, as the SmolLM2 recipes train) delivered on `--device` as the float32 states the drafter computes from
+  (bf16 batches moved there and cast; encoded ones decoded there), best of `--rounds`, twice: with the shards in
+  the page cache (warm) and with them dropped from it before each round (cold: every byte read from the disk
+  holding `--features`, where the re-encoded sets are written; what a set larger than the host's memory meets).
 
 Without stored features (the directory has no manifest) it runs in seconds on a stand-in: a random 4-layer Llama
 (d 256, vocab 8192), 16 samples × 512 tokens through `data.extract.extract_features` per encoding (so throughput
@@ -36,6 +38,7 @@ need trained drafters: see docs/benchmarks.md.
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -86,15 +89,29 @@ def top1_agreement(head: torch.Tensor, decoded: torch.Tensor, stored: torch.Tens
     return float((decoded @ head.T).argmax(-1).eq((stored @ head.T).argmax(-1)).float().mean())
 
 
-def loader_rate(directory: Path, device: torch.device, max_len: int, rounds: int) -> float:
-    """Tokens/s of one shuffled epoch of batches delivered on `device`, best of `rounds`."""
-    ds = FeatureDataset(directory, verify_checksums=False)
+def drop_from_page_cache(directory: Path) -> None:
+    """Write the directory's files out and drop them from the page cache: the next read comes from the disk."""
+    for path in directory.iterdir():
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # dirty pages cannot be dropped
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def loader_rate(directory: Path, device: torch.device, max_len: int, rounds: int, cold: bool) -> float:
+    """Tokens/s of one shuffled epoch of float32 batches delivered on `device`, best of `rounds`; `cold`: the set
+    dropped from the page cache before each round."""
     best = 0.0
     for r in range(rounds):
+        if cold:
+            drop_from_page_cache(directory)
+        ds = FeatureDataset(directory, verify_checksums=False)
         loader = BatchLoader(ds, batch_size=8, max_len=max_len, shuffle=True, seed=r, device=device)
         tokens, start = 0, time.perf_counter()
         for batch in loader.epoch(0):
-            batch["hidden"].to(device, non_blocking=True)  # bf16: the copy training makes; encoded: already there
+            batch["hidden"].to(device, non_blocking=True).float()  # what the drafter casts to; encoded: already
             tokens += int(batch["attention_mask"].sum())
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -124,7 +141,7 @@ def stored_features(args, device: torch.device) -> dict[str, dict]:
     reference = torch.cat([s["hidden"].float() for s in samples])
     results = {}
     for label, (dtype, bits) in encodings(layers, args.bits, args.final_bits).items():
-        with tempfile.TemporaryDirectory() as tmp:
+        with tempfile.TemporaryDirectory(dir=Path(args.features).parent) as tmp:  # the disk the set is on
             header = {k: manifest[k] for k in ("target", "layers", "hidden_size", "template")} | {"dtype": dtype}
             t = time.perf_counter()
             codec = PcaCodec.fit(fit, bits, args.fit_tokens) if dtype == "pca" else None
@@ -146,8 +163,10 @@ def stored_features(args, device: torch.device) -> dict[str, dict]:
                 "token_errors": median_token_error(decoded, reference),
                 "encode_tok_s": tokens / encode_s,
                 "fit_s": fit_s,
-                "loader_tok_s": loader_rate(Path(tmp), device, manifest.get("max_len", 2048), args.rounds),
             }
+            for cold in (False, True):
+                key = "cold_tok_s" if cold else "loader_tok_s"
+                result[key] = loader_rate(Path(tmp), device, manifest.get("max_len", 2048), args.rounds, cold)
             if head is not None:
                 last, picked = layers.index(-1), torch.arange(0, len(reference), max(1, len(reference) // HEAD_TOKENS))
                 result["top1"] = top1_agreement(head, decoded[picked, last], reference[picked, last])
@@ -191,7 +210,8 @@ def stand_in(args, device: torch.device) -> dict[str, dict]:
                 "errors": relative_rms(decoded, reference),
                 "token_errors": median_token_error(decoded, reference),
                 "encode_tok_s": tokens / extract_s,
-                "loader_tok_s": loader_rate(Path(tmp), device, seq, args.rounds),
+                "loader_tok_s": loader_rate(Path(tmp), device, seq, args.rounds, cold=False),
+                "cold_tok_s": loader_rate(Path(tmp), device, seq, args.rounds, cold=True),
             }
     return results
 
@@ -230,14 +250,16 @@ def main() -> None:
         print(
             f"{label:>20}: {r['bytes_per_token']:8.1f} B/token{basis} = {share:.3f} x bf16; relative RMS error per "
             f"layer {errors} (median per token {per_token}){top1}; {what} {r['encode_tok_s']:,.0f} tok/s; "
-            f"loader {r['loader_tok_s']:,.0f} tok/s on {device.type} "
-            f"({r['loader_tok_s'] / base['loader_tok_s']:.2f} x bf16)"
+            f"loader on {device.type} {r['loader_tok_s']:,.0f} tok/s warm "
+            f"({r['loader_tok_s'] / base['loader_tok_s']:.2f} x bf16), {r['cold_tok_s']:,.0f} cold "
+            f"({r['cold_tok_s'] / base['cold_tok_s']:.2f} x bf16)"
         )
     pca = results[next(label for label in results if label.startswith("pca"))]
     ratio = lambda r: f"{r['bytes_per_token'] / base['bytes_per_token']:.3f}" if real else "not measured"  # noqa: E731
-    loader = lambda r: f"{r['loader_tok_s'] / base['loader_tok_s']:.2f}" if real else "not measured"  # noqa: E731
-    print(f"feature_store/fp8_loader_ratio: {loader(results['fp8_e4m3'])} (goal >= 1.0) on {device.type}")
-    print(f"feature_store/pca_loader_ratio: {loader(pca)} (goal >= 1.0) on {device.type}")
+    loader = lambda r, k: f"{r[k] / base[k]:.2f}" if real else "not measured"  # noqa: E731
+    for name, r in (("fp8", results["fp8_e4m3"]), ("pca", pca)):
+        print(f"feature_store/{name}_loader_ratio: {loader(r, 'loader_tok_s')} (goal >= 1.0) on {device.type}, warm")
+        print(f"feature_store/{name}_cold_loader_ratio: {loader(r, 'cold_tok_s')} (goal >= 1.0) on {device.type}")
     print(f"feature_store/fp8_bytes_ratio: {ratio(results['fp8_e4m3'])} (goal <= 0.51)")
     print(f"feature_store/pca_bytes_ratio: {ratio(pca)} (goal <= 0.25)")
 

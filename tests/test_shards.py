@@ -365,6 +365,19 @@ def test_pca_codes_pack_and_unpack_exactly() -> None:
     assert torch.equal(codec.unpack(codec._pack(codes)), codes)
 
 
+def test_fp8_decode_by_table_equals_torchs_conversion() -> None:
+    """Every e4m3 byte (subnormals, ±0, the largest, NaN) decodes by the table as torch converts it, times its row's
+    scale."""
+    codec = codecs.make_codec("fp8_e4m3", n_layers=2, hidden_size=128)
+    q = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).reshape(1, 256)
+    scale = torch.tensor([[0.5, 3.0]])
+    got = codec.decode({"hidden": q, "hidden_scale": scale})
+    want = q.view(1, 2, 128).float() * scale[..., None]
+    assert got.dtype == torch.float32 and got.shape == (1, 2, 128)
+    assert torch.equal(got.isnan(), want.isnan()) and int(got.isnan().sum()) == 2  # 0x7f and 0xff
+    assert torch.equal(got.nan_to_num(), want.nan_to_num())
+
+
 def test_a_damaged_basis_is_refused_naming_it(tmp_path) -> None:
     write_encoded(tmp_path, encoded_samples(6), "pca")
     basis = tmp_path / "basis.safetensors"
