@@ -25,6 +25,7 @@ float32, zero on padding like a plain batch.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -58,6 +59,7 @@ class BatchLoader:
         world_size: int = 1,
         score_fill: bool = True,
         device: torch.device | str | None = None,
+        read_ahead: bool = True,
     ) -> None:
         if packing and max_len is None:
             raise ValueError("BatchLoader: packing needs max_len")
@@ -73,6 +75,7 @@ class BatchLoader:
         self.features = isinstance(samples, FeatureDataset)
         self.encoded = self.features and samples.codec.encoded  # decoded per batch, on `device`
         self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.read_ahead = read_ahead and self.features  # token samples are in memory: nothing to wait for
         raw = samples.lengths if self.features else [len(s["input_ids"]) for s in samples]
         self.lengths = {i: min(raw[i], max_len or raw[i]) for i in self.indices}
         self._epoch, self._batch = 0, 0
@@ -117,18 +120,43 @@ class BatchLoader:
 
     def epoch(self, epoch: int) -> Iterator[DraftBatch]:
         """The batches of one epoch, from the first; does not touch the resume state."""
-        for rows in self.plan(epoch):
-            yield self.collate(rows)
+        yield from self._read_ahead(iter(self.plan(epoch)))
 
     def batches(self) -> Iterator[DraftBatch]:
-        """Endless batches from the current state; the state always names the next batch."""
-        while True:
-            plan = self.plan(self._epoch)
-            while self._batch < len(plan):
-                rows = plan[self._batch]
-                self._batch += 1
+        """Endless batches from the current state; the state always names the next batch (the one read ahead
+        counts only once it is handed out)."""
+
+        def rows() -> Iterator[list[list[int]]]:
+            epoch, batch = self._epoch, self._batch
+            while True:
+                plan = self.plan(epoch)
+                while batch < len(plan):
+                    batch += 1
+                    yield plan[batch - 1]
+                epoch, batch = epoch + 1, 0
+
+        for batch in self._read_ahead(rows()):
+            self._batch += 1
+            if self._batch > len(self.plan(self._epoch)):
+                self._epoch, self._batch = self._epoch + 1, 1
+            yield batch
+
+    def _read_ahead(self, plan: Iterator[list[list[int]]]) -> Iterator[DraftBatch]:
+        """Collated batches of `plan`, the next one read from the shards on a thread while the caller works on this
+        one (with `read_ahead`): reading (page faults on a set larger than memory) overlaps decoding and training."""
+        if not self.read_ahead:
+            for rows in plan:
                 yield self.collate(rows)
-            self._epoch, self._batch = self._epoch + 1, 0
+            return
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="read-ahead") as pool:
+            pending = None
+            for rows in plan:
+                future = pool.submit(self.stage, rows)
+                if pending is not None:
+                    yield self.finish(pending.result())
+                pending = future
+            if pending is not None:
+                yield self.finish(pending.result())
 
     @property
     def step_rows(self) -> int:
@@ -169,6 +197,10 @@ class BatchLoader:
     def collate(self, rows: list[list[int]]) -> DraftBatch:
         """Right-padded (B, T) batch of rows; a row holds one sample, or several when packing (a position ~i: sample
         i with no loss tokens, a repeat that fills the last step of an unscored fill)."""
+        return self.finish(self.stage(rows))
+
+    def stage(self, rows: list[list[int]]) -> DraftBatch:
+        """The batch as read: an encoded set's stored tensors under `parts.<name>`, not decoded yet (`finish`)."""
         B = len(rows)
         T = max(sum(self.lengths[_sample(i)] for i in row) for row in rows)
         batch: DraftBatch = {
@@ -196,8 +228,13 @@ class BatchLoader:
                 batch["position_ids"][b, t : t + n] = torch.arange(n)
                 t += n
             batch["position_ids"][b, t:] = torch.arange(n, n + T - t)  # padding continues the last sample
+        return batch
+
+    def finish(self, batch: DraftBatch) -> DraftBatch:
+        """A staged batch with an encoded set's `hidden` decoded on the device; plain batches as they are."""
         if self.encoded:
-            batch["hidden"] = self._decode({k.removeprefix("parts."): batch.pop(k) for k in staged}, batch)
+            parts = {k.removeprefix("parts."): batch.pop(k) for k in list(batch) if k.startswith("parts.")}
+            batch["hidden"] = self._decode(parts, batch)
         return batch
 
     def _decode(self, parts: dict[str, torch.Tensor], batch: DraftBatch) -> torch.Tensor:

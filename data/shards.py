@@ -28,6 +28,7 @@ import hashlib
 import json
 import mmap
 import os
+import threading
 from collections import OrderedDict
 from collections.abc import Collection, Sequence
 from pathlib import Path
@@ -435,6 +436,7 @@ class FeatureDataset:
                 start += length
         self._open: OrderedDict[int, Any] = OrderedDict()
         self.max_open_shards = max_open_shards
+        self._lock = threading.Lock()  # one reader at a time: a loader reads ahead on a thread
 
     def __len__(self) -> int:
         return len(self.sample_ids)
@@ -466,13 +468,14 @@ class FeatureDataset:
         through the memory map, for a reader that decodes many samples at once (`data.loader.BatchLoader`)."""
         s, start = self._where[i]
         end = start + self.lengths[i]
-        handle = self._handle(s)
-        return {
-            "id": self.sample_ids[i],
-            "input_ids": handle.get_slice("input_ids")[start:end].to(torch.int64),  # (T,)
-            "loss_mask": handle.get_slice("loss_mask")[start:end].to(torch.float32),  # (T,)
-            "parts": {name: handle.get_slice(name)[start:end] for name in self.codec.tensors},
-        }
+        with self._lock:
+            handle = self._handle(s)
+            return {
+                "id": self.sample_ids[i],
+                "input_ids": handle.get_slice("input_ids")[start:end].to(torch.int64),  # (T,)
+                "loss_mask": handle.get_slice("loss_mask")[start:end].to(torch.float32),  # (T,)
+                "parts": {name: handle.get_slice(name)[start:end] for name in self.codec.tensors},
+            }
 
     def split(self, heldout_fraction: float, seed: int = 0) -> tuple[list[int], list[int]]:
         """(train, heldout) positions, deterministic by sample id hash (see `split_by_id`)."""

@@ -248,3 +248,45 @@ def test_encoded_batches_decode_on_the_device_asked_for(tmp_path, dtype: str) ->
     on = {dev: next(BatchLoader(ds, batch_size=4, shuffle=False, device=dev).batches()) for dev in (None, "cpu")}
     assert on["cpu"]["hidden"].device.type == "cpu" and on["cpu"]["hidden"].dtype == torch.float32
     torch.testing.assert_close(on["cpu"]["hidden"], on[None]["hidden"], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "fp8_e4m3"])
+def test_reading_ahead_changes_neither_batches_nor_resume_states(tmp_path, dtype: str, monkeypatch) -> None:
+    """With `read_ahead` the next batch is read on a thread while this one is used: the batches, and the state after
+    each one, are those of a loader that reads in turn, across epochs and after a restore; and a loader kept reading
+    on its thread while the same dataset serves another one (training and held-out evaluation share it)."""
+    import threading
+
+    samples = token_samples(10, max_len=30)
+    header = {"target": {"name": "t"}, "layers": LAYERS, "hidden_size": D, "dtype": dtype, "template": "x"}
+    writer = FeatureShardWriter(tmp_path, header, shard_tokens=50)
+    for s in samples:
+        hidden = torch.randn(len(s["input_ids"]), len(LAYERS), D)
+        writer.add(s["id"], torch.tensor(s["input_ids"]), torch.tensor(s["loss_mask"]), hidden)
+    writer.close()
+    ds = FeatureDataset(tmp_path)
+    threads = set()
+    stage = BatchLoader.stage
+    monkeypatch.setattr(BatchLoader, "stage", lambda self, rows: threads.add(threading.current_thread()) or
+                        stage(self, rows))  # fmt: skip
+
+    def run(read_ahead: bool, state=None, n: int = 9) -> list[tuple[dict, dict]]:
+        loader = BatchLoader(ds, batch_size=3, seed=3, read_ahead=read_ahead)  # 4 batches an epoch
+        if state is not None:
+            loader.load_state_dict(state)
+        stream = loader.batches()
+        other = BatchLoader(ds, batch_size=2, shuffle=False, read_ahead=read_ahead)
+        out = []
+        for _ in range(n):
+            out.append((next(stream), loader.state_dict()))
+            list(other.epoch(0))  # the same dataset read meanwhile
+        return out
+
+    plain, ahead = run(False), run(True)
+    assert threads - {threading.main_thread()}, "read-ahead reads on a thread"
+    for (x, sx), (y, sy) in zip(plain, ahead):
+        assert sx == sy and x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+    assert [s for _, s in ahead][3:5] == [{"epoch": 0, "rows": 12}, {"epoch": 1, "rows": 3}]
+    resumed = run(True, state=ahead[4][1], n=4)
+    for (x, sx), (y, sy) in zip(ahead[5:], resumed):
+        assert sx == sy and all(torch.equal(x[k], y[k]) for k in x)
