@@ -19,7 +19,9 @@ loss_mask 0 on padding, and padding positions continue the last sample's positio
 look like the start of a new packed sample). Feature batches carry `hidden` (B, T, n_layers, d) in
 the storage dtype; the loop casts. An encoded feature set (`data.codecs`: fp8_e4m3, pca) is collated as stored and
 decoded a batch at a time on `device` (the training device: the codes cross to it, not the float32 states), to
-float32, zero on padding like a plain batch.
+float32, zero on padding like a plain batch. Over feature sets the loader reads the next batch from the shards on a
+thread while the caller decodes and trains on this one (`read_ahead`), so reading a set larger than memory from
+the disk overlaps the work; batches and states are those of reading in turn.
 """
 
 from __future__ import annotations

@@ -290,3 +290,24 @@ def test_reading_ahead_changes_neither_batches_nor_resume_states(tmp_path, dtype
     resumed = run(True, state=ahead[4][1], n=4)
     for (x, sx), (y, sy) in zip(ahead[5:], resumed):
         assert sx == sy and all(torch.equal(x[k], y[k]) for k in x)
+
+
+def test_cold_loader_benchmark_reads_whole_sets_against_bf16(tmp_path, capsys) -> None:
+    """`benchmarks/feature_store.py --cold-sets`: one epoch of each whole set from the disk, each encoded set's rate
+    against the bf16 one; a first set that is not bf16 is refused naming it."""
+    from benchmarks.feature_store import cold_sets
+
+    samples = token_samples(6, max_len=30)
+    hidden = [torch.randn(len(s["input_ids"]), len(LAYERS), D) for s in samples]
+    for dtype in ("bfloat16", "fp8_e4m3"):
+        header = {"target": {"name": "t"}, "layers": LAYERS, "hidden_size": D, "dtype": dtype, "template": "x"}
+        writer = FeatureShardWriter(tmp_path / dtype, header, shard_tokens=50)
+        for s, h in zip(samples, hidden):
+            writer.add(s["id"], torch.tensor(s["input_ids"]), torch.tensor(s["loss_mask"]), h)
+        writer.close()
+    ratios = cold_sets([tmp_path / "bfloat16", tmp_path / "fp8_e4m3"], torch.device("cpu"))
+    assert set(ratios) == {"fp8_e4m3"} and ratios["fp8_e4m3"] > 0
+    tokens = f"{sum(len(s['input_ids']) for s in samples):,} tokens"
+    assert capsys.readouterr().out.count(tokens) == 2
+    with pytest.raises(SystemExit, match="fp8_e4m3.* is fp8_e4m3"):
+        cold_sets([tmp_path / "fp8_e4m3", tmp_path / "bfloat16"], torch.device("cpu"))
