@@ -355,9 +355,11 @@ class PcaCodec(Codec):
     def unpack(self, packed: torch.Tensor) -> torch.Tensor:
         """(N, payload) uint8 -> (N, R) int32 codes."""
         codec = self.to(packed.device)
-        p = torch.nn.functional.pad(packed.to(torch.int32), (0, 1))
+        # int16 halves the memory traffic (2x on a CPU); a code's bits lie in bits 0..14 of its window (shift <= 7,
+        # width <= 8), below the sign bit that a high byte >= 128 sets
+        p = torch.nn.functional.pad(packed, (0, 1)).to(torch.int16)
         windows = p[:, :-1] | (p[:, 1:] << 8)  # (N, payload): the 16 bits from each byte on
-        return (windows.index_select(1, codec._byte) >> codec._shift) & codec._mask
+        return (windows.index_select(1, codec._byte).to(torch.int32) >> codec._shift) & codec._mask
 
     def decode(self, parts: dict[str, torch.Tensor]) -> torch.Tensor:
         packed, scale = parts["hidden"], parts["hidden_scale"].float()
