@@ -66,6 +66,8 @@ class Codec:
 
     name: str
     tensors: tuple[str, ...] = ("hidden",)
+    zeros_decode_to_zero = True
+    """All-zero stored tensors (a batch's padding) decode to zero states: a batch decodes whole, padding included."""
 
     def __init__(self, name: str, n_layers: int, hidden_size: int) -> None:
         self.name, self.n_layers, self.hidden_size = name, n_layers, hidden_size
@@ -182,6 +184,7 @@ class PcaCodec(Codec):
     """
 
     tensors = ("hidden", "hidden_scale")
+    zeros_decode_to_zero = False  # zero codes are the axes' lowest levels, and the mean is added
 
     def __init__(self, layers: list[dict[str, torch.Tensor]], bits: Sequence[float], fit_tokens: int,
                  fitted_tokens: int) -> None:  # fmt: skip

@@ -243,6 +243,9 @@ class BatchLoader:
         """(B, T, ...) stored tensors -> (B, T, n, d) float32 on `self.device`: the real tokens decoded, padding 0."""
         ds = self.samples
         B, T = batch["input_ids"].shape
+        if ds.codec.zeros_decode_to_zero:  # fp8: the whole batch, padding too, beats gathering the real tokens
+            flat = {k: v.reshape(B * T, *v.shape[2:]).to(self.device, non_blocking=True) for k, v in parts.items()}
+            return ds.codec.decode(flat).view(B, T, len(ds.layers), ds.hidden_size)
         real = batch["attention_mask"].reshape(-1).nonzero().squeeze(1)  # (N,) positions of real tokens
         flat = {k: v.reshape(B * T, *v.shape[2:])[real].to(self.device, non_blocking=True) for k, v in parts.items()}
         hidden = torch.zeros(B * T, len(ds.layers), ds.hidden_size, device=self.device)
