@@ -122,43 +122,41 @@ class BatchLoader:
 
     def epoch(self, epoch: int) -> Iterator[DraftBatch]:
         """The batches of one epoch, from the first; does not touch the resume state."""
-        yield from self._read_ahead(iter(self.plan(epoch)))
+        for _, batch in self._read_ahead(enumerate(self.plan(epoch))):
+            yield batch
 
     def batches(self) -> Iterator[DraftBatch]:
         """Endless batches from the current state; the state always names the next batch (the one read ahead
         counts only once it is handed out)."""
 
-        def rows() -> Iterator[list[list[int]]]:
-            epoch, batch = self._epoch, self._batch
+        def planned() -> Iterator[tuple[tuple[int, int], list[list[int]]]]:
+            epoch, start = self._epoch, self._batch
             while True:
-                plan = self.plan(epoch)
-                while batch < len(plan):
-                    batch += 1
-                    yield plan[batch - 1]
-                epoch, batch = epoch + 1, 0
+                for b, rows in enumerate(self.plan(epoch)[start:], start):
+                    yield (epoch, b), rows
+                epoch, start = epoch + 1, 0
 
-        for batch in self._read_ahead(rows()):
-            self._batch += 1
-            if self._batch > len(self.plan(self._epoch)):
-                self._epoch, self._batch = self._epoch + 1, 1
+        for (epoch, b), batch in self._read_ahead(planned()):
+            self._epoch, self._batch = epoch, b + 1
             yield batch
 
-    def _read_ahead(self, plan: Iterator[list[list[int]]]) -> Iterator[DraftBatch]:
-        """Collated batches of `plan`, the next one read from the shards on a thread while the caller works on this
-        one (with `read_ahead`): reading (page faults on a set larger than memory) overlaps decoding and training."""
+    def _read_ahead(self, plan: Iterator[tuple[Any, list[list[int]]]]) -> Iterator[tuple[Any, DraftBatch]]:
+        """(key, collated batch) for each (key, rows) of `plan`, the next one read from the shards on a thread while
+        the caller works on this one (with `read_ahead`): reading (page faults on a set larger than memory) overlaps
+        decoding and training."""
         if not self.read_ahead:
-            for rows in plan:
-                yield self.collate(rows)
+            for key, rows in plan:
+                yield key, self.collate(rows)
             return
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="read-ahead") as pool:
             pending = None
-            for rows in plan:
-                future = pool.submit(self.stage, rows)
+            for key, rows in plan:
+                future = key, pool.submit(self.stage, rows)
                 if pending is not None:
-                    yield self.finish(pending.result())
+                    yield pending[0], self.finish(pending[1].result())
                 pending = future
             if pending is not None:
-                yield self.finish(pending.result())
+                yield pending[0], self.finish(pending[1].result())
 
     @property
     def step_rows(self) -> int:
