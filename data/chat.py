@@ -25,6 +25,8 @@ SHAREGPT_ROLES = {
     "user": "user",
     "gpt": "assistant",
     "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
     "assistant": "assistant",
 }
 
@@ -43,6 +45,22 @@ def normalize_messages(record: dict[str, Any]) -> list[dict[str, str]]:
     Raises DataError for missing fields, unknown roles, non-text content, an empty conversation or
     one without an assistant turn. Trailing non-assistant turns are dropped (they carry no loss).
     """
+    messages = turns_of(record)
+    while messages and messages[-1]["role"] != "assistant":
+        messages.pop()
+    if not messages:
+        raise DataError("no assistant turn")
+    if messages[0]["role"] == "assistant":
+        raise DataError("turn 0: conversation starts with an assistant turn (needs a user or system turn first)")
+    return messages
+
+
+def turns_of(record: dict[str, Any]) -> list[dict[str, str]]:
+    """Every turn of a ShareGPT (`conversations`) or OpenAI (`messages`) record as {"role", "content"}, in order.
+
+    Raises DataError for missing fields, unknown roles, non-text content or an empty conversation."""
+    if not isinstance(record, dict):
+        raise DataError(f"a record must be a JSON object, got {type(record).__name__}")
     if record.get("conversations") is not None:
         turns, role_key, text_key, roles = record["conversations"], "from", "value", SHAREGPT_ROLES
     elif record.get("messages") is not None:
@@ -60,12 +78,6 @@ def normalize_messages(record: dict[str, Any]) -> list[dict[str, str]]:
         if not isinstance(turn[role_key], str) or turn[role_key] not in roles:
             raise DataError(f"turn {j}: unknown role {turn[role_key]!r} (known: {', '.join(roles)})")
         messages.append({"role": roles[turn[role_key]], "content": _text(turn[text_key], j)})
-    while messages and messages[-1]["role"] != "assistant":
-        messages.pop()
-    if not messages:
-        raise DataError("no assistant turn")
-    if messages[0]["role"] == "assistant":
-        raise DataError("turn 0: conversation starts with an assistant turn (needs a user or system turn first)")
     return messages
 
 

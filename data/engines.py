@@ -239,7 +239,10 @@ def _build(load: dict[str, Any]):
         import vllm
         from vllm import LLM
     except Exception as exc:  # noqa: BLE001 - any import failure means "no usable vLLM here"
-        raise EngineError(f"no vLLM in {sys.executable} ({one_line(exc)})") from None
+        raise EngineError(
+            f"no vLLM in {sys.executable} ({one_line(exc)}); `make vllm-env` builds .venv-vllm with vLLM's CPU build, "
+            "or name a Python that has vLLM with --engine-python"
+        ) from None
     from vllm.platforms import current_platform
 
     cpu = current_platform.is_cpu()

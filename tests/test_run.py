@@ -189,9 +189,23 @@ def test_synthesis_and_several_self_distillation_jobs_become_their_commands(tmp_
     assert one["selfdistill"] == [jobs[0]]
 
 
+def test_a_chat_dataset_step_becomes_its_command(tmp_path):
+    from recipes.run import chatsets_cmd, load_pipeline
+
+    chatset = {"source": "sharegpt", "out": "d", "exclude": ["mt.jsonl", "other.jsonl"], "max_user_turns": 2}
+    spec = load_pipeline(write_pipeline(tmp_path, chatsets=chatset))
+    cmd = chatsets_cmd(spec["chatsets"][0], "t")
+    assert cmd[1:] == ["-m", "data.chatsets", "sharegpt", "--out", "d", "--exclude", "mt.jsonl", "--exclude",
+        "other.jsonl", "--max-user-turns", "2", "--target", "t"]  # fmt: skip
+    assert "--target" not in chatsets_cmd({"source": "f.json", "out": "d", "language": "any"}, "t")
+
+
 @pytest.mark.parametrize(
     "keys, message",
     [
+        ({"chatsets": {"source": "sharegpt"}}, "chatsets: needs source and out"),
+        ({"chatsets": [{"source": "s", "out": "o", "turns": 2}]}, "chatsets: needs source and out, and takes the keys"),
+        ({"chatsets": {"source": "s", "out": "o", "exclude": "mt.jsonl"}}, "chatsets.exclude: a list"),
         ({"synthesize": {"out": "s.jsonl"}}, "synthesize: needs out and count"),
         ({"synthesize": {"out": "s.jsonl", "count": 4, "topics": "x"}}, "synthesize: takes the keys"),
         ({"selfdistill": [{"prompts": "a"}, {"prompts": "b", "out": "o"}]}, r"selfdistill\[0\]: needs prompts and out"),

@@ -14,11 +14,11 @@ import torch
 from tiny import accelerate_launch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from data.requests import NearDuplicates
 from data.selfdistill import read_prompts
 from data.synthesize import (
     FilterSettings,
     Kind,
-    NearDuplicates,
     SynthesizeError,
     main,
     read_kinds,
