@@ -20,6 +20,9 @@ from typing import Literal
 
 from models import named_trees
 
+DraftLoss = Literal["kl", "hass", "tv", "nla", "lk_hybrid"]
+"""The objectives of drafters with their own head (models/losses.py)."""
+
 LLAMA_LINEAR_LAYERS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 # Upper bounds on the drafter's sizes, checked at load time (the recipe schema's other bounds: `train.config`). Always
@@ -127,7 +130,7 @@ class EagleConfig:
 class FusedOwnVocab:
     """What the EAGLE-3 and P-EAGLE configs share: the target's fused low / mid / high features and the drafter's own
     head over a draft vocabulary (fields `method`, `feature_layers`, `draft_vocab`, `step_decay`, `input_noise`,
-    `topk_metric`: each config declares them)."""
+    `topk_metric`, `loss`, `loss_topk`, `loss_topk_weight`, `loss_eta`: each config declares them)."""
 
     def validate_fused(self, err) -> None:
         if len(set(self.feature_layers)) != len(self.feature_layers):
@@ -140,6 +143,12 @@ class FusedOwnVocab:
             err("drafter.input_noise", f"must be >= 0, got {self.input_noise}")
         if self.topk_metric < 1:
             err("drafter.topk_metric", f"must be >= 1, got {self.topk_metric}")
+        if self.loss_topk < 1:
+            err("drafter.loss_topk", f"must be >= 1, got {self.loss_topk}")
+        if not (self.loss_topk_weight >= 0 and math.isfinite(self.loss_topk_weight)):
+            err("drafter.loss_topk_weight", f"must be a finite number >= 0, got {self.loss_topk_weight}")
+        if not (self.loss_eta >= 0 and math.isfinite(self.loss_eta)):
+            err("drafter.loss_eta", f"must be a finite number >= 0, got {self.loss_eta}")
         at_most(err, "drafter.draft_vocab", self.draft_vocab, MAX_VOCAB)
         at_most(err, "drafter.topk_metric", self.topk_metric, MAX_VOCAB)
 
@@ -228,6 +237,16 @@ class Eagle3Config(FusedOwnVocab):
     """Training-only noise U(-a, a) added to the target features."""
     topk_metric: int = 5
     """k of the `acc@k` metric."""
+    loss: DraftLoss = "kl"
+    """What each unrolled step learns at a position (models/losses.py): `kl` (EAGLE-3's soft cross-entropy against the
+    target's distribution), `hass` (plus HASS's top-K distillation), `tv`, `nla` or `lk_hybrid` (LK losses: the
+    acceptance rate itself)."""
+    loss_topk: int = 10
+    """hass: the target's K most likely tokens whose log-probabilities the extra term weighs."""
+    loss_topk_weight: float = 1.0
+    """hass: weight of the top-K term beside the soft cross-entropy."""
+    loss_eta: float = 3.0
+    """lk_hybrid: λ = exp(-loss_eta · α), the share of KL beside total variation at a position."""
 
     def validate(self, err) -> None:
         self.validate_fused(err)
@@ -262,6 +281,14 @@ class PeagleConfig(FusedOwnVocab):
     """Training-only noise U(-a, a) added to the target features."""
     topk_metric: int = 5
     """k of the `acc@k` metric."""
+    loss: DraftLoss = "kl"
+    """As EAGLE-3's: `kl`, `hass`, `tv`, `nla` or `lk_hybrid` (models/losses.py)."""
+    loss_topk: int = 10
+    """hass: the target's K most likely tokens whose log-probabilities the extra term weighs."""
+    loss_topk_weight: float = 1.0
+    """hass: weight of the top-K term beside the soft cross-entropy."""
+    loss_eta: float = 3.0
+    """lk_hybrid: λ = exp(-loss_eta · α)."""
 
     @property
     def ttt_steps(self) -> int:

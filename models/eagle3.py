@@ -29,6 +29,7 @@ from models.common import (
 from models.configs import Eagle3Config
 from models.eagle import MLP, Attention, DraftCache, RMSNorm, logit_positions, step_mask, windowed
 from models.lm_head import FACTORS_NAME, DraftHead, unbiased_weight
+from models.losses import distribution_loss
 
 
 class Eagle3Layer(nn.Module):
@@ -141,8 +142,9 @@ class Eagle3Drafter(nn.Module):
     position t reads its own step-(j-1) output and the true token x_{t+j+1}, stands at position t+j and attends to
     the step-0 keys of t's prefix (the target's features) and to its own keys at t from steps 1..j, exactly what
     it sees when drafting j tokens ahead. Its loss is the soft cross-entropy against the target's next-token
-    distribution at t+j+1, renormalised over the draft vocabulary, weighted step_decay**j and divided by the
-    number of loss tokens. Positions whose target top-1 token is outside the draft vocabulary are left out of
+    distribution at t+j+1, renormalised over the draft vocabulary (or another objective on the same two
+    distributions, `drafter.loss`: models/losses.py), weighted step_decay**j and divided by the number of loss
+    tokens. Positions whose target top-1 token is outside the draft vocabulary are left out of
     the loss (their distribution cannot be matched there); the `acc@1` metrics still count them as misses.
     """
 
@@ -260,16 +262,20 @@ class Eagle3Drafter(nn.Module):
         row = torch.full((B, T), -1, dtype=torch.long, device=last.device)
         row[at] = torch.arange(int(at.sum()), device=last.device)
         with torch.no_grad():
-            head, top1, probs = self._target_head.module, [], []
+            head, top1, probs, masses = self._target_head.module, [], [], []
             for rows in last[at].split(TARGET_HEAD_ROWS):  # (n, d) at a time: long packed rows keep (N, V) off memory
                 full = head(rows.to(head.weight.dtype)).float().to(last.device)  # (n, V)
                 top1.append(full.argmax(-1))
-                probs.append(full[:, self.draft_ids].softmax(-1))  # (n, K)
+                draft = full[:, self.draft_ids]  # (n, K)
+                probs.append(draft.softmax(-1))
+                masses.append((draft.logsumexp(-1) - full.logsumexp(-1)).exp())  # the target's mass on the K tokens
             target_top1 = torch.cat(top1) if top1 else last.new_zeros(0, dtype=torch.long)  # (N,)
             target_p = torch.cat(probs) if probs else last.new_zeros(0, len(self.d2t))  # (N, K)
+            target_mass = torch.cat(masses) if masses else last.new_zeros(0)  # (N,)
             in_vocab = self.t2d[target_top1]  # (N,)
         n_loss = num_loss_tokens(batch)
-        k = min(self.cfg.topk_metric, self.cfg.draft_vocab)
+        cfg = self.cfg
+        k = min(cfg.topk_metric, cfg.draft_vocab)
         out: dict[str, torch.Tensor] = {}
         loss = last.new_zeros((), dtype=torch.float32)
         for j, normed in enumerate(self.unroll(batch)):
@@ -280,18 +286,23 @@ class Eagle3Drafter(nn.Module):
             r = rows[valid]  # (M,)
             logits = self.draft_logits(normed[valid])  # (M, K)
             keep = in_vocab[r]
-            ce = -(target_p[r[keep]] * logits[keep].log_softmax(-1)).sum(-1)
-            step_loss = ce.sum() / n_loss
-            loss = loss + self.cfg.step_decay**j * step_loss
+            kept = r[keep]
+            per_position, alpha = distribution_loss(
+                cfg.loss, logits[keep], target_p[kept], target_mass[kept], cfg.loss_topk, cfg.loss_topk_weight,
+                cfg.loss_eta,
+            )  # fmt: skip
+            step_loss = per_position.sum() / n_loss
+            loss = loss + cfg.step_decay**j * step_loss
             with torch.no_grad():
                 hit = self.draft_ids[logits.topk(k, dim=-1).indices] == target_top1[r][:, None]  # (M, k)
                 n_valid = max(len(r), 1)
                 name = "" if j == 0 else f"step{j}/"
                 out[f"{name}acc@1"] = hit[:, 0].sum() / n_valid
+                out[f"{name}alpha"] = alpha.sum() / max(len(kept), 1)
                 if j == 0:
                     out[f"acc@{k}"] = hit.any(-1).sum() / n_valid
                     out["in_vocab"] = keep.sum() / n_valid
-                out[f"{name}loss_ce"] = step_loss.detach()
+                out[f"{name}loss_{'ce' if cfg.loss == 'kl' else cfg.loss}"] = step_loss.detach()
         out["loss"] = loss
         return out
 
