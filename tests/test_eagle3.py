@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from accelerate import Accelerator
 from accelerate.state import AcceleratorState, GradientState
 from accelerate.utils import set_seed
 from safetensors.torch import load_file, save_file
@@ -367,6 +368,28 @@ def test_offline_and_online_runs_choose_the_same_draft_vocabulary_and_train(feat
         assert after.keys() == {name for name, _ in initial.named_parameters()}
         for name in ("fc.weight", "midlayer.self_attn.q_proj.weight", "lm_head.weight"):
             assert not torch.equal(after[name], initial.state_dict()[name]), f"{run}: {name} did not change"
+
+
+def test_first_records_trains_on_a_prefix_of_the_data_with_the_whole_heldout_split(features, tmp_path, at_root):
+    """train.first_records: the training batches hold only samples of the first N records, the held-out split is the
+    whole data's, and the draft vocabulary is counted on the samples trained on."""
+    whole = tiny_recipe(features, tmp_path / "all")
+    part = tiny_recipe(features, tmp_path / "part", "train.first_records=6", "drafter.draft_vocab=16")
+    target = load_target(**vars(whole.target))
+    accelerator = Accelerator(cpu=True)
+    train_all, _, heldout_all = loop.build_loaders(whole, target, accelerator)
+    train_part, _, heldout_part = loop.build_loaders(part, target, accelerator)
+    ids = FeatureDataset(features).sample_ids
+    assert heldout_part == heldout_all
+    assert [ids[i] for i in train_part.indices] == [ids[i] for i in train_all.indices if ids[i] < 6]
+    assert 0 < len(train_part.indices) < len(train_all.indices)
+    reset_accelerate()
+    train(tiny_recipe(features, tmp_path / "part", "train.first_records=6", "drafter.draft_vocab=16"))
+    unused = [i for i in ids if i >= 6 or i in read_heldout(tmp_path / "part")]
+    assert torch.equal(load_draft_vocab(tmp_path / "part"), frequent_loss_tokens(FeatureDataset(features), 16, unused))
+    assert not torch.equal(
+        load_draft_vocab(tmp_path / "part"), frequent_loss_tokens(FeatureDataset(features), 16, heldout_all)
+    )
 
 
 def trained(run: Path) -> dict[str, torch.Tensor]:

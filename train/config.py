@@ -231,6 +231,10 @@ class TrainConfig:
     vocabulary). On a large vocabulary the lm_head projections dominate a drafter's step; EAGLE's soft CE is then
     taken over that subset (target distribution renormalised on it), Medusa's CE skips positions whose label is
     outside it. The exported drafter is unchanged: it drafts with the target's full lm_head (or `eval.draft_vocab`)."""
+    first_records: int | None = None
+    """Train only on the training split's samples among the first N records of the data (`data.train_files` in
+    order, or the HF dataset): one feature set then serves a curve of data sizes. The held-out split stays that of
+    the whole data, and the draft vocabulary is counted on the samples trained on. null: every training sample."""
     head_lr_mult: float = 1.0
     """Learning-rate multiplier for parameters the drafter marks as heads: Medusa-2's heads against its LoRA
     adapters (4 in its recipes), EAGLE-3's own LM head (which starts from the target's rows). Every Medusa-1
@@ -257,6 +261,8 @@ class TrainConfig:
             err("train.clip_grad_norm", f"must be > 0 or null, got {self.clip_grad_norm}")
         if self.head_lr_mult <= 0:
             err("train.head_lr_mult", f"must be > 0, got {self.head_lr_mult}")
+        if self.first_records is not None and self.first_records < 1:
+            err("train.first_records", f"must be >= 1 or null (every record), got {self.first_records}")
         if self.loss_vocab < 0:
             err("train.loss_vocab", f"must be 0 (the whole vocabulary) or a token count, got {self.loss_vocab}")
         if self.loss_vocab and self.online:

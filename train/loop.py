@@ -191,6 +191,12 @@ def build_loaders(
         if problems:
             raise TrainingError(f"{recipe.source}: data.features_dir: {problems[0]}")
         train_idx, heldout_idx = samples.split(data.heldout_fraction, cfg.seed)
+    if cfg.first_records is not None:  # sample ids are record numbers over the data, in order
+        train_idx = [i for i, sid in zip(train_idx, sample_ids(samples, train_idx)) if int(sid) < cfg.first_records]
+        if not train_idx:
+            raise TrainingError(
+                f"{recipe.source}: train.first_records: no training sample among the first {cfg.first_records} records"
+            )
     if accelerator.is_main_process:  # evaluation calibrates on these samples, never on training ones
         write_heldout(cfg.output_dir, sample_ids(samples, heldout_idx))
     common = dict(
@@ -423,7 +429,8 @@ def _train(recipe: Recipe, accelerator: Accelerator, stop_after: int | None) -> 
     set_seed(cfg.seed)
     target = build_target(recipe, accelerator)
     train_loader, heldout_loader, heldout_idx = build_loaders(recipe, target, accelerator)
-    skip = sample_ids(train_loader.samples, heldout_idx)  # training split only
+    trained_on = set(train_loader.indices)  # the training split (less what train.first_records leaves out)
+    skip = sample_ids(train_loader.samples, [i for i in range(len(train_loader.samples)) if i not in trained_on])
     parts = target.parts(recipe.data.layers)
     if cfg.loss_vocab:  # offline only (checked at load): the loader's samples are the feature shards
         vocab = frequent_loss_tokens(train_loader.samples, cfg.loss_vocab, skip)
