@@ -402,6 +402,19 @@ def weights_fingerprint(path: Path) -> str:
     return f"bytes:{size},sampled-sha256:{digest.hexdigest()}"
 
 
+def check_new_tokens(target: str, max_new_tokens: int, error: type[Exception]) -> None:
+    """Refuse --max-new-tokens that the target cannot hold: at least its max_position_embeddings (from config.json,
+    read without loading the model), which generation would run past until memory gives out."""
+    from train.config import TargetConfig
+
+    positions = TargetConfig(path=target).size("max_position_embeddings")
+    if positions is not None and max_new_tokens >= positions:
+        raise error(
+            f"--max-new-tokens {max_new_tokens}: {target} holds {positions} positions (max_position_embeddings in "
+            "its config.json), prompt included; ask for fewer"
+        )
+
+
 def target_identity(target: str) -> dict[str, Any]:
     """Path, hashes of the config and tokenizer files, and of samples of the weight files (`weights_fingerprint`)."""
     path = Path(target)
@@ -622,6 +635,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SelfDistillError(f"{args.target}: no such target directory (--target is a local model directory)")
     if not (Path(args.target) / "config.json").is_file():
         raise SelfDistillError(f"{args.target}: not a Hugging Face model directory (no config.json)")
+    check_new_tokens(args.target, args.max_new_tokens, SelfDistillError)
 
     from accelerate import PartialState
     from accelerate.utils import gather_object, parse_flag_from_env

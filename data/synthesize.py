@@ -59,6 +59,7 @@ from data.requests import Duplicates, english_problem, words
 from data.selfdistill import (
     Generator,
     SelfDistillError,
+    check_new_tokens,
     first_line,
     merge_parts,
     part_files,
@@ -69,8 +70,11 @@ from data.selfdistill import (
     target_identity,
 )
 from data.shards import durable_replace
+from train.schema import safe_load, yaml_problem
 
 SENTINEL = "\x00specdraft-user-request\x00"
+MAX_COUNT = 10_000_000
+"""--count's bound: the candidate list is planned whole before generating."""
 
 
 class SynthesizeError(ValueError):
@@ -114,12 +118,16 @@ def read_kinds(path: Path | None) -> list[Kind]:
     """Kinds from a YAML file (errors name the file and entry); one plain kind without a file."""
     if path is None:
         return [Kind("general")]
+    if path.is_dir():
+        raise SynthesizeError(f"{path}: is a directory; --kinds names a YAML file")
     if not path.is_file():
         raise SynthesizeError(f"{path}: no such kinds file")
     try:
-        spec = yaml.safe_load(path.read_text(encoding="utf-8"))
+        spec = safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:
+        raise SynthesizeError(f"{path}: not UTF-8 ({exc.reason} at byte {exc.start})") from None
     except yaml.YAMLError as exc:
-        raise SynthesizeError(f"{path}: not valid YAML ({first_line(exc)})") from None
+        raise SynthesizeError(f"{path}: not valid YAML: {yaml_problem(exc)}") from None
     entries = spec.get("kinds") if isinstance(spec, dict) else None
     if not isinstance(entries, list) or not entries:
         raise SynthesizeError(f"{path}: needs `kinds:`, a non-empty list of {{name, system?, opener?}}")
@@ -314,10 +322,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.count > MAX_COUNT:
+        raise SynthesizeError(f"--count {args.count}: at most {MAX_COUNT:,} candidates a run (each is a generation)")
     if args.out.is_dir():
         raise SynthesizeError(f"{args.out}: is a directory; --out names the JSONL file to write")
     if not (Path(args.target) / "config.json").is_file():
         raise SynthesizeError(f"{args.target}: not a Hugging Face model directory (no config.json)")
+    check_new_tokens(args.target, args.max_new_tokens, SynthesizeError)
     kinds = read_kinds(args.kinds)
 
     from accelerate import PartialState

@@ -15,6 +15,7 @@ requires the file to hold exactly its trainable tensors; frozen tensors found in
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import shutil
 from collections.abc import Iterator
@@ -115,6 +116,8 @@ def read_json(path: str | Path) -> dict[str, Any]:
         config = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ExportError(f"{path}: not valid JSON ({exc})") from None
+    except RecursionError:
+        raise ExportError(f"{path}: JSON nested too deeply to read") from None
     if not isinstance(config, dict):
         raise ExportError(f"{path}: expected a JSON object, got {type(config).__name__}")
     return config
@@ -144,24 +147,77 @@ def add_legacy_rope(model_dir: str | Path) -> None:
 
 
 EXPORT_MARKER = ".specdraft-export"
-"""Written into every directory an export or import makes: the only kind of directory one may replace."""
+"""Written into every directory an export or import makes, last: JSON listing every file it wrote with its sha256
+(`{"written_by": ..., "files": {name: sha256}}`). Only such a directory may be replaced, and only when it holds
+nothing else; whoever reads an export checks its files against it (`verify_files`)."""
+SHIP_PROVENANCE = "PROVENANCE.json"
+"""A shipped drafter's record (`recipes/run.py --ship`): `files_sha256` lists its files as the marker does."""
+LEGACY_SUFFIXES = (".json", ".safetensors", ".pt", ".bin")
+"""What exports wrote beside a marker that listed nothing (before markers listed their files)."""
 
 
-def _written_here(path: Path) -> bool:
-    """Whether `path` is a directory an export or import of this project wrote (its marker, or the config of a native
-    export made before markers existed)."""
-    if (path / EXPORT_MARKER).is_file():
-        return True
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def listed_files(directory: str | Path) -> tuple[str, dict[str, str]] | None:
+    """(the listing's file name, {file: sha256}) from an export's marker or a ship's provenance; None for a
+    directory whose files nothing lists (not an export, or one written before markers listed their files)."""
+    directory = Path(directory)
+    for name, key in ((EXPORT_MARKER, "files"), (SHIP_PROVENANCE, "files_sha256")):
+        try:
+            files = json.loads((directory / name).read_text(encoding="utf-8"))[key]
+        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError):
+            continue
+        if isinstance(files, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in files.items()):
+            return name, files
+    return None
+
+
+def verify_files(directory: str | Path) -> None:
+    """Every file an export's marker (or a ship's provenance) lists is there with the sha256 it recorded; ExportError
+    naming the first that is not. A directory whose files nothing lists is not checked."""
+    directory = Path(directory)
+    listing = listed_files(directory)
+    if listing is None:
+        return
+    record, files = listing
+    for name, digest in sorted(files.items()):
+        path = directory / name
+        if not path.is_file():
+            raise ExportError(f"{path}: missing, though {directory / record} lists it: the export is incomplete")
+        if sha256_file(path) != digest:
+            raise ExportError(
+                f"{path}: its bytes are not those {directory / record} records (sha256 differs): changed or damaged "
+                "since it was written; export it again"
+            )
+
+
+def foreign_files(path: Path) -> list[str] | None:
+    """Files under `path` that no export wrote, sorted; None when `path` is not a directory an export or import of
+    this project wrote (no marker, nor the config of a native export made before markers existed)."""
+    files = sorted(p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file() or p.is_symlink())
+    listing = listed_files(path)
+    if listing is not None and listing[0] == EXPORT_MARKER:
+        return [f for f in files if f != EXPORT_MARKER and f not in listing[1]]
     try:
-        return json.loads((path / CONFIG_FILE).read_text(encoding="utf-8")).get("format") == FORMAT
+        native = json.loads((path / CONFIG_FILE).read_text(encoding="utf-8")).get("format") == FORMAT
     except (OSError, UnicodeDecodeError, ValueError, AttributeError):
-        return False
+        native = False
+    if not (path / EXPORT_MARKER).is_file() and not native:
+        return None
+    return [f for f in files if f != EXPORT_MARKER and ("/" in f or not f.endswith(LEGACY_SUFFIXES))]
 
 
 def check_export_dir(out: str | Path, source: str | Path | None = None) -> None:
     """Refuse an export / import destination whose replacement could destroy something: a symbolic link, a file, a
-    non-empty directory this project did not write (a model directory, a checkpoint being imported), a leftover
-    `<out>.tmp` or `<out>.replaced` it did not write, or (imports) a directory that holds or lies inside the source."""
+    non-empty directory this project did not write (a model directory, a checkpoint being imported) or holding files
+    it did not write beside an export (a user's notes), a leftover `<out>.tmp` or `<out>.replaced` of that kind, or
+    (imports) a directory that holds or lies inside the source."""
     out = Path(out)
     if source is not None:
         src, dst = Path(source).resolve(), out.resolve()
@@ -172,29 +228,41 @@ def check_export_dir(out: str | Path, source: str | Path | None = None) -> None:
             raise ExportError(f"{path}: is a symbolic link; give the directory it points to, or another --out")
         if path.exists() and not path.is_dir():
             raise ExportError(f"{path}: is a file, not a directory; choose another --out")
-        if path.is_dir() and any(path.iterdir()) and not _written_here(path):
+        if not path.is_dir() or not any(path.iterdir()):
+            continue
+        foreign = foreign_files(path)
+        if foreign is None:
             raise ExportError(
                 f"{path}: holds files no export wrote (no {EXPORT_MARKER}), which replacing it would delete; choose "
                 "another --out, or delete it yourself (engine exports made before the marker existed carry none)"
+            )
+        if foreign:
+            more = f" and {len(foreign) - 1} more" if len(foreign) > 1 else ""
+            raise ExportError(
+                f"{path}: holds {foreign[0]}{more}, which no export wrote, beside an export; replacing the directory "
+                "would delete them: move them away, or choose another --out"
             )
 
 
 @contextmanager
 def staged_directory(out: str | Path) -> Iterator[Path]:
-    """Write a directory under `<out>.tmp`, marked as an export's, and put it in place of `out` only when the block
-    completes: an error leaves `out` as it was (an earlier export there is kept) and nothing that looks complete.
-    `out` and `<out>.tmp` must pass `check_export_dir` (checked again here, just before anything is deleted)."""
+    """Write a directory under `<out>.tmp` and put it in place of `out` only when the block completes, with its
+    marker listing every file written (an error leaves `out` as it was, an earlier export there kept, and nothing
+    that looks complete). `out` and `<out>.tmp` must pass `check_export_dir` (checked again here, just before
+    anything is deleted)."""
     out = Path(out)
     check_export_dir(out)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    (tmp / EXPORT_MARKER).write_text("written by specdraft (train.export / train.imports); a new export replaces it\n")
     try:
         yield tmp
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    files = {p.relative_to(tmp).as_posix(): sha256_file(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
+    marker = {"written_by": "specdraft (train.export / train.imports); a new export replaces it", "files": files}
+    (tmp / EXPORT_MARKER).write_text(json.dumps(marker, indent=1) + "\n")
     check_export_dir(out)
     if out.exists():  # moved aside, not deleted, until the new one is in place
         old = out.with_name(out.name + ".replaced")
@@ -218,6 +286,7 @@ def read_config(export_dir: str | Path) -> dict[str, Any]:
             else " (write one with `python -m train.export`)"
         )
         raise ExportError(f"{export_dir}: no such drafter export directory{hint}")
+    verify_files(export_dir)
     if not path.is_file():
         raise ExportError(f"{export_dir}: no {CONFIG_FILE} (not a drafter export: see `python -m train.export`)")
     config = read_json(path)

@@ -67,7 +67,7 @@ import yaml
 
 from data.runs import latest_checkpoint, read_state
 from eval import REPORT_FILES
-from models.io import EXPORT_MARKER
+from models.io import EXPORT_MARKER, SHIP_PROVENANCE, foreign_files
 from train.schema import YAMLTooLarge, safe_load, yaml_problem
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -311,7 +311,7 @@ def ship(spec: dict[str, Any], method: str, recipe: dict[str, Any], directory: P
     print(f"  {len(files)} files, {sum((dest / f).stat().st_size for f in files) / 1e6:.1f} MB", flush=True)
 
 
-PROVENANCE = "PROVENANCE.json"
+PROVENANCE = SHIP_PROVENANCE
 
 
 def ship_dir_problem(dest: Path) -> str | None:
@@ -326,8 +326,17 @@ def ship_dir_problem(dest: Path) -> str | None:
     if not dest.is_dir():
         return f"{dest} is a file, not a shipped drafter's directory; choose another path"
     entries = sorted(p.name for p in dest.iterdir())
-    if not entries or EXPORT_MARKER in entries:
+    if not entries:
         return None
+    if EXPORT_MARKER in entries:
+        foreign = foreign_files(dest)
+        if not foreign:
+            return None
+        more = f" and {len(foreign) - 1} more" if len(foreign) > 1 else ""
+        return (
+            f"{dest} holds {foreign[0]}{more}, which no export wrote, beside an export, and --ship replaces the "
+            "directory whole; move them away and ship again"
+        )
     if PROVENANCE not in entries:
         return (
             f"{dest} is not a shipped drafter (no {PROVENANCE}) nor an export (no {EXPORT_MARKER}), and --ship "

@@ -57,6 +57,7 @@ class Case:
 M1 = "{m1}"
 EVAL = "{m1} eval.prompts={prompts} eval.drafter={export} eval.output_dir={out}"
 SELFDISTILL = "--target {target} --prompts {prompts} --out {out}/distilled.jsonl --max-new-tokens 2"
+SYNTH = "--target {target} --out {out}/requests.jsonl --count 4 --max-new-tokens 2"
 CASES: dict[str, Case] = {
     # data.prepare: recipe, data files, target
     "prepare/unknown-key": Case("data.prepare", f"{M1} data.trian_files=[x]", ("{m1}", "data.trian_files", "unknown")),
@@ -91,6 +92,11 @@ CASES: dict[str, Case] = {
     ),
     "prepare/missing-tokenizer": Case(
         "data.prepare", f"{M1} target.tokenizer={{w}}/no-tokenizer", ("target.tokenizer", "no-tokenizer")
+    ),
+    "prepare/huge-random-target": Case(
+        "data.prepare",
+        f"{M1} target.random_init.hidden_size=1000000000000",
+        ("target.random_init.hidden_size", "upper"),
     ),
     "prepare/max-samples-zero": Case("data.prepare", f"{M1} data.max_samples=0", ("data.max_samples", ">= 1")),
     "prepare/empty-completion": Case(
@@ -141,6 +147,11 @@ CASES: dict[str, Case] = {
     "train/override-not-yaml": Case(
         "train", f"{M1} train.betas=[0.9", ("train.betas=[0.9", "not a YAML value: character 5")
     ),
+    "train/features-stored-otherwise": Case(
+        "train",
+        f"{M1} data.features_dir={{features_fp8}} data.storage_dtype=float32 train.output_dir={{out}}",
+        ("{features_fp8}", "dtype='fp8_e4m3'", "data.storage_dtype"),
+    ),
     "train/missing-stage1-heads": Case(
         "train",
         "{m2} drafter.stage1_heads={w}/no-stage1 train.output_dir={out}",
@@ -182,6 +193,11 @@ CASES: dict[str, Case] = {
         "train.imports",
         "{w}/fd-extra --format medusa --target {m1} --out {out}",
         ("fd-extra/medusa_lm_head.safetensors", "extra tensors", "0.0.linear.scale"),
+    ),
+    "imports/deeply-nested-config": Case(
+        "train.imports",
+        "{w}/fd-deep --format medusa --target {m1} --out {out}",
+        ("fd-deep/config.json", "nested too deeply"),
     ),
     "imports/bad-config": Case(
         "train.imports",
@@ -238,6 +254,34 @@ CASES: dict[str, Case] = {
         SELFDISTILL.replace("{prompts}", "{w}/prompts_badjson.jsonl"),
         ("prompts_badjson.jsonl:2", "invalid JSON"),
     ),
+    "selfdistill/endless-answers": Case(
+        "data.selfdistill",
+        SELFDISTILL.replace("--max-new-tokens 2", "--max-new-tokens 1000000000000"),
+        ("--max-new-tokens 1000000000000", "{target} holds", "positions"),
+    ),
+    # data.synthesize
+    "synthesize/huge-count": Case("data.synthesize", f"{SYNTH} --count 1000000000000", ("--count", "at most")),
+    "synthesize/endless-requests": Case(
+        "data.synthesize", f"{SYNTH} --max-new-tokens 1000000000000", ("--max-new-tokens 1000000000000", "positions")
+    ),
+    "synthesize/kinds-not-utf8": Case(
+        "data.synthesize", f"{SYNTH} --kinds {{w}}/latin1.yaml", ("latin1.yaml", "not UTF-8")
+    ),
+    "synthesize/kinds-not-yaml": Case(
+        "data.synthesize", f"{SYNTH} --kinds {{w}}/bad.yaml", ("bad.yaml", "not valid YAML: line 2, column 1:")
+    ),
+    "synthesize/kinds-is-a-directory": Case(
+        "data.synthesize", f"{SYNTH} --kinds {{a_dir}}", ("{a_dir}", "is a directory"), watch="{a_dir}"
+    ),
+    "synthesize/kinds-alias-bomb": Case(
+        "data.synthesize", f"{SYNTH} --kinds {{w}}/bomb.yaml", ("bomb.yaml", "aliases expand")
+    ),
+    # data.chatsets
+    "chatsets/missing-source": Case("data.chatsets", "{w}/nope.json --out {out}", ("nope.json", "no such file")),
+    "chatsets/malformed": Case(
+        "data.chatsets", "{w}/chat-bad.json --out {out}", ("chat-bad.json", "line 4", "malformed JSON in record 0")
+    ),
+    "chatsets/not-utf8": Case("data.chatsets", "{w}/latin1.jsonl --out {out}", ("latin1.jsonl:2", "not a JSON record")),
     "selfdistill/out-is-a-directory": Case(
         "data.selfdistill", SELFDISTILL.replace("{out}/distilled.jsonl", "{a_dir}"), ("{a_dir}",), watch="{a_dir}"
     ),
@@ -314,7 +358,10 @@ def world(tmp_path_factory) -> dict[str, str]:
     train_main([paths["m1"], *one_step])
     export_main([str(run)])
     extract_main([paths["m1"]])
-    paths |= {"run": str(run), "export": str(run / "export")}
+    extract_main([paths["m1"], f"data.features_dir={w / 'features-fp8'}", "data.storage_dtype=fp8_e4m3"])
+    paths |= {"run": str(run), "export": str(run / "export"), "features_fp8": str(w / "features-fp8")}
+    bad_chat = json.dumps([GOOD[0]], indent=1).replace('"conversations":', '"conversations"', 1)
+    (w / "chat-bad.json").write_text(bad_chat)
 
     # FasterDecoding Medusa checkpoints to import: one tensor short (.pt), one too many (.safetensors), bad JSON
     from safetensors.torch import save_file
@@ -324,6 +371,9 @@ def world(tmp_path_factory) -> dict[str, str]:
     heads = {f"{h}.0.linear.{k}": torch.zeros((d, d) if k == "weight" else (d,)) for h in range(5) for k in
              ("weight", "bias")} | {f"{h}.1.weight": torch.zeros(vocab, d) for h in range(5)}  # fmt: skip
     config = json.dumps({"medusa_num_heads": 5, "medusa_num_layers": 1, "base_model_name_or_path": "x"})
+    (w / "fd-deep").mkdir()
+    (w / "fd-deep" / "config.json").write_text("[" * 100_000 + "]" * 100_000)
+    torch.save(heads, w / "fd-deep" / "medusa_lm_head.pt")
     for name in ("fd-missing", "fd-extra", "fd-badjson"):
         (w / name).mkdir()
         (w / name / "config.json").write_text(config if name != "fd-badjson" else config[:-1])
@@ -400,6 +450,8 @@ def test_cases_cover_every_cli():
     assert {case.module for case in CASES.values()} == {
         "data.prepare",
         "data.selfdistill",
+        "data.synthesize",
+        "data.chatsets",
         "data.extract",
         "train",
         "train.export",

@@ -170,6 +170,7 @@ def test_tied_target_weights_export_and_reload(tmp_path):
 
 def test_strict_loading(runs, tmp_path):
     out = export(runs["medusa1"], tmp_path / "export")
+    (out / EXPORT_MARKER).unlink()  # the checks behind the checksums: files no marker lists (an older export)
     recipe, target, _ = load_run(runs["medusa1"])
     tensors = load_file(str(out / WEIGHTS_FILE))
 
@@ -382,7 +383,10 @@ def test_each_format_has_its_own_directory_and_a_re_export_replaces_it(runs, tmp
     assert json.loads((native / "config.json").read_text())["format"] != json.loads(
         (vllm / "config.json").read_text()
     ).get("format")
-    (native / "stale.txt").write_text("from the earlier export")
+    (native / "stale.txt").write_text("from the earlier export")  # a file the earlier export wrote, this one does not
+    marker = json.loads((native / EXPORT_MARKER).read_text())
+    marker["files"]["stale.txt"] = "0" * 64
+    (native / EXPORT_MARKER).write_text(json.dumps(marker))
     assert export(run) == native and not (native / "stale.txt").exists()
     other = tmp_path / "notes"
     other.mkdir()
@@ -421,6 +425,40 @@ def test_an_export_replaces_only_what_an_export_wrote(runs, tmp_path):
     (first / EXPORT_MARKER).unlink()  # a native export written before the marker existed: its config says so
     assert export(run, out) == out and (out / EXPORT_MARKER).is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "link", "my-model", "out"]  # nothing staged left
+
+
+def test_an_export_beside_a_users_files_is_refused_and_keeps_them(runs, tmp_path):
+    """An export's marker lists the files it wrote: a directory holding anything else too (a user's notes, a
+    subdirectory) is refused, naming it, and nothing is deleted; without them the export is replaced."""
+    out = export(runs["eagle2"], tmp_path / "out")
+    (out / "notes.txt").write_text("mine")
+    (out / "plots").mkdir()
+    (out / "plots" / "loss.png").write_bytes(b"png")
+    with pytest.raises(ExportError, match=rf"^{out}: holds notes.txt and 1 more, which no export wrote, beside"):
+        export(runs["eagle2"], out)
+    assert (out / "notes.txt").read_text() == "mine" and (out / "plots" / "loss.png").is_file()
+    (out / "notes.txt").unlink()
+    shutil.rmtree(out / "plots")
+    assert export(runs["eagle2"], out) == out
+
+
+@pytest.mark.parametrize("victim", [WEIGHTS_FILE, CONFIG_FILE, "draft_vocab.safetensors"])
+def test_an_export_whose_bytes_changed_is_refused_naming_the_file(runs, tmp_path, victim):
+    """The marker records every file's sha256; loading checks them: one flipped byte anywhere is one line naming the
+    file, and so is a missing file."""
+    out = export(runs["eagle2-vocab"], tmp_path / "export")
+    marker = json.loads((out / EXPORT_MARKER).read_text())
+    assert set(marker["files"]) == {CONFIG_FILE, WEIGHTS_FILE, "draft_vocab.safetensors"}
+    recipe, target, _ = load_run(runs["eagle2-vocab"])
+    load_drafter(out, target)  # as written: loads
+    raw = bytearray((out / victim).read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    (out / victim).write_bytes(bytes(raw))
+    with pytest.raises(ExportError, match=rf"^{out / victim}: its bytes are not those {out / EXPORT_MARKER} records"):
+        load_drafter(out, target)
+    (out / victim).unlink()
+    with pytest.raises(ExportError, match=rf"^{out / victim}: missing, though {out / EXPORT_MARKER} lists it"):
+        load_drafter(out, target)
 
 
 def test_a_second_export_into_the_same_directory_is_refused(runs, tmp_path):

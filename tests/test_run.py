@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -233,7 +234,11 @@ def fake_run(root: Path) -> tuple[dict, dict, Path]:
     (run_dir / "export").mkdir(parents=True)
     (run_dir / "export" / "config.json").write_text("{}\n")
     (run_dir / "export" / "model.safetensors").write_bytes(b"weights")
-    (run_dir / "export" / EXPORT_MARKER).write_text("an export\n")
+    (run_dir / "export" / EXPORT_MARKER).write_text(
+        json.dumps(
+            {"files": {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in (run_dir / "export").iterdir()}}
+        )
+    )
     (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
     target.mkdir()
     (target / "config.json").write_text("{}\n")
@@ -281,6 +286,16 @@ def test_ship_replaces_a_previous_ship_and_refuses_anything_else(tmp_path):
     with pytest.raises(SystemExit, match=rf"{refusal} holds notes.txt, which no ship wrote"):
         ship(spec, "eagle2", conf, directory)
     assert (dest / "notes.txt").read_text() == "mine" and (dest / "model.safetensors").is_file()
+
+    shutil.rmtree(dest)  # an export (its marker lists what it wrote) holding a user's file too: refused, naming it
+    shutil.copytree(tmp_path / "run" / "export", dest)
+    (dest / "notes.txt").write_text("mine")
+    with pytest.raises(SystemExit, match=rf"{refusal} holds notes.txt, which no export wrote, beside an export"):
+        ship(spec, "eagle2", conf, directory)
+    assert (dest / "notes.txt").read_text() == "mine"
+    (dest / "notes.txt").unlink()
+    ship(spec, "eagle2", conf, directory)  # the export alone: replaced
+    assert sorted(p.name for p in dest.iterdir()) == sorted(listed | {"PROVENANCE.json"})
 
 
 @pytest.mark.slow

@@ -65,6 +65,25 @@ def check_at_most(err, key: str, value: int, limit: int, what: str = "") -> None
         err(key, f"{value} is more than {what or 'the upper bound'} ({limit})")
 
 
+RANDOM_INIT_SIZES = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
+                     "num_key_value_heads", "max_position_embeddings", "head_dim")  # fmt: skip
+MAX_RANDOM_INIT_SIZE = 1 << 22
+"""Each size of a randomly initialised target (`target.random_init`): weights are allocated before anything runs."""
+MAX_RANDOM_INIT_PARAMETERS = 2e10
+"""A randomly initialised target is built in memory whole (tests, benchmarks): 2e10 parameters is 80 GB in float32."""
+
+
+def random_init_parameters(config: dict[str, Any]) -> float:
+    """About how many parameters a `target.random_init` config describes (Llama-shaped: embeddings and head, attention
+    and MLP per layer); 0 when its sizes are not numbers."""
+    try:
+        d, layers, vocab = (float(config.get(k, 0)) for k in ("hidden_size", "num_hidden_layers", "vocab_size"))
+        inner = float(config.get("intermediate_size", 4 * d))
+    except (TypeError, ValueError):
+        return 0.0
+    return 2 * vocab * d + layers * (4 * d * d + 3 * d * inner)
+
+
 @dataclass
 class TargetConfig:
     """The frozen target model."""
@@ -99,6 +118,16 @@ class TargetConfig:
                     self.random_init[key] = float(value)
             if "model_type" not in self.random_init:
                 err("target.random_init", "needs a model_type (e.g. llama, qwen2, mistral)")
+            for key in RANDOM_INIT_SIZES:
+                value = self.random_init.get(key)
+                if isinstance(value, (int, float)) and not isinstance(value, bool) and value > MAX_RANDOM_INIT_SIZE:
+                    err(f"target.random_init.{key}", f"{value} is more than the upper bound ({MAX_RANDOM_INIT_SIZE})")
+            if (params := random_init_parameters(self.random_init)) > MAX_RANDOM_INIT_PARAMETERS:
+                err(
+                    "target.random_init",
+                    f"describes a target of about {params:.3g} parameters, more than the upper bound for a randomly "
+                    f"initialised one ({MAX_RANDOM_INIT_PARAMETERS:.0e}); load a real target with target.path",
+                )
             if self.tokenizer is None:
                 err("target.tokenizer", "is required when target.random_init is used")
 

@@ -145,6 +145,8 @@ def _features_problem(message: str, extract: str) -> str:
     loaded, overrides included): shard errors already say to re-run `python -m data.extract RECIPE` (which
     re-extracts exactly the bad shards) or to extract again, settings mismatches say neither."""
     generic = "python -m data.extract RECIPE"
+    if "built with dtype=" in message:
+        return f"{message}: data.storage_dtype must say how they are stored (or re-extract with `{extract}`)"
     if generic in message:
         return message.replace(generic, extract)
     if "extract again" in message:
@@ -182,7 +184,8 @@ def build_loaders(
             samples = FeatureDataset(
                 data.features_dir,
                 verify_checksums=data.verify_checksums,
-                expect=feature_identity(target, data),
+                # the recipe says how its features are stored; a set stored otherwise is not what it describes
+                expect=feature_identity(target, data) | {"dtype": data.storage_dtype},
                 verify_shards=(accelerator.process_index, accelerator.num_processes),
             )
         except (FeatureMismatchError, FileNotFoundError) as exc:
