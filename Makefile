@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install vllm-env hooks test test-fast lint format demo demo-pocket smollm2 check-speculators check-consumers check-sglang check-vllm check-vllm-selfdistill clean
+.PHONY: install vllm-env hooks test test-fast fuzz lint format demo demo-pocket smollm2 check-speculators check-consumers check-sglang check-vllm check-vllm-selfdistill clean
 
 install: $(STAMP)
 
@@ -32,6 +32,11 @@ test: install lint
 # tests/conftest.py), without lint. `make test` (what CI runs) runs them all.
 test-fast: install
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -m "not slow"
+
+# The long fuzzing run of every reader (tests/test_fuzz.py; `make test` runs a bounded, derandomized one): new
+# examples each time, about 600 per reader; what it found is in docs/testing.md.
+fuzz: install
+	SPECDRAFT_FUZZ=long TRITON_INTERPRET=1 $(BIN)/python -m pytest tests/test_fuzz.py -p no:cacheprovider
 
 # Contributors: commit messages checked as they are written (subject <= 72 characters, blank line, reasons).
 hooks:

@@ -229,6 +229,10 @@ def build_manifest(header: dict[str, Any], entries: list[dict[str, Any]], extra:
     }
 
 
+LATER_TARGET_KEYS = ("weights_sha256_whole",)
+"""Target identity fields that features extracted before they existed do not record: compared when recorded."""
+
+
 def check_header(found: dict[str, Any], expect: dict[str, Any], where: str) -> None:
     """Raise FeatureMismatchError naming the first field of `expect` that `found` disagrees with.
 
@@ -239,7 +243,9 @@ def check_header(found: dict[str, Any], expect: dict[str, Any], where: str) -> N
         have = found.get(key)
         if isinstance(want, dict) and isinstance(have, dict):
             for sub, sub_want in want.items():
-                if (key, sub) != ("target", "name") and have.get(sub) != sub_want:
+                if key == "target" and (sub == "name" or (sub in LATER_TARGET_KEYS and sub not in have)):
+                    continue
+                if have.get(sub) != sub_want:
                     named = f" (target {have.get('name')!r} vs {want.get('name')!r})" if key == "target" else ""
                     raise FeatureMismatchError(
                         f"{where}: built with {key}.{sub}={have.get(sub)!r}, expected {sub_want!r}{named}"

@@ -29,7 +29,8 @@ from torch import nn
 
 from models.common import borrowed_state_dict, share_safetensors
 from models.methods import METHODS
-from models.target import Target
+from models.target import Target, tokenizer_identity
+from models.typed import build_dataclass
 
 FORMAT = "specdraft"
 FORMAT_VERSION = 1
@@ -87,6 +88,7 @@ def save_native(
         "method": drafter.cfg.method,
         "drafter": dataclasses.asdict(drafter.cfg),
         "target": target.identity(),
+        **({} if target.tokenizer is None else {"tokenizer": tokenizer_identity(target.tokenizer)}),
         "stored_layers": list(drafter.stored_layers),
         "recipe": recipe,
     }
@@ -297,18 +299,36 @@ def read_config(export_dir: str | Path) -> dict[str, Any]:
         )
     if config.get("method") not in METHODS:
         raise ExportError(f"{path}: method: unknown method {config.get('method')!r} (known: {sorted(METHODS)})")
+    for key, kind in (("drafter", dict), ("target", dict), ("stored_layers", list)):
+        if not isinstance(config.get(key), kind):
+            raise ExportError(f"{path}: {key}: expected a JSON {kind.__name__}, got {config.get(key)!r:.80}")
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in config["stored_layers"]):
+        raise ExportError(f"{path}: stored_layers: expected hidden-state indices, got {config['stored_layers']!r:.80}")
+    if not isinstance(config.get("recipe"), (dict, type(None))):
+        raise ExportError(f"{path}: recipe: expected a JSON object, got {config['recipe']!r:.80}")
+    steps = config.get("trained_steps")
+    if steps is not None and (not isinstance(steps, int) or isinstance(steps, bool) or steps < 0):
+        raise ExportError(f"{path}: trained_steps: expected a step number, got {steps!r:.80}")
     return config
 
 
 def check_target(config: dict[str, Any], target: Target, where: str) -> None:
     """Refuse a target other than the training one (weights compared when loaded in the same dtype)."""
-    have = target.identity()
-    same_dtype = config["target"].get("dtype") == have["dtype"]
-    for key in _IDENTITY_KEYS + (("weights_sha256",) if same_dtype else ()):
-        if config["target"].get(key) != have[key]:
+    have, recorded = target.identity(), config["target"]
+    same_dtype = recorded.get("dtype") == have["dtype"]
+    # whole tensors where the export recorded them (exports before that: samples of every tensor)
+    weights = "weights_sha256_whole" if "weights_sha256_whole" in recorded else "weights_sha256"
+    pairs = [(key, recorded.get(key), have[key]) for key in _IDENTITY_KEYS + ((weights,) if same_dtype else ())]
+    if isinstance(config.get("tokenizer"), dict) and target.tokenizer is not None:  # its vocabulary, chat template
+        pairs += [
+            (f"tokenizer.{k}", config["tokenizer"].get(k), v) for k, v in tokenizer_identity(target.tokenizer).items()
+        ]
+    for key, trained, loaded in pairs:
+        if trained != loaded:
             raise ExportError(
-                f"{where}: target.{key}: drafter trained for {config['target'].get(key)!r} "
-                f"({config['target'].get('name')}), loaded with {have[key]!r} ({have['name']})"
+                f"{where}: {'' if key.startswith('tokenizer') else 'target.'}{key}: drafter trained for {trained!r} "
+                f"({recorded.get('name')}), loaded with "
+                f"{loaded!r} ({have['name']})"
             )
 
 
@@ -320,16 +340,16 @@ def load_drafter(export_dir: str | Path, target: Target, check_identity: bool = 
         check_target(config, target, where)
     method = METHODS[config["method"]]
     cfg_cls, module_cls = method.config, method.module()
-    try:
-        cfg = cfg_cls(**config["drafter"])
-    except TypeError as exc:
-        raise ExportError(f"{where}: drafter: {exc}") from None
 
     def err(key: str, msg: str) -> None:
         raise ExportError(f"{where}: {key}: {msg}")
 
-    cfg.validate(err)
-    module = module_cls(cfg, target.parts(config["stored_layers"]))
+    cfg = build_dataclass(cfg_cls, config["drafter"], "drafter", err)  # typed as a recipe's section, then validated
+    try:
+        parts = target.parts(config["stored_layers"])
+    except ValueError as exc:
+        raise ExportError(f"{where}: stored_layers: {exc}") from None
+    module = module_cls(cfg, parts)
     weights = str(Path(export_dir) / WEIGHTS_FILE)
     state = read_safetensors(weights)
     expected, full = module.trainable_state_dict(), {**module.state_dict(), **borrowed_state_dict(module)}

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -65,6 +65,19 @@ def _load_error(key: str, path: str, exc: BaseException) -> TargetError:
     return TargetError(f"{key}: {path}: cannot be loaded ({_why(exc)})")
 
 
+def tokenizer_identity(tokenizer) -> dict[str, str]:
+    """sha256 of what decides a tokenizer's ids and a conversation's rendering: its vocabulary with the special tokens,
+    and its chat template."""
+    vocab = json.dumps(
+        {"vocab": sorted(tokenizer.get_vocab().items()), "special": sorted(map(str, tokenizer.all_special_tokens))}
+    ).encode()
+    template = (tokenizer.chat_template or "").encode()
+    return {
+        "vocab_sha256": hashlib.sha256(vocab).hexdigest(),
+        "chat_template_sha256": hashlib.sha256(template).hexdigest(),
+    }
+
+
 class _StopForward(Exception):
     """Raised by the last needed hook to skip the rest of the forward."""
 
@@ -76,6 +89,7 @@ class Target:
     model: PreTrainedModel
     tokenizer: object | None
     name: str
+    _whole: str | None = field(default=None, repr=False, compare=False)
 
     @property
     def config(self) -> PretrainedConfig:
@@ -125,16 +139,28 @@ class Target:
             "dtype": str(self.dtype).removeprefix("torch."),
             "config_sha256": hashlib.sha256(config_blob).hexdigest(),
             "weights_sha256": self._weights_fingerprint(),
+            "weights_sha256_whole": self.whole_weights_sha256(),
         }
 
     def _weights_fingerprint(self) -> str:
-        """sha256 over the first elements of every parameter (full hashing of 16 GB would take minutes)."""
+        """sha256 over the first elements of every parameter: what identities recorded before whole tensors were
+        hashed hold (`weights_sha256`), still compared with those."""
         digest = hashlib.sha256()
         for name, tensor in sorted(self.model.state_dict().items()):
             head = tensor.detach().reshape(-1)[:_FINGERPRINT_ELEMENTS].float().cpu()
             digest.update(name.encode())
             digest.update(head.numpy().tobytes())
         return digest.hexdigest()
+
+    def whole_weights_sha256(self) -> str:
+        """sha256 over every byte of every tensor, by name, in the loaded dtype (computed once: about 1 s per GB)."""
+        if self._whole is None:
+            digest = hashlib.sha256()
+            for name, tensor in sorted(self.model.state_dict().items()):
+                digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
+                digest.update(tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy())
+            self._whole = digest.hexdigest()
+        return self._whole
 
     def parts(self, stored_layers: list[int]) -> TargetParts:
         """The frozen pieces a drafter borrows, with the hidden-state indices its batches carry."""

@@ -144,6 +144,41 @@ def test_target_weights_of_a_bf16_export_reload_onto_the_target_in_float32(tmp_p
         load_drafter(out, load_target(random_init=config, dtype="float32", seed=1))
 
 
+def test_an_export_binds_its_targets_whole_weights_tokenizer_and_chat_template(runs, tmp_path):
+    """The target identity an export records hashes every byte of every tensor (a change past the elements the older
+    fingerprint sampled is caught) and the tokenizer's vocabulary and chat template; loading onto another is one line
+    naming the field. An identity recorded before (sampled weights, no tokenizer) still loads."""
+    out = export(runs["eagle2"], tmp_path / "export")
+    recorded = json.loads((out / CONFIG_FILE).read_text())
+    assert "weights_sha256_whole" in recorded["target"] and recorded["tokenizer"].keys() == {"vocab_sha256",
+        "chat_template_sha256"}  # fmt: skip
+    _, target, _ = load_run(runs["eagle2"])
+    load_drafter(out, target)
+    weight = target.model.model.layers[0].mlp.down_proj.weight
+    kept = weight.detach().clone()
+    with torch.no_grad():
+        weight.view(-1)[-1] += 1.0  # far past the first elements the sampled fingerprint reads
+    target._whole = None
+    with pytest.raises(ExportError, match=r"target.weights_sha256_whole: drafter trained for"):
+        load_drafter(out, target)
+    with torch.no_grad():
+        weight.copy_(kept)
+    target._whole = None
+    load_drafter(out, target)
+    original = target.tokenizer.chat_template
+    target.tokenizer.chat_template = (original or "") + "{# another template #}"
+    try:
+        with pytest.raises(ExportError, match=r"config.json: tokenizer.chat_template_sha256: drafter trained for"):
+            load_drafter(out, target)
+    finally:
+        target.tokenizer.chat_template = original
+    (out / EXPORT_MARKER).unlink()  # an export written before whole hashes and tokenizers were recorded
+    config = json.loads((out / CONFIG_FILE).read_text())
+    del config["target"]["weights_sha256_whole"], config["tokenizer"]
+    (out / CONFIG_FILE).write_text(json.dumps(config))
+    load_drafter(out, target)
+
+
 def test_tied_target_weights_export_and_reload(tmp_path):
     """A target with tied embeddings (Qwen2.5 <= 3B, Llama-3.2) has one tensor for embed_tokens and lm_head;
     the export writes both names (safetensors refuses shared memory, so as copies) and reloads."""

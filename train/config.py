@@ -25,7 +25,8 @@ import yaml
 
 from data.lock import NotADirectory, check_output_path
 from models.methods import METHODS
-from train.schema import RecipeError, YAMLTooLarge, apply_overrides, build_dataclass, safe_load, yaml_problem
+from models.typed import build_dataclass
+from train.schema import RecipeError, YAMLTooLarge, apply_overrides, safe_load, yaml_problem
 
 # --------------------------------------------------------------------------------------------
 # Sections

@@ -209,9 +209,7 @@ def import_eagle3(config: dict, tensors: dict[str, torch.Tensor], weights: Path,
     if layer.get("num_hidden_layers", 1) != 1:
         raise ExportError(f"{where}: num_hidden_layers is {layer.get('num_hidden_layers')}: one decoder layer only")
     check_layer_fields(layer, tc, where)
-    K = config.get("draft_vocab_size")
-    if not isinstance(K, int) or K < 1:
-        raise ExportError(f"{where}: draft_vocab_size: expected an integer >= 1, got {K!r}")
+    K = _int_field(config, "draft_vocab_size", None, where)
     L = tc.num_hidden_layers
     ids = (config.get("eagle_aux_hidden_state_layer_ids") if speculators else None) or (
         config.get("eagle_config") or {}
@@ -231,6 +229,11 @@ def import_eagle3(config: dict, tensors: dict[str, torch.Tensor], weights: Path,
     if config.get("norm_before_fc"):
         raise ExportError(f"{where}: norm_before_fc: not supported by the eagle3 method (use fc_norm)")
     cfg = Eagle3Config(feature_layers=layers, draft_vocab=K, ttt_steps=1, **flags)
+
+    def err(key: str, msg: str) -> None:
+        raise ExportError(f"{where}: {key} (from the checkpoint's config): {msg}")
+
+    cfg.validate(err)
     drafter = METHODS["eagle3"].module()(cfg, target.parts([*layers, -1]))
     prefix = "layers.0." if speculators else "midlayer."
     ours = {name: tuple(t.shape) for name, t in drafter.trainable_state_dict().items()}
@@ -357,6 +360,9 @@ def import_checkpoint(src: str | Path, fmt: str, target: Target, out: str | Path
     src, out = Path(src), Path(out)
     check_export_dir(out, source=src)  # never replaces the checkpoint itself, or a directory no export wrote
     config, tensors, weights = read_source(src, fmt)
+    dtype = config.get("dtype") or config.get("torch_dtype")
+    if dtype is not None and not isinstance(getattr(torch, str(dtype).removeprefix("torch."), None), torch.dtype):
+        raise ExportError(f"{weights.parent / 'config.json'}: dtype {dtype!r} is not a torch dtype")
     check_layout(src, fmt, config, tensors)
     reader = None
     if fmt in ("eagle3", "speculators"):
