@@ -22,8 +22,16 @@ import torch
 from transformers import DynamicCache, GenerationConfig
 from transformers.cache_utils import DynamicLayer
 
-from eval.decode import DecodeSettings, GenerationResult, cache_arg, check_prompts, clock, select_cache_rows
-from eval.reference import target_probs
+from eval.decode import (
+    DecodeSettings,
+    GenerationResult,
+    PositionCoins,
+    cache_arg,
+    check_prompts,
+    clock,
+    sample_next,
+    select_cache_rows,
+)
 
 PROMPT_LOOKUP_TOKENS = 10
 """Prompt lookup's `prompt_lookup_num_tokens`: the n-gram draft length (transformers' suggested value)."""
@@ -49,11 +57,12 @@ def plain_generate_batch(
 ) -> list[GenerationResult]:
     """Plain decoding of B prompts ((L_b,) ids) together: one target forward per token for the whole batch, as
     batched HF generation does it (left padding, a 2D padding mask, the model's own attention; none of the tree
-    kernels), rows leaving the batch when they finish. Row b samples with its own generator seeded `seeds[b]`
-    (default `settings.seed + b`), so every row decodes what it decodes alone with that seed. Times are the batch's."""
+    kernels), rows leaving the batch when they finish. Row b samples its t-th token with the coin of output position t
+    drawn from `seeds[b]` (default `settings.seed + b`; `eval.decode.PositionCoins`, as speculative decoding does), so
+    every row decodes what it decodes alone with that seed. Times are the batch's."""
     prompts, seeds = check_prompts(prompts, seeds, settings)
     device, lengths = prompts[0].device, [int(p.shape[0]) for p in prompts]
-    gens = [torch.Generator(device=device).manual_seed(seed) for seed in seeds]
+    coins = PositionCoins(seeds, settings, device)
     start = clock(device)
     L = max(lengths)
     pads = [L - n for n in lengths]  # left padding per row
@@ -68,7 +77,7 @@ def plain_generate_batch(
     results = [GenerationResult(tokens=[]) for _ in prompts]
     active, next_pos = list(range(len(prompts))), torch.tensor(lengths, device=device)
     while True:
-        toks = _next_tokens(logits, settings, [gens[b] for b in active])
+        toks = sample_next(logits, settings, coins.at(active, [len(results[b].tokens) for b in active]))
         new = toks.tolist()
         still = [i for i, b in enumerate(active) if not _append(results[b].tokens, new[i], settings)]
         if not still:
@@ -91,15 +100,6 @@ def plain_generate_batch(
     for result in results:
         result.target_forwards, result.wall_s, result.target_s = len(result.tokens), wall, wall
     return results
-
-
-def _next_tokens(logits: torch.Tensor, settings: DecodeSettings, gens: Sequence[torch.Generator]) -> torch.Tensor:
-    """(B, V) last-position logits -> (B,) next tokens: the argmax, or a draw from the processed target distribution
-    with each row's own generator."""
-    if settings.greedy:
-        return logits.argmax(-1)
-    probs = target_probs(logits, settings.temperature, settings.top_p)
-    return torch.cat([torch.multinomial(row[None], 1, generator=g) for row, g in zip(probs, gens)]).squeeze(-1)
 
 
 def _append(generated: list[int], token: int, settings: DecodeSettings) -> bool:

@@ -203,6 +203,38 @@ def near_tie(model: torch.nn.Module, prefix: list[int], spec: int, plain: int, m
             "reference_top": int(logits.argmax())}  # fmt: skip
 
 
+def near_boundary(
+    model: torch.nn.Module, prefix: list[int], spec: int, plain: int, coin: float, settings, tolerance: float
+) -> dict:
+    """Sampled decoding's near-tie: both decoders drew with the same coin (`eval.decode.PositionCoins`), so different
+    tokens mean the coin fell where their distributions' CDFs differ. A float32 copy of the target, on `prefix`, gives
+    the reference distribution; the draw is a rounding tie when the coin lies within `tolerance` (probability mass)
+    of both tokens' CDF intervals, i.e. on the boundary between them. -> {"tie", "judge", "tokens", "margin": the
+    larger distance of the coin from either interval, "reference_token": the reference's own draw}."""
+    from eval.reference import sample_from, target_probs
+
+    reference = float32_reference(model)
+    ids = torch.tensor([prefix], device=next(reference.parameters()).device)
+    logits = reference(input_ids=ids).logits[0, -1].float()
+    probs = target_probs(logits[None], settings.temperature, settings.top_p)[0]  # (V,)
+    cdf = probs.cumsum(0)
+    point = coin * float(cdf[-1])
+
+    def distance(token: int) -> float:
+        lo, hi = (float(cdf[token - 1]) if token else 0.0), float(cdf[token])
+        return max(lo - point, point - hi, 0.0)
+
+    gap = max(distance(spec), distance(plain))
+    drawn = int(sample_from(probs[None], torch.tensor([coin], device=probs.device))[0])
+    return {"tie": gap <= tolerance, "judge": "coin_boundary" if gap <= tolerance else None, "tokens": [spec, plain],
+            "margin": gap, "reference_token": drawn}  # fmt: skip
+
+
+BOUNDARY_TOLERANCE = 1e-3
+"""Probability mass within which a sampled draw sits on the boundary between two tokens for a bf16 / fp16 target
+(their probabilities move by about that between evaluation orders); 1e-6 for float32."""
+
+
 def tie_margin(ev, target) -> float:
     """`eval.tie_margin`, or by default 0 for a float32 target (exact) and BF16_TIE_MARGIN for bf16 / fp16."""
     if ev.tie_margin is not None:

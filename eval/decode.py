@@ -42,7 +42,7 @@ from transformers import DynamicCache
 from eval import EvalError
 from eval.kernels import TreeOps, get_ops, register_tree_attention, tree_context
 from eval.proposers import DecodeState, Proposer
-from eval.reference import target_probs
+from eval.reference import sample_from, target_probs
 from eval.trees import Tree, stack_trees
 from train.config import EvalConfig, SamplingConfig
 
@@ -318,13 +318,31 @@ class TargetRunner:
 # The loop
 
 
-def _first_token(logits: torch.Tensor, settings: DecodeSettings, gens: Sequence[torch.Generator]) -> torch.Tensor:
-    """(B, V) last-position logits -> (B,) next token (argmax, or a sample of the processed distribution drawn
-    with each row's own generator)."""
+class PositionCoins:
+    """One uniform per output position of each row, drawn from a generator seeded with the row's seed: the coin that
+    draws the row's t-th new token, in plain sampling (`eval.baselines`) and in speculative verification (target-only
+    acceptance emits the token at depth d of a round with the coin of its output position). Each token is still an
+    exact draw from the target's distribution, and wherever both decoders compute the same distribution they emit
+    the same token: sampled decoding gets a token-for-token lossless check, as greedy decoding does."""
+
+    def __init__(self, seeds: Sequence[int], settings: DecodeSettings, device: torch.device):
+        count = settings.max_new_tokens + 1
+        draws = [torch.rand(count, generator=torch.Generator().manual_seed(int(seed))) for seed in seeds]
+        self.u = torch.stack(draws).to(device)  # (B, max_new_tokens + 1), on the CPU generator whatever the device
+
+    def at(self, rows: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
+        """(len(rows),) coins: row rows[i]'s at output position positions[i] (past the last: the last, whose token
+        is cut by max_new_tokens anyway)."""
+        last = self.u.shape[1] - 1
+        return self.u[list(rows), [min(p, last) for p in positions]]
+
+
+def sample_next(logits: torch.Tensor, settings: DecodeSettings, coins: torch.Tensor) -> torch.Tensor:
+    """(B, V) last-position logits -> (B,) next tokens: the argmax, or the inverse-CDF draw of each row's coin (B,)
+    from the processed distribution."""
     if settings.greedy:
         return logits.argmax(-1)
-    probs = target_probs(logits, settings.temperature, settings.top_p)
-    return torch.cat([torch.multinomial(row[None], 1, generator=g) for row, g in zip(probs, gens)]).squeeze(-1)
+    return sample_from(target_probs(logits, settings.temperature, settings.top_p), coins)
 
 
 def _finish(generated: list[int], new: list[int], settings: DecodeSettings) -> bool:
@@ -336,15 +354,22 @@ def _finish(generated: list[int], new: list[int], settings: DecodeSettings) -> b
     return False
 
 
-def _coins(ops: TreeOps, trees: list[Tree], gens: Sequence[torch.Generator], device: torch.device) -> torch.Tensor:
-    """Sampled verification's uniforms for B trees, each row drawn with its own generator for its own tree's shape
-    (so a row uses the numbers it would use alone), zero-padded to the batch's (B, D+1, C)."""
+def _coins(
+    ops: TreeOps,
+    trees: list[Tree],
+    gens: Sequence[torch.Generator],
+    device: torch.device,
+    emitted: torch.Tensor,
+) -> torch.Tensor:
+    """Sampled verification's uniforms for B trees, zero-padded to the batch's (B, D+1, C): column 0 at depth d is
+    the row's coin of output position (tokens so far) + d (`PositionCoins`, given as `emitted` (B, D+1)); the child
+    tests' columns are drawn with the row's own generator for its own tree's shape (so a row uses the numbers it
+    would use alone)."""
     rows = [ops.draw_coins(tree, 1, gen, device=gen.device) for tree, gen in zip(trees, gens)]  # shapes: host trees
-    if len(rows) == 1:
-        return rows[0].to(device)
     coins = torch.zeros(len(rows), max(r.shape[1] for r in rows), max(r.shape[2] for r in rows), device=device)
     for b, row in enumerate(rows):
         coins[b, : row.shape[1], : row.shape[2]] = row[0]
+        coins[b, : row.shape[1], 0] = emitted[b, : row.shape[1]]
     return coins
 
 
@@ -413,6 +438,7 @@ def speculative_generate_batch(
     prompts, seeds = check_prompts(prompts, seeds, settings)
     device = prompts[0].device
     gens = [torch.Generator(device=device).manual_seed(seed) for seed in seeds]
+    positions = PositionCoins(seeds, settings, device)
     start = clock(device)
     target = TargetRunner(model, list(proposer.feature_layers), kernels, ops)
     ops = target.ops
@@ -422,7 +448,7 @@ def speculative_generate_batch(
 
     try:
         logits, hidden = target.prefill(prompts)
-        roots = _first_token(logits, settings, gens).tolist()
+        roots = sample_next(logits, settings, positions.at(range(len(prompts)), [0] * len(prompts))).tolist()
         tokens = [torch.cat([p, p.new_tensor([r])])[None] for p, r in zip(prompts, roots)]  # (1, L_b + 1) per row
         new_hidden = [None if hidden is None else hidden[b : b + 1, : p.shape[0]] for b, p in enumerate(prompts)]
         active = [b for b in range(len(prompts)) if not _finish(results[b].tokens, [roots[b]], settings)]
@@ -438,7 +464,10 @@ def speculative_generate_batch(
                 raise ValueError(f"the trees of one round must have the same node count, got {sizes} (row: nodes)")
             tree = stack_trees([t.to(device) for t in trees])  # (B, N)
             logits, hidden = target.verify(tree)  # (B, N, V)
-            coins = functools.partial(_coins, ops, trees, [gens[b] for b in active], device)
+            depths = range(max(t.max_depth for t in trees) + 1)
+            emitted = torch.stack([positions.at([b] * len(depths), [len(results[b].tokens) + d for d in depths])
+                                   for b in active])  # fmt: skip
+            coins = functools.partial(_coins, ops, trees, [gens[b] for b in active], device, emitted)
             accepted, nodes, bonus = _verify(ops, tree, logits, settings, coins)
             target.commit(nodes, accepted)
             node_rows, token_rows, first_child = nodes.tolist(), tree.tokens.tolist(), tree.first_child.tolist()

@@ -40,9 +40,9 @@ from data.runs import latest_checkpoint, read_state
 from data.shards import FeatureDataset, FeatureMismatchError, frequent_loss_tokens, loss_token_counts, split_by_id
 from eval import REPORT_FILES, EvalError, kernels
 from eval.baselines import PROMPT_LOOKUP_TOKENS, plain_generate, plain_generate_batch, prompt_lookup_generate
-from eval.checks import near_tie, tie_margin
+from eval.checks import BOUNDARY_TOLERANCE, near_boundary, near_tie, tie_margin
 from eval.costs import measure_costs
-from eval.decode import DecodeSettings, GenerationResult, sliding_window, speculative_generate_batch
+from eval.decode import DecodeSettings, GenerationResult, PositionCoins, sliding_window, speculative_generate_batch
 from eval.heads import FitData, shard_fit_data, two_stage_projections
 from eval.lookup import LookupProposer
 from eval.prompts import load_conversations, load_prompts, stop_token_ids
@@ -291,10 +291,13 @@ def _record(target: Target, prompt: dict[str, Any], spec: GenerationResult) -> d
 
 
 def _compare_plain(record: dict[str, Any], spec: list[int], plain: list[int], settings: DecodeSettings) -> None:
-    """Greedy: whether the speculative output is plain decoding's, and where they first differ."""
-    if settings.greedy:
+    """Whether the speculative output is plain decoding's (greedy, or sampled with the same coin at each output
+    position), and where they first differ. Typical acceptance is lossy by design: not compared."""
+    if settings.greedy or settings.acceptance != "typical":
         record["lossless"] = spec == plain
         mismatch = [i for i, (a, b) in enumerate(zip(spec, plain)) if a != b]
+        if not mismatch and len(spec) != len(plain):
+            mismatch = [min(len(spec), len(plain))]
         record["first_mismatch"] = mismatch[0] if mismatch else None
 
 
@@ -313,6 +316,15 @@ def _judge_mismatch(
     to its end. The prompt counts as lossless only if every divergence is a tie; the record says where the first one
     is and by how much (`near_tie`), and lists the later ones (`later_ties`)."""
     if record["lossless"] is not False or record["first_mismatch"] is None:
+        return
+    i = record["first_mismatch"]
+    if not settings.greedy:  # the first divergence only: after it the two outputs draw on different prefixes
+        if i >= min(len(spec), len(plain)):
+            return
+        coin = float(PositionCoins([settings.seed], settings, target.device).at([0], [i])[0])
+        tolerance = 1e-6 if target.dtype == torch.float32 else BOUNDARY_TOLERANCE
+        tie = near_boundary(target.model, prompt + spec[:i], spec[i], plain[i], coin, settings, tolerance)
+        record["near_tie"], record["later_ties"], record["lossless"] = tie | {"position": i}, [], tie["tie"]
         return
     margin, ties = tie_margin(ev, target), []
     i, reference, start = record["first_mismatch"], plain, 0  # reference[k - start]: plain greedy's token k

@@ -257,8 +257,8 @@ def test_draft_vocabulary_prefers_the_exports_own_and_never_shrinks_quietly(tmp_
     def export(asked: int, vocab: torch.Tensor) -> str:
         out = tmp_path / f"export-{asked}-{len(vocab)}"
         out.mkdir(exist_ok=True)
-        config = {"format": FORMAT, "format_version": FORMAT_VERSION, "method": "eagle2"}
-        config["recipe"] = {"eval": {"draft_vocab": asked}, "train": {"loss_vocab": 0}}
+        config = {"format": FORMAT, "format_version": FORMAT_VERSION, "method": "eagle2", "drafter": {}, "target": {}}
+        config |= {"stored_layers": [-1], "recipe": {"eval": {"draft_vocab": asked}, "train": {"loss_vocab": 0}}}
         (out / "config.json").write_text(json.dumps(config))
         save_draft_vocab(out, vocab)
         return str(out)

@@ -292,6 +292,36 @@ def test_sampled_real_drafters_run(target, acceptance):
         assert again.tokens == out.tokens  # seeded
 
 
+@pytest.mark.parametrize("kernels", ["reference", "triton"])
+def test_sampled_speculative_decoding_equals_plain_sampling_with_the_same_coins(target, kernels):
+    """Both decoders draw output position t with the same coin (`PositionCoins`), and target-only acceptance emits
+    each token with its position's coin: on a float32 target, sampled speculative decoding gives plain sampling's
+    tokens exactly, whatever the drafter proposes, one prompt or a batch: a lossless check as strict as greedy's."""
+    for seed in (1, 2, 3):
+        settings = DecodeSettings(max_new_tokens=16, temperature=0.8, top_p=0.9, seed=seed)
+        plain = plain_generate(target.model, PROMPT, settings).tokens
+        for proposer in (
+            EagleProposer(_eagle(target), depth=3, top_k=2, total_tokens=6),
+            MedusaProposer(_medusa(target), medusa_tree([(0,), (1,), (0, 0)], 3)),
+            ScriptedProposer(plain, PROMPT.shape[1], TREE_SHAPES["wide"], "sometimes", 96, seed=seed),
+        ):
+            out = speculative_generate(target.model, proposer, PROMPT, settings, kernels)
+            assert out.tokens == plain, (seed, type(proposer).__name__)
+    settings = DecodeSettings(max_new_tokens=12, temperature=1.0, seed=0)
+    seeds = [5, 6, 7]
+    plains = plain_generate_batch(target.model, BATCH_PROMPTS, settings, seeds)
+    batch = speculative_generate_batch(
+        target.model, EagleProposer(_eagle(target), depth=3, top_k=2, total_tokens=6), BATCH_PROMPTS, settings,
+        kernels, seeds=seeds,
+    )  # fmt: skip
+    assert [b.tokens for b in batch] == [p.tokens for p in plains]
+    alone = [
+        plain_generate(target.model, p[None], dataclasses.replace(settings, seed=s))
+        for p, s in zip(BATCH_PROMPTS, seeds)
+    ]
+    assert [p.tokens for p in plains] == [a.tokens for a in alone]
+
+
 def test_round_stats_scripted():
     # the 3rd round accepted a whole branch (3 deep); the 4th stopped at a leaf at depth 1: neither is a rejection
     stats = round_stats(accepted=[0, 2, 3, 1], extendable=[True, True, False, False])
