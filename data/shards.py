@@ -83,6 +83,40 @@ def is_bare_name(name: Any) -> bool:
     return isinstance(name, str) and name not in ("", ".", "..") and not any(c in name for c in "/\\\0")
 
 
+_INTS = "a list of integers"
+MANIFEST_TYPES: dict[str, type | str] = {
+    "format_version": int, "target": dict, "layers": _INTS, "hidden_size": int, "dtype": str, "num_samples": int,
+    "num_tokens": int, "shards": list,
+}  # fmt: skip
+"""The manifest fields every reader relies on, and their JSON types."""
+SHARD_TYPES: dict[str, type | str] = {
+    "index": int, "file": str, "sha256": str, "bytes": int, "num_samples": int, "num_tokens": int,
+    "sample_ids": _INTS, "lengths": _INTS,
+}  # fmt: skip
+
+
+def _type_problem(value: Any, want: type | str) -> bool:
+    if want == _INTS:
+        return not isinstance(value, list) or any(isinstance(v, bool) or not isinstance(v, int) for v in value)
+    return not isinstance(value, want) or (want is int and isinstance(value, bool))
+
+
+def check_manifest_types(manifest: Any, path: Path) -> None:
+    """FeatureMismatchError naming the manifest and the field when it is not what extraction writes: an object with
+    the fields of MANIFEST_TYPES, and shard entries with those of SHARD_TYPES (an edited or foreign file)."""
+    if not isinstance(manifest, dict):
+        raise FeatureMismatchError(f"{path}: not a feature manifest (a JSON object), got {type(manifest).__name__}")
+    checks = [(key, manifest.get(key), want) for key, want in MANIFEST_TYPES.items()]
+    for i, entry in enumerate(manifest["shards"] if isinstance(manifest.get("shards"), list) else []):
+        if not isinstance(entry, dict):
+            raise FeatureMismatchError(f"{path}: shards[{i}]: not a shard entry (a JSON object)")
+        checks += [(f"shards[{i}].{key}", entry.get(key), want) for key, want in SHARD_TYPES.items()]
+    for key, value, want in checks:
+        if _type_problem(value, want):
+            name = want if isinstance(want, str) else f"a JSON {'number' if want is int else want.__name__}"
+            raise FeatureMismatchError(f"{path}: {key}: expected {name}, got {value!r:.60}")
+
+
 def check_shard_names(manifest: dict[str, Any], where: str | Path) -> None:
     """Refuse (FeatureMismatchError naming `where` and the entry) shard entries whose file is not a bare name,
     before anything is opened: a manifest that points outside its directory is never followed."""
@@ -365,6 +399,7 @@ def read_manifest(directory: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise FileNotFoundError(f"{directory}: no {MANIFEST} (run `python -m data.extract RECIPE` first)")
     manifest = read_json_file(path, "feature manifest (delete the directory and extract again)")
+    check_manifest_types(manifest, path)
     if manifest.get("format_version") not in (FORMAT_VERSION, ENCODED_FORMAT_VERSION):
         raise FeatureMismatchError(
             f"{path}: format_version {manifest.get('format_version')!r}, this code reads {FORMAT_VERSION} and "

@@ -6,7 +6,8 @@ one draft step costs, on this machine, for this target and drafter.
 Verify cost: the target's forward over n new tokens on top of a cached prefix (the prompt), best of `repeats`, for
 n = 1, 2, 4, ... up to `max_size` (a causal forward stands in for the tree-masked one: the same matmuls). Draft cost:
 one drafter step over `tree_top_k` positions on a cache of the prompt's length, through the proposer's projection
-(full head, draft vocabulary or two-stage head). Points are made non-decreasing (a larger forward that measured
+(full head, draft vocabulary or two-stage head); for static-tree drafters (Medusa heads, P-EAGLE), their one
+drafting forward of a round over a few new positions. Points are made non-decreasing (a larger forward that measured
 faster is noise). On a GPU the timings synchronise the device.
 """
 
@@ -17,6 +18,7 @@ import time
 import torch
 
 from eval.cost_trees import Costs
+from eval.proposers import DecodeState, StaticTreeProposer
 
 
 def _sync(device: torch.device) -> None:
@@ -59,6 +61,19 @@ def measure_costs(model, proposer, prompt_ids: torch.Tensor, max_size: int, batc
     for i in range(1, len(points)):  # monotone: noise must not make a larger tree look cheaper
         points[i] = (points[i][0], max(points[i][1], points[i - 1][1]))
 
+    if isinstance(proposer, StaticTreeProposer):  # Medusa heads, P-EAGLE: one forward drafts every depth
+        features = len(proposer.feature_layers)
+        new = torch.randn(1, min(P, 4), features, model.config.hidden_size, generator=gen).to(device)
+        state = DecodeState(tokens=prefix[:1], new_hidden=new.to(next(model.parameters()).dtype))
+
+        def draft_round() -> None:
+            proposer.reset(batch_size)
+            proposer.depth_topk([state] * batch_size)
+
+        draft_round()
+        cost = _best_of(draft_round, repeats, device)
+        proposer.reset(batch_size)
+        return Costs.from_points(points, draft_cost=cost)
     drafter = proposer.drafter
     d = drafter.fc.out_features  # the drafter's hidden size (EAGLE-2 and EAGLE-3 alike)
     n_feat = len(proposer.feature_layers)

@@ -15,6 +15,7 @@ restricts drafting to a draft vocabulary (`eval.draft_vocab`).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -148,12 +149,16 @@ class StaticTreeProposer:
     likely token. Subclasses give the lists (`depth_topk`); node scores are log-probabilities summed down the path
     (each depth's list is drafted independently of the tokens above it)."""
 
-    costs = None  # static trees: no cost-aware sizing
     draft_steps = 1  # one drafter forward per round
 
-    def __init__(self, tree: Tree):
+    def __init__(self, tree: Tree, total_tokens: int | None = None):
+        """`total_tokens`: with `costs` set (`eval.tree: cost`), `tree` is the envelope of candidates and each round
+        keeps the best ones by path probability, as many as pay for themselves (`batch_tree_size`), at most this
+        many tree tokens."""
         self.tree = tree
         self.top_k = int(tree.head_rank.max()) + 1
+        self.costs = None  # eval.cost_trees.Costs: prune the tree each round instead of drafting it whole
+        self.total_tokens = total_tokens or tree.num_nodes
 
     def depth_topk(self, states: Sequence[DecodeState]) -> tuple[torch.Tensor, torch.Tensor]:
         """-> each depth's top_k token ids and their log-probabilities, (B, D, top_k) each, D = tree.max_depth."""
@@ -162,25 +167,38 @@ class StaticTreeProposer:
     def reset(self, batch_size: int) -> None:
         pass
 
-    def propose(self, states: Sequence[DecodeState]) -> list[Tree]:
-        return self._propose(states)[0]
-
     def propose_scored(
         self, states: Sequence[DecodeState], rank_fn: RankFn | None = None
     ) -> tuple[list[Tree], list[torch.Tensor]]:
-        trees, depth_logp = self._propose(states)  # static trees: no early stop for rank_fn to inform
-        # a node's score: its depth's log-probability of its token, summed down its path
-        par, depth, rank = self.tree.parents.tolist(), self.tree.depth.tolist(), self.tree.head_rank.tolist()
-        scores = depth_logp.new_zeros(depth_logp.shape[0], len(par), dtype=torch.float64)
-        for i in range(1, len(par)):
-            scores[:, i] = scores[:, par[i]] + depth_logp[:, depth[i] - 1, rank[i]]
-        return trees, list(scores.cpu())
-
-    def _propose(self, states: Sequence[DecodeState]) -> tuple[list[Tree], torch.Tensor]:
+        """Each row's tree and its nodes' log path probabilities (no early stop for `rank_fn` to inform: one forward
+        drafts every depth)."""
         ids, logp = self.depth_topk(states)
         roots = torch.cat([state.tokens[:, -1] for state in states]).to(ids.device)
         tokens = medusa_tokens(self.tree, roots, ids)  # (B, N)
-        return [dataclasses.replace(self.tree, tokens=row) for row in tokens], logp
+        # a node's score: its depth's log-probability of its token, summed down its path
+        par, depth, rank = self.tree.parents.tolist(), self.tree.depth.tolist(), self.tree.head_rank.tolist()
+        scores = logp.new_zeros(logp.shape[0], len(par), dtype=torch.float64)
+        for i in range(1, len(par)):
+            scores[:, i] = scores[:, par[i]] + logp[:, depth[i] - 1, rank[i]]
+        if self.costs is None:
+            return [dataclasses.replace(self.tree, tokens=row) for row in tokens], list(scores.cpu())
+        probs = scores[:, 1:].exp().cpu()  # (B, N - 1) the candidates' path probabilities
+        ranked = probs.sort(dim=-1, descending=True).values.tolist()
+        size = batch_tree_size(ranked, self.costs, self.draft_steps, self.total_tokens)
+        trees, kept = [], []
+        for b in range(len(states)):
+            # best first, parents before children on equal probability: every prefix of this order is connected
+            order = sorted(range(len(par) - 1), key=lambda c: (-float(probs[b, c]), c))[: size - 1]
+            nodes = sorted(c + 1 for c in order)  # tree node ids, creation order (parents first)
+            index = {node: j + 1 for j, node in enumerate(nodes)}
+            sub = [-1] + [0 if par[node] == 0 else index[par[node]] for node in nodes]
+            ranks = [-1] + [rank[node] for node in nodes]
+            trees.append(Tree.from_parents(sub, tokens[b, [0, *nodes]].tolist(), ranks).to(tokens.device))
+            kept.append(scores[b, [0, *nodes]].cpu())
+        return trees, kept
+
+    def propose(self, states: Sequence[DecodeState]) -> list[Tree]:
+        return self.propose_scored(states)[0]
 
     def commit(self, paths: Sequence[list[int]]) -> None:
         pass
@@ -203,12 +221,13 @@ class MedusaProposer(StaticTreeProposer):
         heads: torch.nn.Module,
         tree: Tree,
         draft_vocab: torch.Tensor | Sequence[TwoStageProjection] | None = None,
+        total_tokens: int | None = None,
     ):
         """`draft_vocab`: token ids whose rows of every head's projection it drafts from, or one ready projection per
-        head (the two-stage heads); None: the whole vocabulary."""
+        head (the two-stage heads); None: the whole vocabulary. `total_tokens`: see `StaticTreeProposer`."""
         if tree.max_depth > heads.cfg.num_heads:
             raise ValueError(f"tree depth {tree.max_depth} exceeds the number of Medusa heads ({heads.cfg.num_heads})")
-        super().__init__(tree)
+        super().__init__(tree, total_tokens)
         self.heads = heads
         self.vocab = None  # per head the tree reaches: its projection restricted to the draft vocabulary
         if isinstance(draft_vocab, torch.Tensor):
@@ -250,15 +269,17 @@ class ParallelProposer(StaticTreeProposer):
         tree: Tree,
         vocab: VocabProjection | TwoStageProjection,
         window: int | None = None,
+        total_tokens: int | None = None,
     ):
         """`vocab`: the projection of the drafter's final-norm outputs onto the draft tokens (its own head, a subset
-        of its rows, or the two-stage head). `window`: the drafter attends to fewer than this many positions back."""
+        of its rows, or the two-stage head). `window`: the drafter attends to fewer than this many positions back.
+        `total_tokens`: see `StaticTreeProposer`."""
         if tree.max_depth > drafter.cfg.parallel_tokens:
             raise ValueError(
                 f"tree depth {tree.max_depth} exceeds the tokens one drafter forward drafts "
                 f"(drafter.parallel_tokens: {drafter.cfg.parallel_tokens})"
             )
-        super().__init__(tree)
+        super().__init__(tree, total_tokens)
         self.drafter, self.vocab, self.window = drafter, vocab, window
         self.feature_layers = list(drafter.cfg.feature_layers)
         _check_draft_vocab(vocab, self.top_k)
@@ -547,9 +568,13 @@ def build_proposer(
         vocab = own_projection(drafter, vocab, two_stage)
         suffix = f", own draft vocab {len(drafter.d2t)}{suffix}" + ("" if window is None else f", window {window}")
         static, desc = static_tree(ev, drafter.cfg.parallel_tokens, calibrate)
-        return ParallelProposer(drafter, static, vocab, window), f"{desc}{suffix}"
+        return ParallelProposer(drafter, static, vocab, window, ev.tree_total_tokens), f"{desc}{suffix}"
     static, desc = static_tree(ev, drafter.cfg.num_heads, calibrate)  # Medusa heads
-    return MedusaProposer(drafter, static, vocab), f"{desc}{suffix}"
+    return MedusaProposer(drafter, static, vocab, ev.tree_total_tokens), f"{desc}{suffix}"
+
+
+MAX_COST_CANDIDATES = 1024
+"""A cost-aware static tree scores every rank path each round: at most this many."""
 
 
 def static_tree(ev: EvalConfig, depths: int, calibrate: Callable[[int], torch.Tensor]) -> tuple[Tree, str]:
@@ -561,6 +586,15 @@ def static_tree(ev: EvalConfig, depths: int, calibrate: Callable[[int], torch.Te
         return chain(depth), f"chain d{depth}"
     if tree in NAMED_TREES:
         return medusa_tree(NAMED_TREES[tree], depths), tree
+    if tree == "cost":  # every rank path: each round keeps the candidates that pay (the caller measures the costs)
+        k = ev.tree_top_k
+        if sum(k**d for d in range(1, depth + 1)) > MAX_COST_CANDIDATES:
+            raise ValueError(
+                f"eval.tree: cost drafts all {k}^1 + ... + {k}^{depth} rank paths of eval.tree_top_k {k} over depth "
+                f"{depth}, more than {MAX_COST_CANDIDATES}; lower eval.tree_top_k or eval.tree_depth"
+            )
+        paths = [p for d in range(1, depth + 1) for p in itertools.product(range(k), repeat=d)]
+        return medusa_tree(paths, depths), f"cost-aware d{depth} k{k} n{ev.tree_total_tokens}"
     static = calibrated_tree(calibrate(ev.tree_top_k)[:depth], ev.tree_total_tokens - 1)
     return static, f"calibrated d{static.max_depth} n{static.num_nodes}"
 

@@ -297,7 +297,7 @@ def read_config(export_dir: str | Path) -> dict[str, Any]:
             f"{path}: format {config.get('format')!r} v{config.get('format_version')!r}, "
             f"this code reads {FORMAT!r} v{FORMAT_VERSION} (engine formats are for serving engines, not for eval)"
         )
-    if config.get("method") not in METHODS:
+    if not isinstance(config.get("method"), str) or config["method"] not in METHODS:
         raise ExportError(f"{path}: method: unknown method {config.get('method')!r} (known: {sorted(METHODS)})")
     for key, kind in (("drafter", dict), ("target", dict), ("stored_layers", list)):
         if not isinstance(config.get(key), kind):

@@ -32,8 +32,9 @@ from typing import Literal
 
 from models.configs import Eagle3Config, EagleConfig, Medusa2Config, MedusaConfig, PeagleConfig
 
-STATIC_TREES = ("auto", "chain", "calibrated", "mc_sim_7b_63", "calibrated63")
-"""Trees filled from per-depth top-k lists (Medusa heads, P-EAGLE mask slots): a chain, calibrated or named."""
+STATIC_TREES = ("auto", "chain", "calibrated", "mc_sim_7b_63", "calibrated63", "cost")
+"""Trees filled from per-depth top-k lists (Medusa heads, P-EAGLE mask slots): a chain, calibrated or named, or
+cost-aware (every round the candidates with the best path probabilities, as many as pay for themselves)."""
 EAGLE_TREES = ("auto", "dynamic", "chain", "cost")
 
 

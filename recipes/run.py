@@ -135,7 +135,7 @@ def load_pipeline(directory: Path) -> dict[str, Any]:
     if not isinstance(spec.get("recipes"), dict) or not spec["recipes"]:
         sys.exit(f"run: {where}: recipes: must map each method to its recipe file")
     for method, recipe in spec["recipes"].items():
-        if not (ROOT / recipe).is_file():
+        if not isinstance(recipe, str) or not (ROOT / recipe).is_file():
             sys.exit(f"run: {where}: recipes.{method}: {recipe} does not exist")
     sets = spec.get("chatsets")
     if isinstance(sets, dict):
@@ -146,6 +146,20 @@ def load_pipeline(directory: Path) -> dict[str, Any]:
             sys.exit(f"run: {where}: {key}: needs source and out, and takes the keys {sorted(CHATSETS_KEYS)}")
         if not isinstance(chatset.get("exclude", []), list):
             sys.exit(f"run: {where}: {key}.exclude: a list of prompt files")
+    if spec.get("fetch") is not None and not isinstance(spec["fetch"], str):
+        sys.exit(f"run: {where}: fetch: must name a target models.fetch knows")
+    for key in ("shipped", "shipped_overrides", "large_trees", "extra_evals"):
+        value = spec.get(key)
+        if value is not None and (not isinstance(value, dict) or not all(isinstance(k, str) for k in value)):
+            sys.exit(f"run: {where}: {key}: must map names to settings")
+    if not all(isinstance(v, str) for v in (spec.get("shipped") or {}).values()):
+        sys.exit(f"run: {where}: shipped: must map each method to a directory")
+    if not all(_strings(v) for v in (spec.get("shipped_overrides") or {}).values()):
+        sys.exit(f"run: {where}: shipped_overrides: must map each method to a list of key=value overrides")
+    for key in ("large_trees", "extra_evals"):
+        for name, entry in (spec.get(key) or {}).items():
+            if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str) and _strings(entry[1])):
+                sys.exit(f"run: {where}: {key}.{name}: must be [method, [key=value overrides]]")
     synth = spec.get("synthesize")
     if synth is not None and (not isinstance(synth, dict) or set(synth) - SYNTHESIZE_KEYS):
         sys.exit(f"run: {where}: synthesize: takes the keys {sorted(SYNTHESIZE_KEYS)}")
@@ -166,6 +180,10 @@ def load_pipeline(directory: Path) -> dict[str, Any]:
     if len(set(outs)) < len(outs):
         sys.exit(f"run: {where}: selfdistill: two jobs write the same out")
     return spec
+
+
+def _strings(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(v, str) for v in value)
 
 
 def trained(run_dir: Path, max_steps: int) -> bool:

@@ -297,6 +297,67 @@ def test_cost_aware_eagle_trees_follow_the_costs_and_keep_greedy_output():
         assert steps.count(False) == tree_steps * steps.count(True)
 
 
+@pytest.mark.parametrize("method", ["medusa1", "peagle"])
+def test_cost_aware_static_trees_keep_the_best_paths_and_greedy_output(method):
+    """eval.tree=cost for drafters that fill static trees (Medusa heads, P-EAGLE's one forward): the envelope is every
+    rank path; each round keeps the batch's best size of each row's most probable paths (the whole envelope when
+    verifying is free, the root alone when it is steep, a connected subtree in between), the start-up timing measures
+    their one drafting forward, and speculative greedy output equals plain greedy output."""
+    import torch
+    from test_peagle import drafter_for as peagle_drafter
+    from tiny import tiny_llama
+
+    from eval.baselines import plain_generate
+    from eval.costs import measure_costs
+    from eval.decode import DecodeSettings, speculative_generate
+    from eval.proposers import build_proposer
+    from models.common import TargetParts
+    from models.configs import MedusaConfig
+    from models.medusa import MedusaHeads
+    from models.methods import METHODS
+    from train.config import EvalConfig
+
+    model = tiny_llama()
+    torch.manual_seed(0)
+    if method == "medusa1":
+        drafter = MedusaHeads(MedusaConfig(num_heads=3), TargetParts(model.config, model.model.embed_tokens,
+                                                                     model.lm_head, [-1])).eval()  # fmt: skip
+        with torch.no_grad():
+            for p in drafter.blocks.parameters():
+                p.normal_(0, 0.1)
+    else:
+        drafter = peagle_drafter(model, parallel_tokens=3)
+    ev = EvalConfig(tree="cost", tree_depth=3, tree_top_k=3, tree_total_tokens=12)
+    proposer, desc = build_proposer(METHODS[method], drafter, ev, calibrate=None)
+    assert desc.startswith("cost-aware d3 k3 n12") and proposer.tree.num_nodes == 1 + 3 + 9 + 27
+    prompt = torch.randint(0, 256, (1, 9), generator=torch.Generator().manual_seed(3))
+    measured = measure_costs(model, proposer, prompt, max_size=12)
+    assert measured.draft_cost > 0 and [n for n, _ in measured.verify_points] == [1, 2, 4, 8, 12]
+    settings = DecodeSettings(max_new_tokens=20)
+    plain = plain_generate(model, prompt, settings).tokens
+    flat, steep = Costs.from_points([(1, 1.0), (64, 1.0)], 0.0), Costs.from_points([(1, 1.0), (2, 100.0)], 0.0)
+    middle = Costs.from_points([(1, 1.0), (4, 1.0), (8, 3.0)], 0.0)
+    for costs, sizes_wanted in ((flat, {12}), (steep, {1}), (middle, None)):
+        proposer.costs = costs
+        seen = []
+        scored = proposer.propose_scored
+
+        def spy(states, rank_fn=None, scored=scored, seen=seen):
+            trees, scores = scored(states, rank_fn)
+            for tree, score in zip(trees, scores):
+                seen.append(tree.num_nodes)
+                par = tree.parents.tolist()
+                assert all(score[i] <= score[par[i]] + 1e-9 for i in range(1, len(par)))  # children score lower
+            return trees, scores
+
+        proposer.propose_scored = spy
+        out = speculative_generate(model, proposer, prompt, settings)
+        del proposer.propose_scored
+        assert out.tokens == plain and out.tree_nodes == seen
+        assert sizes_wanted is None or set(seen) == sizes_wanted
+    assert 1 < min(seen) and max(seen) <= 12  # the middle costs: some drafting pays, not all of it
+
+
 def test_a_batch_stops_drafting_only_when_no_row_can_make_it_pay():
     """`batch_should_stop` bounds each row by its own frontier: when one row's frontier ranks high in its ranking and
     another's low, a bound from their mean frontier stopped a batch that one more step would have improved."""
