@@ -190,9 +190,9 @@ def _fmt(x: float | None, digits: int = 2, suffix: str = "") -> str:
 
 
 def lossless_mark(summary: dict[str, Any]) -> str:
-    """A report's lossless cell: ✓ / ✗ for greedy runs (checked against plain decoding), "lossy" for Medusa's
-    typical acceptance (it accepts tokens by a threshold, not by the target's distribution), n/a for rejection
-    sampling (lossless by construction; a sampled output has nothing to be compared with)."""
+    """A report's lossless cell: ✓ / ✗ where outputs were checked against plain decoding (greedy, or sampled with the
+    same coins), "lossy" for Medusa's typical acceptance (it accepts tokens by a threshold, not by the target's
+    distribution), n/a without a plain baseline to compare with."""
     if summary.get("acceptance") == "typical":
         return "lossy (typical acceptance)"
     return {True: "✓", False: "✗", None: "n/a"}[summary["lossless"]]

@@ -32,6 +32,8 @@ A recipe set is a directory with `pipeline.yaml` and one training recipe per met
     recipes: {eagle2: recipes/smollm2/eagle2.yaml, medusa1: recipes/smollm2/medusa1.yaml}
     shipped: {eagle2: recipes/smollm2/drafters/eagle2}   # optional: committed exports, for --shipped
     shipped_overrides: {medusa1: [eval.tree=chain]}      # optional: eval overrides for --shipped, per method
+    general: {prompts: recipes/smollm2/prompts/mtbench.jsonl, max_prompts: 8}   # optional: every method evaluated
+                                                # on these too; the table gains their τ and speedup (general chat)
     large_trees:                                # optional, for --large-trees: name -> [method, [overrides]]
       eagle2-dynamic-d5-k10-n60: [eagle2, [eval.tree=dynamic, eval.tree_depth=5, eval.tree_top_k=10]]
     extra_evals:                                # optional, for --extra-evals: the same form
@@ -126,7 +128,7 @@ def load_pipeline(directory: Path) -> dict[str, Any]:
     if not isinstance(spec, dict):
         sys.exit(f"run: {where}: a mapping of settings, got {type(spec).__name__}")
     known = {"target", "fetch", "synthesize", "selfdistill", "recipes", "shipped", "shipped_overrides", "large_trees"}
-    known |= {"extra_evals", "chatsets"}
+    known |= {"extra_evals", "chatsets", "general"}
     unknown = set(spec) - known
     if unknown:
         sys.exit(f"run: {where}: unknown keys {sorted(unknown)}")
@@ -160,6 +162,14 @@ def load_pipeline(directory: Path) -> dict[str, Any]:
         for name, entry in (spec.get(key) or {}).items():
             if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str) and _strings(entry[1])):
                 sys.exit(f"run: {where}: {key}.{name}: must be [method, [key=value overrides]]")
+    general = spec.get("general")
+    if general is not None and (
+        not isinstance(general, dict)
+        or set(general) - {"prompts", "max_prompts"}
+        or not isinstance(general.get("prompts"), str)
+        or not isinstance(general.get("max_prompts", 8), int)
+    ):
+        sys.exit(f"run: {where}: general: needs prompts (a prompt file) and takes max_prompts (a number)")
     synth = spec.get("synthesize")
     if synth is not None and (not isinstance(synth, dict) or set(synth) - SYNTHESIZE_KEYS):
         sys.exit(f"run: {where}: synthesize: takes the keys {sorted(SYNTHESIZE_KEYS)}")
@@ -416,34 +426,54 @@ def heading(first: dict[str, Any]) -> str:
     )
 
 
+GENERAL = "-general"
+"""The name suffix of a method's evaluation on the set's `general` prompts."""
+
+
 def table(reports: dict[str, dict[str, Any]]) -> str:
-    """One row per decoder: the plain baseline, prompt lookup (where measured), then each drafter."""
+    """One row per decoder: the plain baseline, prompt lookup (where measured), then each drafter; with evaluations on
+    the set's `general` prompts (`<method>-general`), their τ and speedups in two more columns of the method's row."""
     from eval.report import lossless_mark, markdown_table
 
+    general = {name.removesuffix(GENERAL): r for name, r in reports.items() if name.endswith(GENERAL)}
+    reports = {name: r for name, r in reports.items() if not name.endswith(GENERAL)}
     first = next(iter(reports.values()))
     plain = first["tokens_per_s"]["plain"]
-    rows = [["plain decoding", "-", "-", f"{plain:.1f}" if plain else "n/a", "1.00×", "-"]]
+    more = ["-", "1.00×"] if general else []
+    rows = [["plain decoding", "-", "-", f"{plain:.1f}" if plain else "n/a", "1.00×", "-", *more]]
     lookup = first["tokens_per_s"].get("prompt_lookup")
     if lookup:
         ratio = f"{lookup / plain:.2f}×" if plain else "n/a"
-        rows.append(["prompt lookup (transformers)", "-", "-", f"{lookup:.1f}", ratio, "-"])
+        g = next(iter(general.values()), {}).get("prompt_lookup_vs_plain")
+        more = ["-", "n/a" if g is None else f"{g:.2f}×"] if general else []
+        rows.append(["prompt lookup (transformers)", "-", "-", f"{lookup:.1f}", ratio, "-", *more])
     for name, r in reports.items():
         speed = r["tokens_per_s"]["speculative"]
         vs = r["speedup_vs_plain"]
         other = {k: r.get(k) for k in SETTINGS if r.get(k) != first.get(k)}  # a row decoded otherwise than the heading
         note = f" ({', '.join(f'{SETTINGS[k]} {v}' for k, v in other.items())})" if other else ""
+        g = general.get(name)
+        more = ["-", "-"] if g is None else [_ratio_cell(g["accept_len"], ""), _ratio_cell(g["speedup_vs_plain"])]
         rows.append(
             [
                 f"{name}: {r['tree']}{note}",
-                "n/a" if r["accept_len"] is None else f"{r['accept_len']:.2f}",
+                _ratio_cell(r["accept_len"], ""),
                 " / ".join("-" if a is None else f"{a:.2f}" for a in r["accept_rate_by_depth"][:5]) or "-",
                 f"{speed:.1f}",
-                "n/a" if vs is None else f"{vs:.2f}×",
+                _ratio_cell(vs),
                 f"{lossless_mark(r)} {r['lossless_prompts']}",
+                *(more if general else []),
             ]
         )
     header = ["decoder", "τ", "acceptance by depth", "tok/s", "vs plain", "lossless"]
+    if general:
+        g = next(iter(general.values()))
+        header += [f"τ, {g['num_prompts']} general prompts", "vs plain (general)"]
     return markdown_table(header, rows)
+
+
+def _ratio_cell(value: float | None, unit: str = "×") -> str:
+    return "n/a" if value is None else f"{value:.2f}{unit}"
 
 
 def main() -> None:
@@ -536,6 +566,11 @@ def main() -> None:
             ship(spec, method, confs[method], directory)
 
     evals: dict[str, tuple[str, list[str]]] = {m: (m, []) for m in methods}
+    general = spec.get("general")
+    for j, method in enumerate(methods if general else ()):  # the same drafters on general requests too
+        limit = [f"eval.max_prompts={general.get('max_prompts', 8)}"]
+        lookup = ["eval.baselines=[plain,prompt_lookup]"] if j == 0 else []  # prompt lookup once, there too
+        evals[f"{method}{GENERAL}"] = (method, [f"eval.prompts={general['prompts']}", *limit, *lookup])
     for key, wanted in (("large_trees", args.large_trees), ("extra_evals", args.extra_evals)):
         for name, (method, overrides) in (spec.get(key) or {}).items() if wanted else ():
             if method in methods:

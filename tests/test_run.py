@@ -190,6 +190,32 @@ def test_synthesis_and_several_self_distillation_jobs_become_their_commands(tmp_
     assert one["selfdistill"] == [jobs[0]]
 
 
+def _report(tau: float, speedup: float, lookup: float | None = None) -> dict:
+    return {"tokens_per_s": {"plain": 10.0, "prompt_lookup": lookup, "speculative": 10.0 * speedup},
+            "speedup_vs_plain": speedup, "prompt_lookup_vs_plain": None if lookup is None else lookup / 10.0,
+            "accept_len": tau, "accept_rate_by_depth": [0.8, 0.6], "tree": "dynamic d4", "lossless": True,
+            "lossless_prompts": "8/8", "num_prompts": 8}  # fmt: skip
+
+
+def test_the_table_gains_general_chat_columns_when_the_set_has_general_prompts(tmp_path):
+    """With `general:` every method is evaluated on those prompts too (one of them with prompt lookup), and the
+    table gives their τ and speedups beside the documentation ones; without it the table is as before."""
+    from recipes.run import load_pipeline, table
+
+    reports = {"eagle3": _report(3.5, 1.8, lookup=15.0), "eagle2": _report(2.7, 1.4)}
+    general = {"eagle3-general": _report(2.9, 1.5, lookup=12.0), "eagle2-general": _report(2.1, 1.1)}
+    lines = table(reports | general).splitlines()
+    assert lines[0].split("|")[-3:-1] == [" τ, 8 general prompts ", " vs plain (general) "]
+    rows = {line.split("|")[1].strip().split(":")[0]: [c.strip() for c in line.split("|")[1:-1]] for line in lines[2:]}
+    assert rows["eagle3"][-2:] == ["2.90", "1.50×"] and rows["eagle2"][-2:] == ["2.10", "1.10×"]
+    assert rows["prompt lookup (transformers)"][-1] == "1.20×" and rows["plain decoding"][-1] == "1.00×"
+    assert len(table(reports).splitlines()[0].split("|")) == len(lines[0].split("|")) - 2
+    spec = load_pipeline(write_pipeline(tmp_path, general={"prompts": "mt.jsonl", "max_prompts": 4}))
+    assert spec["general"] == {"prompts": "mt.jsonl", "max_prompts": 4}
+    with pytest.raises(SystemExit, match="general: needs prompts"):
+        load_pipeline(write_pipeline(tmp_path, general={"max_prompts": 4}))
+
+
 def test_a_chat_dataset_step_becomes_its_command(tmp_path):
     from recipes.run import chatsets_cmd, load_pipeline
 
