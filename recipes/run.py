@@ -4,6 +4,7 @@
     python recipes/run.py recipes/smollm2 --ship           # ... and copy the exports into the set (PROVENANCE.json)
     python recipes/run.py recipes/smollm2 --shipped        # only evaluate the drafters shipped in the set
     python recipes/run.py my-recipes/ --methods eagle2 --large-trees
+    python recipes/run.py recipes/smollm2 train.max_steps=200 eval.max_prompts=8   # overrides for every recipe
 
 A recipe set is a directory with `pipeline.yaml` and one training recipe per method; `pipeline.yaml` says
 
@@ -42,13 +43,17 @@ A recipe set is a directory with `pipeline.yaml` and one training recipe per met
 (The bundled pocket target has its own driver: `make demo-pocket`, recipes/pocket/demo.py.)
 
 Every step is a subprocess with its log under <first recipe's output parent>/logs/ (or --out); re-running resumes
-(training from its last checkpoint) and redoes what is stale (below). Recipes that name the
-same `data.features_dir` share its features (the first of them extracts them: they must agree on target, data and
-layers); EAGLE-3, which stores other layers, names its own. Self-distillation and extraction always run: they
-keep what is complete and refuse outputs made with other settings; training is skipped once its export holds the
-recipe's `train.max_steps` (a larger one resumes it); an evaluation once its report is newer than the drafter and
-the recipe. The table gives, per method, τ, acceptance by depth, tokens/s and the speedup over plain decoding (each
-evaluation's own), with rows for plain decoding and prompt lookup from the first evaluation.
+(training from its last checkpoint) and redoes what is stale (below). Recipes that name the same `data.features_dir`
+share its features (the first of them extracts them: they must agree on target, data and layers); EAGLE-3, which
+stores other layers, names its own. Self-distillation and extraction always run: they keep what is complete and
+refuse outputs made with other settings; training is skipped once its export holds the recipe's `train.max_steps` (a
+larger one resumes it); an evaluation once its report is newer than the drafter and the recipe. A report newer than
+both but made with other settings (other overrides) is kept, never replaced: the run says so and uses it; `--out
+DIR` evaluates elsewhere. `key=value` overrides after the set go to every recipe's extraction, training and
+evaluation. Prompt lookup is measured with the evaluations of the set's first recipe (and its general prompts),
+whatever `--methods` selects; logs are named by what a step writes. The table gives, per method, τ, acceptance by
+depth, tokens/s and the speedup over plain decoding (each evaluation's own), with rows for plain decoding and prompt
+lookup from the first evaluation.
 """
 
 from __future__ import annotations
@@ -70,7 +75,7 @@ import yaml
 from data.runs import latest_checkpoint, read_state
 from eval import REPORT_FILES
 from models.io import EXPORT_MARKER, SHIP_PROVENANCE, foreign_files
-from train.schema import YAMLTooLarge, safe_load, yaml_problem
+from train.schema import RecipeError, YAMLTooLarge, apply_overrides, safe_load, yaml_problem
 
 ROOT = Path(__file__).resolve().parents[1]
 PIPELINE = "pipeline.yaml"
@@ -142,6 +147,8 @@ def load_pipeline(directory: Path) -> dict[str, Any]:
     sets = spec.get("chatsets")
     if isinstance(sets, dict):
         spec["chatsets"] = sets = [sets]
+    if sets is not None and not isinstance(sets, list):
+        sys.exit(f"run: {where}: chatsets: a mapping of settings, or a list of them")
     for i, chatset in enumerate(sets or ()):
         key = "chatsets" if len(sets) == 1 else f"chatsets[{i}]"
         if not isinstance(chatset, dict) or set(chatset) - CHATSETS_KEYS or not {"source", "out"} <= set(chatset):
@@ -233,8 +240,14 @@ def read_yaml(path: Path, where: str) -> Any:
         sys.exit(f"run: {where}: cannot be read ({exc.__class__.__name__}: {exc})")
 
 
-def read_recipe(path: str) -> dict[str, Any]:
+def read_recipe(path: str, overrides: list[str] = ()) -> dict[str, Any]:
+    """A recipe of the set as a mapping, the command line's `key=value` overrides applied (as every step gets them)."""
     conf = read_yaml(ROOT / path, path)
+    if overrides and isinstance(conf, dict):
+        try:
+            conf = apply_overrides(conf, list(overrides), path)
+        except RecipeError as exc:
+            sys.exit(f"run: {exc}")
     if not isinstance(conf, dict) or not isinstance(conf.get("train"), dict) or "output_dir" not in conf["train"]:
         sys.exit(f"run: {path}: train.output_dir: is required by the pipeline (each recipe's run directory)")
     return conf
@@ -438,13 +451,15 @@ def table(reports: dict[str, dict[str, Any]]) -> str:
     general = {name.removesuffix(GENERAL): r for name, r in reports.items() if name.endswith(GENERAL)}
     reports = {name: r for name, r in reports.items() if not name.endswith(GENERAL)}
     first = next(iter(reports.values()))
-    plain = first["tokens_per_s"]["plain"]
+    # the baselines' rows from the evaluation that measured prompt lookup beside plain decoding (else the first)
+    base = next((r for r in reports.values() if r["tokens_per_s"].get("prompt_lookup")), first)
+    plain = base["tokens_per_s"]["plain"]
     more = ["-", "1.00×"] if general else []
     rows = [["plain decoding", "-", "-", f"{plain:.1f}" if plain else "n/a", "1.00×", "-", *more]]
-    lookup = first["tokens_per_s"].get("prompt_lookup")
+    lookup = base["tokens_per_s"].get("prompt_lookup")
     if lookup:
         ratio = f"{lookup / plain:.2f}×" if plain else "n/a"
-        g = next(iter(general.values()), {}).get("prompt_lookup_vs_plain")
+        g = next((r["prompt_lookup_vs_plain"] for r in general.values() if r.get("prompt_lookup_vs_plain")), None)
         more = ["-", "n/a" if g is None else f"{g:.2f}×"] if general else []
         rows.append(["prompt lookup (transformers)", "-", "-", f"{lookup:.1f}", ratio, "-", *more])
     for name, r in reports.items():
@@ -479,6 +494,7 @@ def _ratio_cell(value: float | None, unit: str = "×") -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("recipe_set", type=Path, help="a directory with pipeline.yaml, e.g. recipes/smollm2")
+    parser.add_argument("overrides", nargs="*", help="section.key=value for every recipe of the set (train, eval, ...)")
     parser.add_argument("--methods", nargs="*", default=None, help="default: every recipe of the set")
     parser.add_argument("--shipped", action="store_true", help="evaluate the set's shipped drafters; train nothing")
     parser.add_argument("--large-trees", action="store_true", help="also evaluate the set's large_trees")
@@ -503,7 +519,7 @@ def main() -> None:
         if args.ship and (problem := ship_dir_problem(ROOT / spec["shipped"][method])) is not None:
             sys.exit(f"run: {directory / PIPELINE}: shipped.{method}: {problem}")  # before hours of training
     recipes = {m: spec["recipes"][m] for m in methods}
-    confs = {m: read_recipe(path) for m, path in recipes.items()}  # each recipe read once
+    confs = {m: read_recipe(path, args.overrides) for m, path in recipes.items()}  # each recipe read once
     first = next(iter(confs.values()))
     if args.shipped and args.out is None:  # keep the evaluation of shipped drafters apart from a training run's
         args.out = Path("artifacts") / f"{directory.name}-shipped"
@@ -524,33 +540,33 @@ def main() -> None:
         sys.exit(f"run: {spec['target']}: no target there (config.json missing), and the set names no `fetch`")
 
     if not args.shipped:
-        for i, chatset in enumerate(spec.get("chatsets") or ()):
+        for chatset in spec.get("chatsets") or ():
             banner(f"prompts from {chatset['source']} into {chatset['out']}")
             # always run: it reads the dataset again in seconds and writes the same splits
-            run_step("chatsets" if i == 0 else f"chatsets-{i}", chatsets_cmd(chatset, spec["target"]), log_dir, env)
+            run_step(f"chatsets-{Path(chatset['out']).name}", chatsets_cmd(chatset, spec["target"]), log_dir, env)
         synth = spec.get("synthesize")
         if synth is not None:
             banner(f"synthesis: the target writes {synth['count']} candidate requests into {synth['out']}")
             # always run: it generates only the candidates still missing and filters them again (cheap)
             run_step("synthesize", synthesize_cmd(synth, spec["target"]), log_dir, distill_env)
         jobs = spec.get("selfdistill") or []
-        for i, distill in enumerate(jobs):
+        for distill in jobs:
             banner(f"self-distillation: the target answers {distill['prompts']} ({distill.get('limit', 'all')})")
             # always run: it writes only the records still missing, and refuses a file made with other prompts,
             # settings or another target (a count of records would not see those)
-            step = "selfdistill" if i == 0 else f"selfdistill-{i}"
+            step = f"selfdistill-{Path(distill['out']).stem}"  # named by what it writes, whatever --methods says
             run_step(step, selfdistill_cmd(distill, spec["target"]), log_dir, distill_env)
 
         by_dir: dict[str, str] = {}  # features_dir -> the first method whose recipe names it extracts them for all
         for method, conf in confs.items():
             if (conf.get("data") or {}).get("features_dir"):  # none: the recipe trains online
                 by_dir.setdefault(conf["data"]["features_dir"], method)
-        for i, (features_dir, method) in enumerate(by_dir.items()):
+        for features_dir, method in by_dir.items():
             banner(f"feature extraction into {features_dir} ({recipes[method]})")
             # always run: complete shards are kept, and shards of other data (a larger self-distillation, another
             # target) are refused rather than trained on
-            step = "extract" if i == 0 else f"extract-{method}"
-            run_step(step, [py, "-m", "data.extract", recipes[method]], log_dir, train_env)
+            step = f"extract-{Path(features_dir).name}"
+            run_step(step, [py, "-m", "data.extract", recipes[method], *args.overrides], log_dir, train_env)
 
         for method, recipe in recipes.items():
             banner(f"train + export {method} ({recipe})")
@@ -558,7 +574,8 @@ def main() -> None:
             if trained(ROOT / run_dir, int(confs[method]["train"].get("max_steps", 100))):
                 skip(f"{run_dir}/export")
                 continue
-            run_step(f"train-{method}", [py, "-m", "train", recipe, "train.resume=auto"], log_dir, train_env)
+            train_cmd = [py, "-m", "train", recipe, "train.resume=auto", *args.overrides]
+            run_step(f"train-{method}", train_cmd, log_dir, train_env)
             run_step(f"export-{method}", [py, "-m", "train.export", run_dir], log_dir, env)
 
     if args.ship:
@@ -567,36 +584,41 @@ def main() -> None:
 
     evals: dict[str, tuple[str, list[str]]] = {m: (m, []) for m in methods}
     general = spec.get("general")
-    for j, method in enumerate(methods if general else ()):  # the same drafters on general requests too
+    lookup_method = next(iter(spec["recipes"]))  # prompt lookup is measured once per prompt set, whatever --methods
+    for method in methods if general else ():  # the same drafters on general requests too
         limit = [f"eval.max_prompts={general.get('max_prompts', 8)}"]
-        lookup = ["eval.baselines=[plain,prompt_lookup]"] if j == 0 else []  # prompt lookup once, there too
-        evals[f"{method}{GENERAL}"] = (method, [f"eval.prompts={general['prompts']}", *limit, *lookup])
+        lookup = "eval.baselines=[plain,prompt_lookup]" if method == lookup_method else "eval.baselines=[plain]"
+        evals[f"{method}{GENERAL}"] = (method, [f"eval.prompts={general['prompts']}", *limit, lookup])
     for key, wanted in (("large_trees", args.large_trees), ("extra_evals", args.extra_evals)):
         for name, (method, overrides) in (spec.get(key) or {}).items() if wanted else ():
             if method in methods:
                 evals[name] = (method, list(overrides))
     reports: dict[str, dict[str, Any]] = {}
-    for i, (name, (method, overrides)) in enumerate(evals.items()):
+    for name, (method, overrides) in evals.items():
         recipe, conf = recipes[method], confs[method]
         eval_dir = Path(args.out / name) if args.out else eval_dir_of(conf).parent / f"eval-{name}"
         if name == method and args.out is None:
             eval_dir = eval_dir_of(conf)
         keys = [f"eval.output_dir={eval_dir}"]
-        if i > 0:  # prompt lookup is measured once, with the first evaluation; plain decoding by every evaluation,
-            keys.append("eval.baselines=[plain]")  # which its "vs plain" compares with (its overrides may say more)
+        if name != lookup_method:  # prompt lookup is measured once, with the set's first recipe's evaluation; plain
+            keys.append("eval.baselines=[plain]")  # decoding by every evaluation (its overrides may say more)
         if args.shipped:  # without the training data: e.g. no Medusa tree calibration on its held-out samples
             keys.append(f"eval.drafter={spec['shipped'][method]}")
             keys += (spec.get("shipped_overrides") or {}).get(method, [])
         if args.prompts:
             keys.append(f"eval.max_prompts={args.prompts}")
-        keys += overrides
+        keys += [*overrides, *args.overrides]
         banner(f"eval {name}: speculative vs plain decoding on held-out prompts")
         report = ROOT / eval_dir / "report.json"
         drafter = ROOT / (spec["shipped"][method] if args.shipped else Path(conf["train"]["output_dir"]) / "export")
         newest_input = max((drafter / "config.json").stat().st_mtime, (ROOT / recipe).stat().st_mtime)
         fresh = report.is_file() and report.stat().st_mtime > newest_input  # an edited recipe is evaluated again
-        if fresh and json.loads(report.read_text()).get("overrides") == keys:
+        recorded = json.loads(report.read_text()).get("overrides") if fresh else None
+        if fresh and recorded == keys:
             skip(f"{eval_dir}/report.json")
+        elif fresh:  # a finished report of this drafter with other settings is kept, never replaced
+            print(f"  kept: {eval_dir}/report.json was made with other settings ({recorded}); to evaluate with "
+                  f"these ({keys}), give its evaluations a directory of their own with --out", flush=True)  # fmt: skip
         else:
             clear_report(ROOT / eval_dir)
             run_step(f"eval-{name}", [py, "-m", "eval", recipe, *keys], log_dir, env)

@@ -149,6 +149,17 @@ def test_the_driver_runs_every_step_then_resumes_by_skipping_them(recipe_set):
     provenance = json.loads((recipe_set / "shipped" / "eagle2" / "PROVENANCE.json").read_text())
     assert provenance["training"]["steps"] == 4 and not (recipe_set / "shipped" / "eagle2" / "stale.bin").exists()
 
+    # another selection of methods evaluates with the same settings (prompt lookup stays with the set's first recipe):
+    # nothing to redo; other settings never replace a finished report, they are said and kept
+    report = out / "medusa1" / "eval" / "report.json"
+    before = report.read_bytes()
+    alone = run(str(recipe_set), "--methods", "medusa1").stdout
+    assert f"skipped: {out / 'medusa1' / 'eval'}/report.json is complete" in alone
+    other = run(str(recipe_set), "--methods", "medusa1", "eval.max_new_tokens=6").stdout
+    assert "kept: " in other and "was made with other settings" in other and report.read_bytes() == before
+    assert {p.name for p in (out / "logs").iterdir()} >= {"selfdistill-selfdistill.log", "extract-features.log",
+                                                         "extract-features-eagle3.log", "eval-medusa1.log"}  # fmt: skip
+
 
 @pytest.mark.slow
 def test_shipped_evaluates_given_exports_without_training(recipe_set, tmp_path):
