@@ -114,7 +114,8 @@ def worker(args, kind: str) -> dict:
         }  # fmt: skip
         for c in conversations(args.prompts, args.n)
     ]
-    llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
+    # warm-up, untimed: long enough for every kind's first drafts (the n-gram speculator compiles with numba then)
+    llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=32))
     before = spec_counters(llm)
     start = time.perf_counter()
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=args.max_tokens))
