@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install vllm-env hooks test test-fast fuzz lint format demo demo-pocket smollm2 check-speculators check-consumers check-sglang check-vllm check-vllm-selfdistill clean
+.PHONY: install vllm-env hooks test test-fast fuzz lint format demo demo-pocket smollm2 check-speculators check-speculators-train check-consumers check-sglang check-vllm check-vllm-selfdistill clean
 
 install: $(STAMP)
 
@@ -75,6 +75,19 @@ check-speculators: install
 	$(BIN)/python benchmarks/speculators_check.py prepare runs/speculators-check-peagle-fcnorm drafter.fc_norm=true \
 		drafter.norm_before_residual=true --method peagle
 	$(SPEC_VENV)/bin/python benchmarks/speculators_check.py consume runs/speculators-check-peagle-fcnorm
+
+# Another project's trainer: speculators' own pipeline (prepare-data, `speculators train` with its Trainer, CPU patches
+# applied at runtime) trains a tiny EAGLE-3 drafter, and `train.imports --format speculators` imports it; the imported
+# drafter's logits must equal speculators' own (benchmarks/speculators_train.py; about 2 minutes).
+check-speculators-train: install
+	test -x $(SPEC_VENV)/bin/python || $(PY) -m venv $(SPEC_VENV)
+	$(SPEC_VENV)/bin/pip install -q torch==2.13.0
+	$(SPEC_VENV)/bin/pip install -q --no-deps speculators==0.9.0 hs-connectors==0.9.0
+	$(SPEC_VENV)/bin/pip install -q torch==2.13.0 $(SPEC_DEPS)
+	rm -rf runs/speculators-train
+	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/speculators_train.py prepare runs/speculators-train
+	OMP_NUM_THREADS=1 $(SPEC_VENV)/bin/python benchmarks/speculators_train.py train runs/speculators-train
+	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/speculators_train.py import runs/speculators-train
 
 # The real consumers on PyPI of `--format eagle` and `--format medusa` exports: SafeAILab's eagle-llm 1.2.1 and
 # FasterDecoding's medusa-llm 0.1, in their own virtual environment (transformers 4; their pinned web-UI and chat

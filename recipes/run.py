@@ -505,6 +505,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads for decoding (self-distil, eval)")
     parser.add_argument("--train-threads", type=int, default=1, help="for extraction and training")
     args = parser.parse_args()
+    if args.methods:  # `--methods eagle3 train.max_steps=10`: the list ends where the overrides begin
+        args.overrides += [m for m in args.methods if "=" in m]
+        args.methods = [m for m in args.methods if "=" not in m] or None
 
     directory = args.recipe_set if args.recipe_set.is_absolute() else ROOT / args.recipe_set
     spec = load_pipeline(directory)

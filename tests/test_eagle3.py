@@ -649,6 +649,9 @@ def test_import_command_round_trips_an_exported_checkpoint(run, tmp_path, at_roo
     inputs = eagle3_inputs(trained, 4, 8192)
     torch.testing.assert_close(drafter_logits(loaded, *inputs), drafter_logits(trained, *inputs), atol=1e-5, rtol=0)
     (out / "model.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(SystemExit, match="model.safetensors: its bytes are not those"):  # its marker's checksums
+        imports_main([str(out), "--format", "speculators", "--target", str(RECIPE), "--out", str(tmp_path / "bad")])
+    (out / ".specdraft-export").unlink()  # as another trainer's checkpoint: the file itself is refused
     with pytest.raises(SystemExit, match="model.safetensors: not a readable safetensors file"):
         imports_main([str(out), "--format", "speculators", "--target", str(RECIPE), "--out", str(tmp_path / "bad")])
     assert not (tmp_path / "bad").exists() and not (tmp_path / "bad.tmp").exists()

@@ -20,7 +20,7 @@ from tiny import perturbed
 
 from models.configs import EagleConfig, MedusaConfig
 from models.eagle import EagleDrafter
-from models.io import ExportError, load_drafter, save_native
+from models.io import EXPORT_MARKER, ExportError, load_drafter, save_native
 from models.medusa import MedusaHeads
 from train import export as export_mod
 from train.config import load_recipe
@@ -46,10 +46,13 @@ def target():
 
 
 def exported(fmt: str, drafter, recipe_file: str, overrides: list[str], target, out: Path, monkeypatch) -> Path:
-    """`train.export.export` of `drafter` (as if trained with `recipe_file` + overrides) to `fmt` at `out`."""
+    """`train.export.export` of `drafter` (as if trained with `recipe_file` + overrides) to `fmt` at `out`, as another
+    project's trainer would leave it: the layout's files, without this project's marker (its checksums)."""
     recipe = load_recipe(recipe_file, overrides)
     monkeypatch.setattr(export_mod, "load_run", lambda run_dir, checkpoint=None: (recipe, target, drafter))
-    return export_mod.export(out.parent / "run", out, fmt=fmt)
+    out = export_mod.export(out.parent / "run", out, fmt=fmt)
+    (out / EXPORT_MARKER).unlink()
+    return out
 
 
 PLAIN = ["drafter.fc_norm=false", "drafter.post_norm=false"]
@@ -266,6 +269,16 @@ def test_an_import_that_computes_other_logits_leaves_nothing(medusa_src, target,
 def test_medusa_bad_config(medusa_src, tmp_path):
     (medusa_src / "config.json").write_text(json.dumps({"medusa_num_layers": "one"}))
     refused(medusa_src, "medusa", tmp_path / "out", "config.json", "medusa_num_layers", "'one'")
+
+
+def test_a_checkpoint_this_project_exported_is_imported_only_as_written(target, medusa_drafter, tmp_path, monkeypatch):
+    """An engine-layout export of this project carries its marker: a file changed since is refused, naming it."""
+    recipe = load_recipe(MEDUSA_RECIPE, ["drafter.num_heads=5"])
+    monkeypatch.setattr(export_mod, "load_run", lambda run_dir, checkpoint=None: (recipe, target, medusa_drafter))
+    src = export_mod.export(tmp_path / "run", tmp_path / "medusa", fmt="medusa")
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps(config | {"medusa_num_layers": 1}, indent=3))
+    refused(src, "medusa", tmp_path / "out", "medusa/config.json: its bytes are not those", EXPORT_MARKER)
 
 
 def test_no_checkpoint_and_no_weights(tmp_path):

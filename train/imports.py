@@ -51,6 +51,7 @@ from models.io import (
     read_safetensors,
     save_native,
     staged_directory,
+    verify_files,
 )
 from models.methods import METHODS
 from models.target import Target, TargetError, load_target
@@ -188,7 +189,8 @@ def import_eagle(src: Path, config: dict, tensors: dict, weights: Path, target: 
     if "embed_tokens.weight" in tensors:
         embed = target.embed_tokens.weight
         theirs = tensors["embed_tokens.weight"]
-        if theirs.shape != embed.shape or not torch.equal(theirs.to(embed.device, embed.dtype), embed):
+        # in the checkpoint's dtype: a trainer that saves in bf16 holds the target's embedding rounded to it
+        if theirs.shape != embed.shape or not torch.equal(theirs.to(embed.device), embed.to(theirs.dtype)):
             raise ExportError(f"{weights}: embed_tokens.weight differs from the target's embedding (another target?)")
     drafter.load_state_dict({k: tensors[k] for k in expected}, strict=False)
     return drafter
@@ -243,7 +245,8 @@ def import_eagle3(config: dict, tensors: dict[str, torch.Tensor], weights: Path,
     layout = f"{'a speculators' if speculators else 'an EAGLE-3'} drafter with draft_vocab_size={K}"
     check_tensors(tensors, expected, weights, layout, optional=("embed_tokens.weight",))
     if "embed_tokens.weight" in tensors and not torch.equal(
-        tensors["embed_tokens.weight"].to(target.embed_tokens.weight), target.embed_tokens.weight
+        tensors["embed_tokens.weight"].to(target.embed_tokens.weight.device),
+        target.embed_tokens.weight.to(tensors["embed_tokens.weight"].dtype),  # the checkpoint's dtype (bf16 savers)
     ):
         raise ExportError(f"{weights}: embed_tokens.weight differs from the target's embedding (another target?)")
     draft_ids = torch.arange(K) + tensors["d2t"].to(torch.int64)
@@ -359,6 +362,7 @@ def import_checkpoint(src: str | Path, fmt: str, target: Target, out: str | Path
         raise ExportError(f"--format: {fmt!r} is not importable (available: {', '.join(FORMATS)})")
     src, out = Path(src), Path(out)
     check_export_dir(out, source=src)  # never replaces the checkpoint itself, or a directory no export wrote
+    verify_files(src)  # a checkpoint an export of this project wrote: its files as written
     config, tensors, weights = read_source(src, fmt)
     dtype = config.get("dtype") or config.get("torch_dtype")
     if dtype is not None and not isinstance(getattr(torch, str(dtype).removeprefix("torch."), None), torch.dtype):
