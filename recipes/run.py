@@ -144,12 +144,8 @@ def load_pipeline(directory: Path) -> dict[str, Any]:
     for method, recipe in spec["recipes"].items():
         if not isinstance(recipe, str) or not (ROOT / recipe).is_file():
             sys.exit(f"run: {where}: recipes.{method}: {recipe} does not exist")
-    sets = spec.get("chatsets")
-    if isinstance(sets, dict):
-        spec["chatsets"] = sets = [sets]
-    if sets is not None and not isinstance(sets, list):
-        sys.exit(f"run: {where}: chatsets: a mapping of settings, or a list of them")
-    for i, chatset in enumerate(sets or ()):
+    sets = listed(spec, "chatsets", where)
+    for i, chatset in enumerate(sets):
         key = "chatsets" if len(sets) == 1 else f"chatsets[{i}]"
         if not isinstance(chatset, dict) or set(chatset) - CHATSETS_KEYS or not {"source", "out"} <= set(chatset):
             sys.exit(f"run: {where}: {key}: needs source and out, and takes the keys {sorted(CHATSETS_KEYS)}")
@@ -182,21 +178,27 @@ def load_pipeline(directory: Path) -> dict[str, Any]:
         sys.exit(f"run: {where}: synthesize: takes the keys {sorted(SYNTHESIZE_KEYS)}")
     if synth is not None and not {"out", "count"} <= set(synth):
         sys.exit(f"run: {where}: synthesize: needs out and count")
-    jobs = spec.get("selfdistill")
-    if isinstance(jobs, dict):
-        spec["selfdistill"] = jobs = [jobs]
-    if jobs is not None and not isinstance(jobs, list):
-        sys.exit(f"run: {where}: selfdistill: a mapping of settings, or a list of them")
-    for i, distill in enumerate(jobs or ()):
+    jobs = listed(spec, "selfdistill", where)
+    for i, distill in enumerate(jobs):
         key = "selfdistill" if len(jobs) == 1 else f"selfdistill[{i}]"
         if not isinstance(distill, dict) or set(distill) - SELFDISTILL_KEYS:
             sys.exit(f"run: {where}: {key}: takes the keys {sorted(SELFDISTILL_KEYS)}")
         if not {"prompts", "out"} <= set(distill):
             sys.exit(f"run: {where}: {key}: needs prompts and out")
-    outs = [d["out"] for d in jobs or ()]
+    outs = [d["out"] for d in jobs]
     if len(set(outs)) < len(outs):
         sys.exit(f"run: {where}: selfdistill: two jobs write the same out")
     return spec
+
+
+def listed(spec: dict[str, Any], key: str, where: str) -> list:
+    """`spec[key]`, a mapping of settings or a list of them, as a list (stored back); [] when absent."""
+    value = spec.get(key)
+    if isinstance(value, dict):
+        spec[key] = value = [value]
+    if value is not None and not isinstance(value, list):
+        sys.exit(f"run: {where}: {key}: a mapping of settings, or a list of them")
+    return value or []
 
 
 def _strings(value: Any) -> bool:
