@@ -143,6 +143,21 @@ def test_overfits_one_batch(method, key, four_samples, tmp_path):
     train(r)
     curve = [json.loads(line)[key] for line in (tmp_path / "run" / METRICS_FILE).read_text().splitlines()]
     assert curve[-1] < 0.3 * curve[0], curve
+    assert (tmp_path / "run" / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # drawn at the checkpoint
+
+
+def test_curves_draw_losses_and_each_heldout_accuracy(tmp_path):
+    """curves.png: the loss and learning rate by step, and one held-out accuracy curve per unrolled step (EAGLE) or
+    head (Medusa); a torn last line of a killed run is skipped; no losses, no picture."""
+    from train.curves import _ACC, plot_curves
+
+    assert plot_curves(tmp_path) is None
+    rows = [{"step": i, "train/loss": 1.0 / i, "train/lr": 1e-3} for i in range(1, 21)]
+    rows[9] |= {"eval/acc@1": 0.4, "eval/step1/acc@1": 0.3, "eval/acc@1/head2": 0.2, "eval/acc@5": 0.9}
+    (tmp_path / METRICS_FILE).write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 21, "train/lo')
+    assert plot_curves(tmp_path) == tmp_path / "curves.png" and (tmp_path / "curves.png").stat().st_size > 1000
+    names = [m.group(1) or m.group(2) or "step0" for k in rows[9] if (m := _ACC.match(k))]
+    assert sorted(names) == ["head2", "step0", "step1"]  # acc@5 is not drawn
 
 
 @pytest.mark.parametrize("method", ["eagle2", "medusa1"])

@@ -44,6 +44,7 @@ from models.target import Target, load_target
 from train import TrainingError
 from train.checkpoint import METRICS_FILE, RECIPE_FILE
 from train.config import Recipe
+from train.curves import plot_curves
 from train.optim import build_optimizer, build_scheduler, reschedule
 from train.resume import checkpoint_to_resume, restore_run, save_run, truncate_metrics
 
@@ -526,13 +527,15 @@ def _train(recipe: Recipe, accelerator: Accelerator, stop_after: int | None) -> 
             stop = stop_after is not None and step >= stop_after
             if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.max_steps or stop:
                 last_ckpt = save_run(accelerator, model, optimizer, scheduler, recipe, step, train_loader, tokens_seen)
+                if accelerator.is_main_process:
+                    plot_curves(out_dir)  # curves.png beside metrics.jsonl, as far as the run has come
             if stop:
                 break
     finally:
         bar.close()
         accelerator.end_training()
     if accelerator.is_main_process:
-        print(f"metrics: {out_dir / METRICS_FILE}")
+        print(f"metrics: {out_dir / METRICS_FILE} (curves: {out_dir / 'curves.png'})")
         if step >= cfg.max_steps:
             print(f"export: python -m train.export {out_dir}")
         print(f"last checkpoint: {last_ckpt}")
