@@ -193,10 +193,30 @@ def verify_files(directory: str | Path) -> None:
         if not path.is_file():
             raise ExportError(f"{path}: missing, though {directory / record} lists it: the export is incomplete")
         if sha256_file(path) != digest:
+            short = _safetensors_shortfall(path)
+            how = f"truncated: {short}" if short else "changed or damaged since it was written"
             raise ExportError(
-                f"{path}: its bytes are not those {directory / record} records (sha256 differs): changed or damaged "
-                "since it was written; export it again"
+                f"{path}: its bytes are not those {directory / record} records (sha256 differs): {how}; export it again"
             )
+
+
+def _safetensors_shortfall(path: Path) -> str | None:
+    """'N bytes of the M its header declares' for a safetensors file cut short (an interrupted copy); None for any
+    other file, or one whose header cannot be read."""
+    if path.suffix != ".safetensors":
+        return None
+    try:
+        have = path.stat().st_size
+        with path.open("rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            if have >= 8 and 8 + size > have and size < 100_000_000:  # cut inside its header
+                return f"{have:,} bytes, shorter than its own {size:,}-byte header"
+            header = json.loads(f.read(size))
+        ends = [entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"]
+    except (OSError, ValueError, KeyError, TypeError, IndexError):
+        return None
+    need = 8 + size + max(ends, default=0)
+    return f"{have:,} bytes of the {need:,} its header declares" if have < need else None
 
 
 def foreign_files(path: Path) -> list[str] | None:

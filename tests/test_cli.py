@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from recipes.cli import COMMANDS, ROOT
 
 
@@ -21,6 +23,7 @@ def test_every_subcommand_names_a_module_or_file_that_exists():
     assert {"run", "synthesize", "selfdistill", "extract", "train", "export", "eval", "import"} <= COMMANDS.keys()
 
 
+@pytest.mark.slow
 def test_subcommands_run_their_module_from_any_directory(tmp_path):
     listing = specdraft("--help", cwd=tmp_path)
     assert listing.returncode == 0 and all(name in listing.stdout for name in COMMANDS)

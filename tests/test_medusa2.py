@@ -462,7 +462,7 @@ def test_an_online_export_whose_training_data_is_gone_names_it(in_repo, tmp_path
 
 
 @pytest.mark.slow
-def test_deepspeed_zero2_two_processes_match_one(in_repo, tmp_path):
+def test_deepspeed_zero2_two_processes_match_one(in_repo, tmp_path, deepspeed_ops):
     """Same global batch (1 x 4 rows vs 2 x 2 rows), dropout off: losses and trained tensors agree."""
     from train.loop import train
 

@@ -472,7 +472,9 @@ CPU = {"ACCELERATE_USE_CPU": "true"}
         ("zero3", shipped_config("zero3"), {}, [2, 1], "DEEPSPEED"),
     ],
 )
-def test_two_processes_match_one(backend, launch_args, env, batch, kind, features, single_process_run, tmp_path):
+def test_two_processes_match_one(
+    backend, launch_args, env, batch, kind, features, single_process_run, tmp_path, deepspeed_ops
+):
     out = tmp_path / backend
     overrides = [
         f"data.features_dir={features}", f"train.output_dir={out}", *QUIET,
@@ -490,7 +492,7 @@ def test_two_processes_match_one(backend, launch_args, env, batch, kind, feature
 
 
 @pytest.mark.slow
-def test_zero3_online_matches_one_process(features, tmp_path):
+def test_zero3_online_matches_one_process(features, tmp_path, deepspeed_ops):
     """Online under ZeRO-3: the target runs in the step while ZeRO-3 partitions the drafter, which borrows the
     target's embedding and lm_head unregistered (so they are never partitioned, and the run is not refused)."""
     common = [*QUIET, "train.online=true", "train.max_steps=3", "train.lr=0.01"]
@@ -543,7 +545,7 @@ def _run(features, out, processes, backend, batch, accum, resume):
         ("zero3", (1, 2, 2), (2, 2, 1)),
     ],
 )
-def test_resume_on_another_number_of_processes(backend, before, after, features, four_steps, tmp_path):
+def test_resume_on_another_number_of_processes(backend, before, after, features, four_steps, tmp_path, deepspeed_ops):
     """A preempted job restarted on another number of processes: the data position, the optimizer moments and
     the schedule carry over exactly (ZeRO shards them by process; checkpoints hold them whole, by name)."""
     out = tmp_path / "run"
