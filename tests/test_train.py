@@ -470,6 +470,7 @@ CPU = {"ACCELERATE_USE_CPU": "true"}
         ("ddp", shipped_config("ddp"), CPU, [2, 1], "MULTI_CPU"),
         ("zero2", shipped_config("zero2"), {}, [1, 2], "DEEPSPEED"),
         ("zero3", shipped_config("zero3"), {}, [2, 1], "DEEPSPEED"),
+        ("fsdp", shipped_config("fsdp"), {}, [2, 1], "FSDP"),
     ],
 )
 def test_two_processes_match_one(
@@ -543,6 +544,7 @@ def _run(features, out, processes, backend, batch, accum, resume):
         ("ddp", (1, 4, 1), (2, 2, 1)),
         ("zero2", (2, 1, 2), (1, 4, 1)),
         ("zero3", (1, 2, 2), (2, 2, 1)),
+        ("fsdp", (2, 2, 1), (1, 4, 1)),
     ],
 )
 def test_resume_on_another_number_of_processes(backend, before, after, features, four_steps, tmp_path, deepspeed_ops):

@@ -59,18 +59,23 @@ def make_accelerator(recipe: Recipe) -> Accelerator:
     # Several processes without CUDA: torch.distributed needs gloo (accelerate picks nccl under DeepSpeed).
     cpu_distributed = not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1
     handlers = [InitProcessGroupKwargs(backend="gloo")] if cpu_distributed else []
+    cpu_fsdp = cpu_distributed and _flag("ACCELERATE_USE_FSDP") and not _flag("ACCELERATE_USE_CPU")
     accelerator = Accelerator(
+        cpu=cpu_fsdp,
         mixed_precision=cfg.mixed_precision,
         gradient_accumulation_steps=cfg.grad_accum,
         log_with=None if tracker == "none" else tracker,
         project_dir=cfg.output_dir,
         kwargs_handlers=handlers,
     )
+    if cpu_fsdp:
+        _fsdp_on_cpu(accelerator)
     _check_backend(accelerator)
     if accelerator.num_processes > 1 and accelerator.distributed_type == DistributedType.NO:
         raise TrainingError(
             f"{accelerator.num_processes} processes but accelerate set up no distributed backend "
-            "(FSDP needs GPUs; on CPU use DDP: ACCELERATE_USE_CPU=true accelerate launch --multi_gpu ...)"
+            "(on CPU: ACCELERATE_USE_CPU=true accelerate launch --multi_gpu ... for DDP, or --config_file "
+            "recipes/accelerate/fsdp.yaml without ACCELERATE_USE_CPU for FSDP)"
         )
     plugin = accelerator.state.deepspeed_plugin
     if plugin is not None:  # DeepSpeed owns batch size, accumulation and clipping: give it the recipe's
@@ -81,6 +86,22 @@ def make_accelerator(recipe: Recipe) -> Accelerator:
         # ZeRO-3: checkpoints gather the full drafter tensors (drafter.safetensors, read by train.export)
         ds.setdefault("zero_optimization", {})["stage3_gather_16bit_weights_on_model_save"] = True
     return accelerator
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "").lower() in ("1", "true")
+
+
+def _fsdp_on_cpu(accelerator: Accelerator) -> None:
+    """FSDP2 on CPU processes (gloo). torch shards on CPU, but accelerate turns FSDP on only for accelerator devices
+    (its AcceleratorState sets up plain MULTI_CPU instead); after the gloo group is up, switch its state to FSDP
+    with the plugin the launch configured (FSDP_* environment variables), as it would on GPUs."""
+    from accelerate.state import PartialState
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin()
+    accelerator.state.distributed_type = DistributedType.FSDP
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP  # re-read by every later PartialState()
 
 
 def _check_backend(accelerator: Accelerator) -> None:
@@ -97,8 +118,8 @@ def _check_backend(accelerator: Accelerator) -> None:
                 "for ZeRO on CPU launch without ACCELERATE_USE_CPU: accelerate launch --config_file "
                 "recipes/accelerate/zero2.yaml --num_processes 2 -m train RECIPE"
                 if asked[0] == "DeepSpeed"
-                else "FSDP needs GPUs; on CPU use DDP: ACCELERATE_USE_CPU=true accelerate launch --config_file "
-                "recipes/accelerate/ddp.yaml --num_processes 2 -m train RECIPE"
+                else "for FSDP on CPU launch without ACCELERATE_USE_CPU: accelerate launch --config_file "
+                "recipes/accelerate/fsdp.yaml --num_processes 2 -m train RECIPE"
             )
         )
 
