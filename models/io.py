@@ -209,8 +209,8 @@ def _safetensors_shortfall(path: Path) -> str | None:
         have = path.stat().st_size
         with path.open("rb") as f:
             size = int.from_bytes(f.read(8), "little")
-            if have >= 8 and 8 + size > have and size < 100_000_000:  # cut inside its header
-                return f"{have:,} bytes, shorter than its own {size:,}-byte header"
+            if 8 + size > have:  # cut inside its header, or no safetensors header at all
+                return f"{have:,} bytes, shorter than its own {size:,}-byte header" if size < 100_000_000 else None
             header = json.loads(f.read(size))
         ends = [entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"]
     except (OSError, ValueError, KeyError, TypeError, IndexError):
