@@ -75,6 +75,7 @@ import yaml
 from data.runs import latest_checkpoint, read_state
 from eval import REPORT_FILES
 from models.io import EXPORT_MARKER, SHIP_PROVENANCE, foreign_files
+from recipes.preflight import check_set
 from train.schema import RecipeError, YAMLTooLarge, apply_overrides, safe_load, yaml_problem
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -506,6 +507,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="evaluation outputs (default: the recipes' eval dirs)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads for decoding (self-distil, eval)")
     parser.add_argument("--train-threads", type=int, default=1, help="for extraction and training")
+    parser.add_argument("--check", action="store_true", help="check the set against its target and stop (seconds)")
     args = parser.parse_args()
     if args.methods:  # `--methods eagle3 train.max_steps=10`: the list ends where the overrides begin
         args.overrides += [m for m in args.methods if "=" in m]
@@ -525,6 +527,13 @@ def main() -> None:
             sys.exit(f"run: {directory / PIPELINE}: shipped.{method}: {problem}")  # before hours of training
     recipes = {m: spec["recipes"][m] for m in methods}
     confs = {m: read_recipe(path, args.overrides) for m, path in recipes.items()}  # each recipe read once
+    # always, before the first step: a configuration error surfaces in seconds, not after hours of self-distillation
+    problems = check_set(spec, directory, recipes, args.overrides, shipped=args.shipped)
+    if problems:
+        sys.exit("\n".join(f"run: {p}" for p in problems) + f"\nrun: {shown(directory)}: {len(problems)} problem(s)")
+    if args.check:
+        print(f"run: {shown(directory)}: {len(recipes)} recipe(s) checked against {spec['target']}: no problems")
+        return
     first = next(iter(confs.values()))
     if args.shipped and args.out is None:  # keep the evaluation of shipped drafters apart from a training run's
         args.out = Path("artifacts") / f"{directory.name}-shipped"
