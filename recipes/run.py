@@ -112,12 +112,50 @@ def run_step(name: str, cmd: list[str], log_dir: Path, env: dict[str, str]) -> N
     print(f"$ {' '.join(cmd)}\n  (log: {shown})", flush=True)
     start = time.perf_counter()
     with open(log, "w") as f:
-        code = subprocess.call(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
+        code = follow(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT), log)
     if code != 0:
         tail = log.read_text().replace("\r", "\n").splitlines()[-25:]
         sys.exit("\n".join([*tail, f"run: step {name!r} failed (exit {code}); full log: {log}"]))
     last = [line for line in log.read_text().replace("\r", "\n").splitlines() if line.strip()][-1:]
     print(f"  done in {time.perf_counter() - start:.0f}s" + (f": {last[0][:150]}" if last else ""), flush=True)
+
+
+def last_line(log: Path) -> str | None:
+    """The newest line of a log, progress bars included (tqdm rewrites its line with carriage returns)."""
+    try:
+        with open(log, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 4096))
+            tail = f.read().decode("utf-8", "replace")
+    except OSError:
+        return None
+    lines = [line.strip() for line in tail.replace("\r", "\n").splitlines() if line.strip()]
+    return lines[-1] if lines else None
+
+
+def follow(proc: subprocess.Popen, log: Path, every: float = 2.0, new_line_every: float = 60.0) -> int:
+    """Wait for a step, showing on the console what its log shows last (a progress bar: done, rate, time left) with
+    the time elapsed: one line rewritten in place on a terminal, a new line each `new_line_every` seconds when the
+    console is a file. Returns the exit code."""
+    tty, start, printed, shown_at = sys.stdout.isatty(), time.perf_counter(), None, float("-inf")
+    while True:
+        try:
+            code = proc.wait(timeout=every)
+        except subprocess.TimeoutExpired:
+            code = None
+        line, now = last_line(log), time.perf_counter()
+        if line and line != printed and (tty or now - shown_at >= new_line_every or code is not None):
+            elapsed = time.strftime("%H:%M:%S", time.gmtime(now - start))
+            text = f"  [{elapsed}] {line}"
+            if tty:
+                width = shutil.get_terminal_size().columns - 1
+                print("\r" + text[:width].ljust(width), end="", flush=True)
+            elif code is None:  # the step's last line is printed once it ends
+                print(text[:200], flush=True)
+            printed, shown_at = line, now
+        if code is not None:
+            if tty and printed:
+                print("\r" + " " * (shutil.get_terminal_size().columns - 1) + "\r", end="", flush=True)
+            return code
 
 
 def skip(what: str) -> None:

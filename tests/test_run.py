@@ -367,3 +367,23 @@ def test_an_alias_bomb_in_pipeline_yaml_is_refused(tmp_path):
     (tmp_path / "pipeline.yaml").write_text(text + "large_trees: [\n")
     with pytest.raises(SystemExit, match=r"pipeline.yaml: not valid YAML: line \d+"):
         load_pipeline(tmp_path)
+
+
+@pytest.mark.slow
+def test_a_long_step_shows_its_progress_on_the_console(tmp_path, capsys):
+    from recipes.run import follow
+
+    script = (
+        "import sys, time\n"
+        "for i in range(5):\n"
+        "    sys.stderr.write(f'\\rself-distill: {i}/4 [00:0{i}<00:0{4 - i}]'); sys.stderr.flush(); time.sleep(0.4)\n"
+        "print('wrote 4 records')\n"
+    )
+    log = tmp_path / "step.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen([sys.executable, "-c", script], stdout=f, stderr=subprocess.STDOUT)
+        assert follow(proc, log, every=0.1, new_line_every=0.5) == 0
+    shown = capsys.readouterr().out.splitlines()
+    assert len(shown) >= 2 and all(line.startswith("  [00:00:0") for line in shown)  # elapsed, then the bar
+    assert any("self-distill:" in line and "<00:0" in line for line in shown)  # done, and the time left
+    assert "wrote 4 records" in log.read_text()  # the log keeps everything
