@@ -76,6 +76,7 @@ from data.runs import latest_checkpoint, read_state
 from eval import REPORT_FILES
 from models.io import EXPORT_MARKER, SHIP_PROVENANCE, foreign_files
 from recipes.preflight import check_set
+from recipes.summary import GENERAL, heading, table, verdict
 from train.schema import RecipeError, YAMLTooLarge, apply_overrides, safe_load, yaml_problem
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -468,70 +469,6 @@ def write_ship(
     (dest / PROVENANCE).write_text(json.dumps(provenance, indent=2) + "\n")
 
 
-SETTINGS = {"temperature": "temperature", "batch_size": "batch", "num_prompts": "prompts", "max_new_tokens": "tokens"}
-"""Report fields the table's heading states (from the first report); a row that differs says so."""
-
-
-def heading(first: dict[str, Any]) -> str:
-    decoding = "greedy" if not first.get("temperature") else f"sampled at temperature {first['temperature']}"
-    return (
-        f"{first['num_prompts']} held-out prompts, up to {first['max_new_tokens']} new tokens each, {decoding}, "
-        f"batch {first.get('batch_size') or 1}; vs plain: each evaluation's own plain decoding"
-    )
-
-
-GENERAL = "-general"
-"""The name suffix of a method's evaluation on the set's `general` prompts."""
-
-
-def table(reports: dict[str, dict[str, Any]]) -> str:
-    """One row per decoder: the plain baseline, prompt lookup (where measured), then each drafter; with evaluations on
-    the set's `general` prompts (`<method>-general`), their τ and speedups in two more columns of the method's row."""
-    from eval.report import lossless_mark, markdown_table
-
-    general = {name.removesuffix(GENERAL): r for name, r in reports.items() if name.endswith(GENERAL)}
-    reports = {name: r for name, r in reports.items() if not name.endswith(GENERAL)}
-    first = next(iter(reports.values()))
-    # the baselines' rows from the evaluation that measured prompt lookup beside plain decoding (else the first)
-    base = next((r for r in reports.values() if r["tokens_per_s"].get("prompt_lookup")), first)
-    plain = base["tokens_per_s"]["plain"]
-    more = ["-", "1.00×"] if general else []
-    rows = [["plain decoding", "-", "-", f"{plain:.1f}" if plain else "n/a", "1.00×", "-", *more]]
-    lookup = base["tokens_per_s"].get("prompt_lookup")
-    if lookup:
-        ratio = f"{lookup / plain:.2f}×" if plain else "n/a"
-        g = next((r["prompt_lookup_vs_plain"] for r in general.values() if r.get("prompt_lookup_vs_plain")), None)
-        more = ["-", "n/a" if g is None else f"{g:.2f}×"] if general else []
-        rows.append(["prompt lookup (transformers)", "-", "-", f"{lookup:.1f}", ratio, "-", *more])
-    for name, r in reports.items():
-        speed = r["tokens_per_s"]["speculative"]
-        vs = r["speedup_vs_plain"]
-        other = {k: r.get(k) for k in SETTINGS if r.get(k) != first.get(k)}  # a row decoded otherwise than the heading
-        note = f" ({', '.join(f'{SETTINGS[k]} {v}' for k, v in other.items())})" if other else ""
-        g = general.get(name)
-        more = ["-", "-"] if g is None else [_ratio_cell(g["accept_len"], ""), _ratio_cell(g["speedup_vs_plain"])]
-        rows.append(
-            [
-                f"{name}: {r['tree']}{note}",
-                _ratio_cell(r["accept_len"], ""),
-                " / ".join("-" if a is None else f"{a:.2f}" for a in r["accept_rate_by_depth"][:5]) or "-",
-                f"{speed:.1f}",
-                _ratio_cell(vs),
-                f"{lossless_mark(r)} {r['lossless_prompts']}",
-                *(more if general else []),
-            ]
-        )
-    header = ["decoder", "τ", "acceptance by depth", "tok/s", "vs plain", "lossless"]
-    if general:
-        g = next(iter(general.values()))
-        header += [f"τ, {g['num_prompts']} general prompts", "vs plain (general)"]
-    return markdown_table(header, rows)
-
-
-def _ratio_cell(value: float | None, unit: str = "×") -> str:
-    return "n/a" if value is None else f"{value:.2f}{unit}"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("recipe_set", type=Path, help="a directory with pipeline.yaml, e.g. recipes/smollm2")
@@ -680,6 +617,10 @@ def main() -> None:
 
     banner(f"{directory.name}: {heading(next(iter(reports.values())))}")
     print(table(reports))
+    runs = {m: (str(c["train"]["output_dir"]), f"{c['train']['output_dir']}/export-vllm") for m, c in confs.items()}
+    if args.shipped:
+        runs = {m: (spec["shipped"][m], f"{out_root}/{m}-vllm") for m in confs}
+    print("\n" + verdict(reports, {n: m for n, (m, _) in evals.items()}, spec["target"], runs))
     print(f"\nReports: <eval dir>/report.md (+ report.png). Total {time.perf_counter() - start:.0f}s.")
 
 

@@ -211,7 +211,8 @@ def _report(tau: float, speedup: float, lookup: float | None = None) -> dict:
 def test_the_table_gains_general_chat_columns_when_the_set_has_general_prompts(tmp_path):
     """With `general:` every method is evaluated on those prompts too (one of them with prompt lookup), and the
     table gives their τ and speedups beside the documentation ones; without it the table is as before."""
-    from recipes.run import load_pipeline, table
+    from recipes.run import load_pipeline
+    from recipes.summary import table
 
     reports = {"eagle3": _report(3.5, 1.8, lookup=15.0), "eagle2": _report(2.7, 1.4)}
     general = {"eagle3-general": _report(2.9, 1.5, lookup=12.0), "eagle2-general": _report(2.1, 1.1)}
@@ -387,3 +388,21 @@ def test_a_long_step_shows_its_progress_on_the_console(tmp_path, capsys):
     assert len(shown) >= 2 and all(line.startswith("  [00:00:0") for line in shown)  # elapsed, then the bar
     assert any("self-distill:" in line and "<00:0" in line for line in shown)  # done, and the time left
     assert "wrote 4 records" in log.read_text()  # the log keeps everything
+
+
+def test_the_report_says_what_to_serve_and_when_prompt_lookup_wins():
+    from recipes.summary import verdict
+
+    runs = {"eagle3": ("runs/e3", "runs/e3/export-vllm"), "medusa1": ("runs/m1", "runs/m1/export-vllm")}
+    methods = {"eagle3": "eagle3", "medusa1": "medusa1"}
+    reports = {"eagle3": _report(3.1, 1.8, lookup=12.0), "medusa1": _report(2.0, 1.3)}
+    said = verdict(reports, methods, "artifacts/target", runs)
+    assert said.startswith("What to serve: eagle3 (1.80x plain decoding, τ 3.10; prompt lookup 1.20x).")
+    assert "python -m train.export runs/e3 --format vllm --out runs/e3/export-vllm" in said
+    assert '"method": "eagle3", "model": "runs/e3/export-vllm"' in said
+    reports["eagle3"]["lossless"] = False  # a drafter whose outputs differed from plain decoding is never advised
+    assert verdict(reports, methods, "artifacts/target", runs).startswith("What to serve: medusa1 (1.30x")
+    slow = {"eagle3": _report(2.2, 0.9, lookup=11.0)}
+    said = verdict(slow, methods, "artifacts/target", runs)
+    assert said.startswith("What to serve: prompt lookup. It beats every drafter here (1.10x plain decoding against")
+    assert '"method": "ngram"' in said
