@@ -8,7 +8,6 @@ came are named in SLOW below instead (move them to decorators when you next edit
 
 import os
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -19,9 +18,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# DeepSpeed compiles a C++ op (its shared-memory all-reduce) the first time a CPU process group comes up, under a lock
-# file in the torch extensions folder. Kept beside this environment's packages, not in ~/.cache: a stale lock there,
-# left by a build killed in another checkout, made every DeepSpeed launch wait on it forever.
+# Any C++ op torch or DeepSpeed compiles is kept beside this environment's packages, not in ~/.cache: a stale lock
+# there, left by a build killed in another checkout, once made every DeepSpeed launch wait on it forever. (Training
+# on CPU processes tells DeepSpeed not to build its shared-memory op at all: train/loop.py.)
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch-extensions"))
 
 
@@ -40,16 +39,3 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if getattr(item, "originalname", item.name) in SLOW.get(item.path.name, ()):
             item.add_marker(pytest.mark.slow)
-
-
-@pytest.fixture(scope="session")
-def deepspeed_ops():
-    """DeepSpeed's CPU communication op, built once in this process before any test launches DeepSpeed: the build
-    takes minutes on 2 busy cores, and done inside a launch it would eat that test's timeout. A lock older than the
-    longest build is stale (its builder was killed) and is removed rather than waited on."""
-    from deepspeed.comm.torch import build_shm_op
-
-    for lock in Path(os.environ["TORCH_EXTENSIONS_DIR"]).glob("*/lock"):
-        if time.time() - lock.stat().st_mtime > 20 * 60:
-            lock.unlink()
-    build_shm_op()

@@ -473,9 +473,7 @@ CPU = {"ACCELERATE_USE_CPU": "true"}
         ("fsdp", shipped_config("fsdp"), {}, [2, 1], "FSDP"),
     ],
 )
-def test_two_processes_match_one(
-    backend, launch_args, env, batch, kind, features, single_process_run, tmp_path, deepspeed_ops
-):
+def test_two_processes_match_one(backend, launch_args, env, batch, kind, features, single_process_run, tmp_path):
     out = tmp_path / backend
     overrides = [
         f"data.features_dir={features}", f"train.output_dir={out}", *QUIET,
@@ -493,7 +491,7 @@ def test_two_processes_match_one(
 
 
 @pytest.mark.slow
-def test_zero3_online_matches_one_process(features, tmp_path, deepspeed_ops):
+def test_zero3_online_matches_one_process(features, tmp_path):
     """Online under ZeRO-3: the target runs in the step while ZeRO-3 partitions the drafter, which borrows the
     target's embedding and lm_head unregistered (so they are never partitioned, and the run is not refused)."""
     common = [*QUIET, "train.online=true", "train.max_steps=3", "train.lr=0.01"]
@@ -547,7 +545,7 @@ def _run(features, out, processes, backend, batch, accum, resume):
         ("fsdp", (2, 2, 1), (1, 4, 1)),
     ],
 )
-def test_resume_on_another_number_of_processes(backend, before, after, features, four_steps, tmp_path, deepspeed_ops):
+def test_resume_on_another_number_of_processes(backend, before, after, features, four_steps, tmp_path):
     """A preempted job restarted on another number of processes: the data position, the optimizer moments and
     the schedule carry over exactly (ZeRO shards them by process; checkpoints hold them whole, by name)."""
     out = tmp_path / "run"

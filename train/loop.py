@@ -60,6 +60,8 @@ def make_accelerator(recipe: Recipe) -> Accelerator:
     cpu_distributed = not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1
     handlers = [InitProcessGroupKwargs(backend="gloo")] if cpu_distributed else []
     cpu_fsdp = cpu_distributed and _flag("ACCELERATE_USE_FSDP") and not _flag("ACCELERATE_USE_CPU")
+    if cpu_distributed and _flag("ACCELERATE_USE_DEEPSPEED"):
+        _plain_deepspeed_collectives()
     accelerator = Accelerator(
         cpu=cpu_fsdp,
         mixed_precision=cfg.mixed_precision,
@@ -90,6 +92,15 @@ def make_accelerator(recipe: Recipe) -> Accelerator:
 
 def _flag(name: str) -> bool:
     return os.environ.get(name, "").lower() in ("1", "true")
+
+
+def _plain_deepspeed_collectives() -> None:
+    """DeepSpeed on CPU processes (a rehearsal of a GPU launch) with torch.distributed's gloo collectives. Otherwise its
+    first launch compiles a C++ shared-memory all-reduce (minutes on a small machine), under a lock file that a build
+    killed midway leaves behind for every later launch to wait on forever."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
 def _fsdp_on_cpu(accelerator: Accelerator) -> None:
