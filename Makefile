@@ -25,8 +25,10 @@ format: install
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
 
+# Two workers (pytest-xdist), a file's tests on one worker (module fixtures built once), one torch thread each: the
+# 2-core machines this runs on would otherwise oversubscribe. About 15 minutes there; serially, about 25.
 test: install lint
-	TRITON_INTERPRET=1 $(BIN)/python -m pytest
+	TRITON_INTERPRET=1 OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n 2 --dist loadfile
 
 # The inner loop: every test but those marked `slow` (subprocesses, multi-process launches, anything over ~20 s; see
 # tests/conftest.py), without lint. `make test` (what CI runs) runs them all.
