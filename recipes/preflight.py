@@ -24,6 +24,12 @@ def _resolved(path: str | Path) -> Path:
     return (path if path.is_absolute() else ROOT / path).resolve()
 
 
+def missing(path: str | Path, made: set[Path]) -> bool:
+    """Neither there nor written by a step of the set."""
+    where = _resolved(path)
+    return not where.is_file() and where not in made
+
+
 def produced(spec: dict[str, Any]) -> set[Path]:
     """Files a step of the set writes before training and evaluation read them."""
     files = {_resolved(job["out"]) for job in spec.get("selfdistill") or []}
@@ -67,14 +73,14 @@ def recipe_problems(
         problems.append(f"{path}: target.path: {recipe.target.path} is not the set's target ({target})")
     if not only_eval:
         for i, name in enumerate(recipe.data.train_files):
-            if not _resolved(name).is_file() and _resolved(name) not in made:
+            if missing(name, made):
                 problems.append(
                     f"{path}: data.train_files[{i}]: {name} does not exist and no step of the set writes it"
                 )
     prompts = recipe.eval.prompts
     if prompts:
         where = _resolved(prompts)
-        if not where.is_file() and where not in made:
+        if missing(where, made):
             problems.append(f"{path}: eval.prompts: {prompts} does not exist and no step of the set writes it")
         recipes_root = (ROOT / "recipes").resolve()
         if where.is_relative_to(recipes_root) and not where.is_relative_to(set_dir.resolve()):
@@ -94,10 +100,10 @@ def check_set(
     made = produced(spec)
     problems = target_problems(target)
     general = spec.get("general")
-    if general and not _resolved(general["prompts"]).is_file() and _resolved(general["prompts"]) not in made:
+    if general and missing(general["prompts"], made):
         problems.append(f"{set_dir / 'pipeline.yaml'}: general.prompts: {general['prompts']} does not exist")
     for job in [] if shipped else spec.get("selfdistill") or []:  # --shipped runs no data step
-        if not _resolved(job["prompts"]).is_file() and _resolved(job["prompts"]) not in made:
+        if missing(job["prompts"], made):
             problems.append(f"{set_dir / 'pipeline.yaml'}: selfdistill: prompts {job['prompts']} does not exist")
     for path in recipes.values():
         problems += recipe_problems(path, overrides, set_dir, target, made, only_eval=shipped)

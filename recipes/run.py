@@ -117,8 +117,8 @@ def run_step(name: str, cmd: list[str], log_dir: Path, env: dict[str, str]) -> N
     if code != 0:
         tail = log.read_text().replace("\r", "\n").splitlines()[-25:]
         sys.exit("\n".join([*tail, f"run: step {name!r} failed (exit {code}); full log: {log}"]))
-    last = [line for line in log.read_text().replace("\r", "\n").splitlines() if line.strip()][-1:]
-    print(f"  done in {time.perf_counter() - start:.0f}s" + (f": {last[0][:150]}" if last else ""), flush=True)
+    last = last_line(log)
+    print(f"  done in {time.perf_counter() - start:.0f}s" + (f": {last[:150]}" if last else ""), flush=True)
 
 
 def last_line(log: Path) -> str | None:
@@ -617,9 +617,10 @@ def main() -> None:
 
     banner(f"{directory.name}: {heading(next(iter(reports.values())))}")
     print(table(reports))
-    runs = {m: (str(c["train"]["output_dir"]), f"{c['train']['output_dir']}/export-vllm") for m, c in confs.items()}
     if args.shipped:
         runs = {m: (spec["shipped"][m], f"{out_root}/{m}-vllm") for m in confs}
+    else:
+        runs = {m: (str(c["train"]["output_dir"]), f"{c['train']['output_dir']}/export-vllm") for m, c in confs.items()}
     print("\n" + verdict(reports, {n: m for n, (m, _) in evals.items()}, spec["target"], runs))
     print(f"\nReports: <eval dir>/report.md (+ report.png). Total {time.perf_counter() - start:.0f}s.")
 

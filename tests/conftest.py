@@ -7,8 +7,6 @@ came are named in SLOW below instead (move them to decorators when you next edit
 """
 
 import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,11 +15,6 @@ import torch
 # imported, and nothing in the package chooses it on import (`python -m eval` does, for its own process).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-
-# Any C++ op torch or DeepSpeed compiles is kept beside this environment's packages, not in ~/.cache: a stale lock
-# there, left by a build killed in another checkout, once made every DeepSpeed launch wait on it forever. (Training
-# on CPU processes tells DeepSpeed not to build its shared-memory op at all: train/loop.py.)
-os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch-extensions"))
 
 
 SLOW = {

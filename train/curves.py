@@ -9,6 +9,7 @@ EAGLE-3 and P-EAGLE, or Medusa's `eval/acc@1/head<k>`), where the run evaluated 
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import sys
@@ -47,7 +48,8 @@ def plot_curves(run_dir: str | Path) -> Path | None:
     left.plot(steps, values, color="tab:blue", alpha=0.3, linewidth=0.8, label="loss")
     window = max(1, len(values) // 20)
     if window > 1:
-        smooth = [sum(values[max(0, i - window + 1) : i + 1]) / len(values[max(0, i - window + 1) : i + 1])
+        sums = [0.0, *itertools.accumulate(values)]
+        smooth = [(sums[i + 1] - sums[max(0, i - window + 1)]) / (i + 1 - max(0, i - window + 1))
                   for i in range(len(values))]  # fmt: skip
         left.plot(steps, smooth, color="tab:blue", label=f"loss, mean of {window}")
     left.set_xlabel("step")

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType, InitProcessGroupKwargs, gather_object, set_seed
+from accelerate.utils import DistributedType, InitProcessGroupKwargs, gather_object, parse_flag_from_env, set_seed
 from tqdm import tqdm
 from transformers.integrations import set_hf_deepspeed_config, unset_hf_deepspeed_config
 
@@ -59,8 +59,10 @@ def make_accelerator(recipe: Recipe) -> Accelerator:
     # Several processes without CUDA: torch.distributed needs gloo (accelerate picks nccl under DeepSpeed).
     cpu_distributed = not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1
     handlers = [InitProcessGroupKwargs(backend="gloo")] if cpu_distributed else []
-    cpu_fsdp = cpu_distributed and _flag("ACCELERATE_USE_FSDP") and not _flag("ACCELERATE_USE_CPU")
-    if cpu_distributed and _flag("ACCELERATE_USE_DEEPSPEED"):
+    cpu_fsdp = (
+        cpu_distributed and parse_flag_from_env("ACCELERATE_USE_FSDP") and not parse_flag_from_env("ACCELERATE_USE_CPU")
+    )
+    if cpu_distributed and parse_flag_from_env("ACCELERATE_USE_DEEPSPEED"):
         _plain_deepspeed_collectives()
     accelerator = Accelerator(
         cpu=cpu_fsdp,
@@ -90,10 +92,6 @@ def make_accelerator(recipe: Recipe) -> Accelerator:
     return accelerator
 
 
-def _flag(name: str) -> bool:
-    return os.environ.get(name, "").lower() in ("1", "true")
-
-
 def _plain_deepspeed_collectives() -> None:
     """DeepSpeed on CPU processes (a rehearsal of a GPU launch) with torch.distributed's gloo collectives. Otherwise its
     first launch compiles a C++ shared-memory all-reduce (minutes on a small machine), under a lock file that a build
@@ -119,7 +117,7 @@ def _check_backend(accelerator: Accelerator) -> None:
     """The launch asked for DeepSpeed or FSDP: refuse to train as anything else. With ACCELERATE_USE_CPU=true
     accelerate quietly sets up plain CPU data parallel instead (every process holding everything)."""
     asked = [name for name, var in (("DeepSpeed", "ACCELERATE_USE_DEEPSPEED"), ("FSDP", "ACCELERATE_USE_FSDP"))
-             if os.environ.get(var, "").lower() in ("1", "true")]  # fmt: skip
+             if parse_flag_from_env(var)]  # fmt: skip
     wanted = {"DeepSpeed": DistributedType.DEEPSPEED, "FSDP": DistributedType.FSDP}
     if asked and accelerator.distributed_type != wanted[asked[0]]:
         raise TrainingError(

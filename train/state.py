@@ -77,11 +77,10 @@ def _gather_fsdp(accelerator, model, optimizer):
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     model_sd, optim_sd = get_state_dict(model, inner, options=options)
     trainable = _trainable(accelerator, model)
-    # clones: the gathered tensors can share storage that torch frees with the state dict
-    params = {n: model_sd[n].float().clone() for n in trainable if n in model_sd}
+    params = {n: model_sd[n].float() for n in trainable if n in model_sd}
     # with cpu_offload only rank 0 receives the full dicts; the others get empty ones
     states, param_groups = optim_sd.get("state", {}), optim_sd.get("param_groups", [])
-    moments = {f"{n}/{k}": v.float().clone() for n, state in states.items() for k, v in state.items()}
+    moments = {f"{n}/{k}": v.float() for n, state in states.items() for k, v in state.items()}
     groups = [{**_hyper(g), "params": g["params"]} for g in param_groups]  # params: names already
     return params, moments, groups
 
