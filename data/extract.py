@@ -46,6 +46,7 @@ import torch
 from tqdm import tqdm
 
 from data.codecs import BASIS_FILE, FITTED_KEYS, Codec, PcaCodec, encoding_settings, make_codec
+from data.engines import EngineError, add_engine_options, engine_options
 from data.lock import DirectoryLocked, NotADirectory, acquire, release, shared_verdict
 from data.prepare import PreparedData, TokenSample, data_sources, prepare_dataset, template_fingerprint
 from data.shards import (
@@ -64,7 +65,7 @@ from data.shards import (
     write_json_atomic,
     write_shard,
 )
-from models.target import Target, load_target
+from models.target import Target, load_placed_target, load_tokenizer
 
 if TYPE_CHECKING:  # train.config pulls in every drafter; extraction needs none of them
     from train.config import DataConfig
@@ -260,7 +261,8 @@ def _resolve_basis(target: Target, samples: list[TokenSample], plan: list[list[i
 def fit_key(header: dict[str, Any]) -> str:
     """What a basis is fitted for: a hash of the extraction's settings (target, layers, data, plan, encoding
     settings), recorded in the basis file, so that a basis left by another extraction is never reused."""
-    return hashlib.sha256(json.dumps(_settings(header), sort_keys=True).encode()).hexdigest()[:16]
+    settings = {key: value for key, value in _settings(header).items() if value is not None}  # as before `engine`
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _known_entries(directory: Path, header: dict[str, Any]) -> dict[int, dict]:
@@ -401,7 +403,7 @@ def merge_parts(directory: Path, header: dict[str, Any], num_shards: int, world_
     missing = sorted(set(range(num_shards)) - set(entries))
     if missing:
         raise RuntimeError(f"{directory}: shards {missing[:5]} missing after extraction; re-run to resume")
-    extra = {key: value for key, value in header.items() if key not in HEADER_KEYS}
+    extra = {key: value for key, value in header.items() if key not in HEADER_KEYS and value is not None}
     manifest = build_manifest(header, list(entries.values()), extra)
     write_json_atomic(directory / MANIFEST, manifest)
     for path in [*directory.glob(PART_GLOB), *directory.glob("*.tmp")]:
@@ -417,15 +419,19 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m data.extract", description=__doc__.split("\n\n")[0])
     parser.add_argument("recipe")
     parser.add_argument("overrides", nargs="*", help="section.key=value")
+    add_engine_options(parser, "the target in transformers, or in vLLM's engine (data/vllm_features.py)",
+                       '{"tensor_parallel_size": 8}')  # fmt: skip
     args = parser.parse_args(argv)
+    engine_args = engine_options(parser, args)
     inputs = ("target.path", "target.tokenizer", "data.train_files", "data.features_dir")
     recipe = load_recipe(args.recipe, args.overrides, inputs=inputs)
     if recipe.data.features_dir is None:
         raise RecipeError(f"{recipe.source}: data.features_dir: is required for extraction")
     state = Accelerator()  # not PartialState(): only Accelerator honours ACCELERATE_USE_CPU (multi-process CPU)
     lock = lock_features_dir(recipe, state)
+    engine = None if args.engine == "hf" else {"python": args.engine_python, "engine_args": engine_args}
     try:
-        extract_recipe(recipe, state)
+        extract_recipe(recipe, state, engine)
     finally:
         if lock is not None:
             release(lock)
@@ -451,23 +457,44 @@ def lock_features_dir(recipe, state) -> int | None:
     return fd
 
 
-def extract_recipe(recipe, state) -> None:
-    """Extract `recipe`'s features on this process of `state` (an Accelerator): target, data, shards, manifest."""
+def extract_recipe(recipe, state, engine: dict[str, Any] | None = None) -> None:
+    """Extract `recipe`'s features on this process of `state` (an Accelerator): target, data, shards, manifest.
+    `engine` ({"python", "engine_args"}) runs the target in vLLM (`data.vllm_features`) instead of transformers."""
     from train.config import RecipeError
 
-    if recipe.target.device_map is not None:
-        raise RecipeError(
-            f"{recipe.source}: target.device_map: is for evaluation; extraction puts the target whole on each device"
-        )
-    target = load_target(**dataclasses.asdict(recipe.target))
+    if engine is None:
+        target = load_placed_target(dataclasses.asdict(recipe.target), state)
+        try:
+            target.parts(recipe.data.layers)  # checks the layer indices before any heavy work
+        except ValueError as exc:
+            raise RecipeError(f"{recipe.source}: data.layers: {exc}") from None
+        tokenizer = target.tokenizer
+    else:
+        from data.vllm_features import check_vllm_target
+
+        try:
+            check_vllm_target(recipe.target)
+        except EngineError as exc:
+            raise RecipeError(f"{recipe.source}: {exc}") from None
+        tokenizer = load_tokenizer(recipe.target.path, recipe.target.tokenizer, recipe.target.trust_remote_code)
+    if tokenizer is None:
+        raise RecipeError(f"{recipe.source}: target.tokenizer: no tokenizer found for {recipe.target.path}")
+    prepared: PreparedData = prepare_dataset(recipe.data, tokenizer)
+    if engine is not None:
+        from data.vllm_features import start_for_recipe
+
+        try:
+            target = start_for_recipe(recipe, state, engine, tokenizer, prepared.samples)
+        except EngineError as exc:
+            raise ExtractError(f"--engine vllm: {exc}") from None
     try:
-        target.parts(recipe.data.layers)  # checks the layer indices before any heavy work
-    except ValueError as exc:
-        raise RecipeError(f"{recipe.source}: data.layers: {exc}") from None
-    if target.tokenizer is None:
-        raise RecipeError(f"{recipe.source}: target.tokenizer: no tokenizer found for {target.name}")
-    target.model.to(state.device)
-    prepared: PreparedData = prepare_dataset(recipe.data, target.tokenizer)
+        _extract(recipe, state, target, prepared, engine is not None)
+    finally:
+        if engine is not None:
+            target.close()
+
+
+def _extract(recipe, state, target, prepared: PreparedData, vllm: bool) -> None:
     data = recipe.data
     encoding = encoding_settings(data.storage_dtype, data.storage_bits, data.storage_fit_tokens, len(data.layers))
     header = {
@@ -475,6 +502,7 @@ def extract_recipe(recipe, state) -> None:
         "hidden_size": target.hidden_size,
         "dtype": data.storage_dtype,
         **({} if encoding is None else {"encoding": encoding}),
+        "engine": "vllm" if vllm else None,  # a re-run extracts with the same engine (None: not in the manifest)
         "shard_tokens": recipe.data.shard_tokens,
         "prepare": prepared.stats(),
     }
@@ -508,6 +536,7 @@ if __name__ == "__main__":
     try:
         main()
     except (
-        RecipeError, DataError, ChatTemplateError, FeatureMismatchError, TargetError, ExtractError, DirectoryLocked
+        RecipeError, DataError, ChatTemplateError, FeatureMismatchError, TargetError, ExtractError, DirectoryLocked,
+        EngineError,
     ) as exc:  # fmt: skip
         sys.exit(f"error: {exc}")

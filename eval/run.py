@@ -24,7 +24,6 @@ token for token. Process 0 writes `report.json`, `report.md` and `report.png` to
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -51,7 +50,7 @@ from eval.report import summarize, write_report
 from models.io import ExportError, load_draft_vocab, load_drafter, read_config
 from models.medusa import MedusaHeads
 from models.methods import METHODS, Method
-from models.target import Target, TargetError, load_target
+from models.target import Target, TargetError, load_placed_target
 from train.config import EvalConfig, Recipe, RecipeError, dotted_settings
 
 CALIBRATION_SAMPLES = 64
@@ -352,22 +351,6 @@ def _judge_mismatch(
 # Entry
 
 
-def process_gpus(local_index: int, num_local_processes: int, num_gpus: int) -> list[int]:
-    """The GPUs one eval process spreads a `device_map` target over: an equal, disjoint share of the node's.
-
-    No GPUs (CPU runs) gives []; fewer GPUs than processes is an error, since shares would overlap.
-    """
-    if num_gpus == 0:
-        return []
-    if num_gpus < num_local_processes:
-        raise EvalError(
-            f"target.device_map: {num_local_processes} processes on a node with {num_gpus} GPUs; "
-            "launch at most one process per GPU (`accelerate launch --num_processes N`)"
-        )
-    share = num_gpus // num_local_processes
-    return list(range(local_index * share, (local_index + 1) * share))
-
-
 def drafter_directory(recipe: dict[str, Any]) -> str:
     """The export a recipe (as a dict) evaluates: `eval.drafter`, else `export.out`, else <train.output_dir>/export."""
     return recipe["eval"]["drafter"] or recipe["export"]["out"] or str(Path(recipe["train"]["output_dir"]) / "export")
@@ -486,14 +469,7 @@ def _run(recipe: Recipe, state) -> dict[str, Any] | None:
     if ev.drafter is None:  # the run's own export, picked implicitly: it must be of the run's newest checkpoint
         check_export_is_current(recipe, drafter_dir, config)
     check_output_dir(recipe, out_dir)
-    if recipe.target.device_map is None:
-        target = load_target(**dataclasses.asdict(recipe.target))
-        target.model.to(state.device)
-    else:  # a target too large for one GPU: this process's share of the node's GPUs
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", state.num_processes))  # processes on this node
-        gpus = process_gpus(state.local_process_index, local, torch.cuda.device_count())
-        memory = {g: torch.cuda.get_device_properties(g).total_memory for g in gpus} if gpus else None
-        target = load_target(**dataclasses.asdict(recipe.target) | {"max_memory": memory})
+    target = load_placed_target(dataclasses.asdict(recipe.target), state)
     if target.tokenizer is None:
         raise EvalError(f"{recipe.source}: target.tokenizer: the target has no tokenizer to render prompts")
     drafter = load_drafter(drafter_dir, target)

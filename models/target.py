@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -129,37 +130,20 @@ class Target:
 
         `name` is informational (a moved directory is the same target); the other fields are compared.
         """
-        config = {k: v for k, v in self.config.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}
-        config_blob = json.dumps(config, sort_keys=True, default=str).encode()
-        return {
-            "name": self.name,
-            "model_type": self.config.model_type,
-            "num_layers": self.num_layers,
-            "hidden_size": self.hidden_size,
-            "dtype": str(self.dtype).removeprefix("torch."),
-            "config_sha256": hashlib.sha256(config_blob).hexdigest(),
-            "weights_sha256": self._weights_fingerprint(),
-            "weights_sha256_whole": self.whole_weights_sha256(),
-        }
+        if self.offloaded():  # weights left on disk or in host memory by a device_map: read them from the checkpoint
+            return checkpoint_identity(self.name, str(self.dtype).removeprefix("torch."))
+        tensors = self.model.state_dict().items()
+        return _identity(self.name, self.config, self.num_layers, self.dtype, tensors, self.whole_weights_sha256())
 
-    def _weights_fingerprint(self) -> str:
-        """sha256 over the first elements of every parameter: what identities recorded before whole tensors were
-        hashed hold (`weights_sha256`), still compared with those."""
-        digest = hashlib.sha256()
-        for name, tensor in sorted(self.model.state_dict().items()):
-            head = tensor.detach().reshape(-1)[:_FINGERPRINT_ELEMENTS].float().cpu()
-            digest.update(name.encode())
-            digest.update(head.numpy().tobytes())
-        return digest.hexdigest()
+    def offloaded(self) -> bool:
+        """Whether a `device_map` left weights off every device ("cpu" beside GPUs, or "disk"): accelerate's hooks
+        bring them in for each forward, and the model holds them on the meta device."""
+        return any(p.device.type == "meta" for p in self.model.parameters())
 
     def whole_weights_sha256(self) -> str:
         """sha256 over every byte of every tensor, by name, in the loaded dtype (computed once: about 1 s per GB)."""
         if self._whole is None:
-            digest = hashlib.sha256()
-            for name, tensor in sorted(self.model.state_dict().items()):
-                digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
-                digest.update(tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy())
-            self._whole = digest.hexdigest()
+            self._whole = _whole_sha256(self.model.state_dict().items())
         return self._whole
 
     def parts(self, stored_layers: list[int]) -> TargetParts:
@@ -221,6 +205,86 @@ class Target:
         return torch.stack([captured[i].to(home) for i in wanted], dim=2)  # (B, T, n, d)
 
 
+def _identity(name: str, config: PretrainedConfig, num_layers: int, dtype: torch.dtype, tensors, whole: str) -> dict:
+    """`Target.identity()` from its parts; `tensors` iterates (name, tensor) in any order (a model's state dict, or a
+    checkpoint read tensor by tensor)."""
+    kept = {k: v for k, v in config.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}
+    config_blob = json.dumps(kept, sort_keys=True, default=str).encode()
+    return {
+        "name": name,
+        "model_type": config.model_type,
+        "num_layers": num_layers,
+        "hidden_size": config.hidden_size,
+        "dtype": str(dtype).removeprefix("torch."),
+        "config_sha256": hashlib.sha256(config_blob).hexdigest(),
+        "weights_sha256": _weights_fingerprint(tensors),
+        "weights_sha256_whole": whole,
+    }
+
+
+def _weights_fingerprint(tensors) -> str:
+    """sha256 over the first elements of every parameter: what identities recorded before whole tensors were hashed
+    hold (`weights_sha256`), still compared with those."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(tensors, key=lambda item: item[0]):
+        head = tensor.detach().reshape(-1)[:_FINGERPRINT_ELEMENTS].float().cpu()
+        digest.update(name.encode())
+        digest.update(head.numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _whole_sha256(tensors) -> str:
+    """sha256 over every byte of every (name, tensor), by name, in their dtype."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(tensors, key=lambda item: item[0]):
+        digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
+        digest.update(tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy())
+    return digest.hexdigest()
+
+
+def checkpoint_identity(path: str, dtype: str = "bfloat16", trust_remote_code: bool = False) -> dict:
+    """`load_target(path, dtype=dtype).identity()` without loading the model: the config builds the model's skeleton
+    on the meta device (its state dict's names, tied weights included), and the checkpoint's safetensors are read one
+    tensor at a time, cast to `dtype` as loading casts them. For a target served by an engine (vLLM): the features it
+    extracts record the identity the transformers path records, in one tensor's memory."""
+    from safetensors import safe_open
+
+    if dtype not in DTYPES:
+        raise ValueError(f"checkpoint_identity: dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as exc:
+        raise _load_error("target.path", path, exc) from None
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code)
+    _check_architecture(skeleton)
+    files = sorted(Path(path).glob("*.safetensors"))
+    where: dict[str, Path] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            where |= dict.fromkeys(f.keys(), file)
+    if not files:
+        raise TargetError(f"target.path: {path}: no *.safetensors files (an engine-served target is read from them)")
+    params = skeleton.state_dict(keep_vars=True)
+    stored_as: dict[int, str] = {id(t): n for n, t in params.items() if n in where}  # a tied tensor's stored name
+    missing = [n for n, t in params.items() if stored_as.get(id(t)) is None]
+    if missing:
+        raise TargetError(
+            f"target.path: {path}: the safetensors hold no tensor {missing[0]!r} of the model "
+            f"{type(skeleton).__name__} ({len(missing)} missing)"
+        )
+
+    handles = {file: safe_open(str(file), framework="pt") for file in files}
+
+    def tensors():  # one at a time, in the loaded dtype
+        for name, param in sorted(params.items()):
+            stored = stored_as[id(param)]
+            yield name, handles[where[stored]].get_tensor(stored).to(DTYPES[dtype])
+
+    layers = len(skeleton.base_model.layers)
+    return _identity(path, skeleton.config, layers, DTYPES[dtype], tensors(), _whole_sha256(tensors()))
+
+
 def _check_architecture(model: PreTrainedModel) -> None:
     base = model.base_model
     missing = [name for name in ("embed_tokens", "layers", "norm") if not hasattr(base, name)]
@@ -241,12 +305,14 @@ def load_target(
     attn_implementation: str = "sdpa",
     device_map: str | dict | None = None,
     max_memory: dict | None = None,
+    offload_folder: str | None = None,
 ) -> Target:
     """Load an HF causal LM (from `path`, or randomly initialised from a config dict), frozen, in eval mode.
 
     Random weights are drawn in float32 under `seed` and then cast, so a bf16 target is the rounded
     float32 one. The tokenizer comes from `tokenizer` (default `path`); it is None when `path` has none.
-    `device_map` / `max_memory` go to `from_pretrained` (a target spread over several GPUs).
+    `device_map` / `max_memory` / `offload_folder` go to `from_pretrained` (a target spread over several GPUs, or
+    partly offloaded to the host or a disk).
     """
     if (path is None) == (random_init is None):
         raise ValueError("load_target: pass exactly one of path and random_init")
@@ -255,7 +321,8 @@ def load_target(
     if dtype not in DTYPES:
         raise ValueError(f"load_target: dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     if path is not None:
-        placement = {} if device_map is None else {"device_map": device_map, "max_memory": max_memory}
+        placement = {} if device_map is None else {"device_map": device_map, "max_memory": max_memory,
+                                                   "offload_folder": offload_folder}  # fmt: skip
         try:
             model = AutoModelForCausalLM.from_pretrained(
                 path,
@@ -284,12 +351,62 @@ def load_target(
     _check_architecture(model)
     model.eval().requires_grad_(False)
 
-    tok = None
+    return Target(model=model, tokenizer=load_tokenizer(path, tokenizer, trust_remote_code), name=name)
+
+
+def process_gpus(local_index: int, num_local_processes: int, num_gpus: int) -> list[int]:
+    """The GPUs one process spreads a `device_map` target over: an equal, disjoint share of the node's.
+
+    No GPUs (CPU runs) gives []; fewer GPUs than processes is an error (TargetError), since shares would overlap.
+    """
+    if num_gpus == 0:
+        return []
+    if num_gpus < num_local_processes:
+        raise TargetError(
+            f"target.device_map: {num_local_processes} processes on a node with {num_gpus} GPUs; "
+            "launch at most one process per GPU (`accelerate launch --num_processes N`)"
+        )
+    share = num_gpus // num_local_processes
+    return list(range(local_index * share, (local_index + 1) * share))
+
+
+def load_placed_target(fields: dict, state) -> Target:
+    """The target as process `state` of a run uses it (`fields`: `load_target`'s arguments, a recipe's `target`;
+    `state`: accelerate's state of this process: its device, local index and process count).
+
+    Without `device_map` it is loaded whole and moved to `device`. A named map (`auto`, `balanced`, `sequential`)
+    spreads it over this process's equal share of the node's GPUs (`process_gpus`: N processes on a node never share
+    one). An explicit map (module name -> a GPU index, "cpu", or "disk" with `offload_folder`) places it as it says;
+    on a machine without GPUs, "cpu" and "disk" entries cut a target into pieces that accelerate's hooks run in turn
+    (the "disk" ones' weights are read for each forward, never held)."""
+    if fields.get("device_map") is None:
+        target = load_target(**fields)
+        target.model.to(state.device)
+        return target
+    if fields.get("max_memory") is None:
+        fields = fields | {"max_memory": process_memory(fields["device_map"], state)}
+    return load_target(**fields)
+
+
+def process_memory(device_map: str | dict, state) -> dict | None:
+    """`max_memory` for a named `device_map` on process `state`: its share of the node's GPUs (`process_gpus`);
+    None for an explicit map or a machine without GPUs."""
+    if not isinstance(device_map, str):
+        return None
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", state.num_processes))  # processes on this node
+    gpus = process_gpus(state.local_process_index, local, count)
+    return {g: torch.cuda.get_device_properties(g).total_memory for g in gpus} if gpus else None
+
+
+def load_tokenizer(path: str | None, tokenizer: str | None = None, trust_remote_code: bool = False):
+    """The target's tokenizer: from `tokenizer` (an error when it has none), else from `path` (None if it has none)."""
     tokenizer_dir = tokenizer or path
-    if tokenizer_dir is not None:
-        try:
-            tok = AutoTokenizer.from_pretrained(tokenizer_dir, trust_remote_code=trust_remote_code)
-        except (OSError, ValueError) as exc:
-            if tokenizer is not None:  # asked for explicitly: its absence is an error
-                raise _load_error("target.tokenizer", tokenizer, exc) from None
-    return Target(model=model, tokenizer=tok, name=name)
+    if tokenizer_dir is None:
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(tokenizer_dir, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as exc:
+        if tokenizer is not None:  # asked for explicitly: its absence is an error
+            raise _load_error("target.tokenizer", tokenizer, exc) from None
+        return None

@@ -25,7 +25,7 @@ from eval.__main__ import main
 from eval.checks import near_tie
 from eval.prompts import load_prompts, prompt_token_ids
 from eval.report import lossless_mark, plot, summarize, to_markdown, write_report
-from eval.run import calibration_samples, calibration_sequences, draft_vocabulary, medusa_rank_accuracy, process_gpus
+from eval.run import calibration_samples, calibration_sequences, draft_vocabulary, medusa_rank_accuracy
 from models.eagle import EagleConfig, EagleDrafter
 from models.io import FORMAT, FORMAT_VERSION, save_draft_vocab, save_native
 from models.medusa import MedusaConfig, MedusaHeads
@@ -494,13 +494,6 @@ def test_device_map_target_evaluates_losslessly(tmp_path):
     main([str(tmp_path / "recipe.yaml")])
     report = json.loads((tmp_path / "run" / "eval" / "report.json").read_text())
     assert report["lossless"] is True and report["device"] == "cpu"
-
-
-def test_process_gpus_are_disjoint_equal_shares():
-    assert process_gpus(0, 2, 8) == [0, 1, 2, 3] and process_gpus(1, 2, 8) == [4, 5, 6, 7]
-    assert process_gpus(0, 1, 0) == []
-    with pytest.raises(EvalError, match="at most one process per GPU"):
-        process_gpus(0, 4, 2)
 
 
 def test_near_tie_judges_a_differing_greedy_token_by_the_float32_target():

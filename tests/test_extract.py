@@ -535,3 +535,83 @@ def test_two_processes_share_one_basis_and_write_what_one_does(recipe_path: Path
     a, b = hidden_of(pca_reference), hidden_of(features)
     for i in a:
         torch.testing.assert_close(a[i], b[i], rtol=0, atol=1e-3 * float(a[i].abs().max()))
+
+
+def test_vllm_hidden_states_are_assembled_per_input_from_the_captured_forwards() -> None:
+    """`--engine vllm` (data/engines.py) captures flattened forwards: prompts split where positions restart at 0 and
+    matched to their inputs by token ids, in any order and over several forwards; a chunked prompt is refused.
+    (The states themselves are compared with transformers' by `make check-vllm-extract`: CI has no vLLM.)"""
+    from data.engines import EngineError, _assemble
+
+    inputs = [[5, 6, 7], [9, 9], [5, 6, 7], [4]]
+    states = {tuple(ids): torch.randn(len(ids), 2, 3) for ids in inputs}  # (tokens, 2 indices, d)
+
+    def step(*prompts):
+        ids = [t for p in prompts for t in p]
+        layered = torch.cat([states.get(tuple(p), torch.zeros(len(p), 2, 3)) for p in prompts])
+        return {"ids": torch.tensor(ids), "positions": torch.cat([torch.arange(len(p)) for p in prompts]),
+                0: layered[:, 0], 3: layered[:, 1]}  # fmt: skip
+
+    found = _assemble([step([9, 9], [5, 6, 7]), step([4], [5, 6, 7])], inputs, [0, 3])
+    assert [h.shape[0] for h in found] == [3, 2, 3, 1]
+    for ids, h in zip(inputs, found):
+        assert torch.equal(h, states[tuple(ids)])
+    chunked = {
+        "ids": torch.tensor([6, 7]),
+        "positions": torch.tensor([1, 2]),
+        0: torch.zeros(2, 3),
+        3: torch.zeros(2, 3),
+    }
+    with pytest.raises(EngineError, match="starts inside a prompt"):
+        _assemble([step([9, 9], [5, 6, 7], [4]), chunked], inputs, [0, 3])
+    with pytest.raises(EngineError, match="1 of the 4 inputs out of sight"):
+        _assemble([step([9, 9], [5, 6, 7], [4])], inputs, [0, 3])
+    with pytest.raises(EngineError, match="no whole input"):
+        _assemble([step([9, 9], [5, 6])], [[9, 9], [5, 6, 7]], [0, 3])
+
+
+def test_engine_vllm_refuses_what_it_cannot_run(recipe_path: Path, tmp_path: Path) -> None:
+    """A random target, a device map, engine options without the engine, and a Python without vLLM: one line each,
+    before any feature is written."""
+    recipe = load_recipe(recipe_path)
+    load_target(**vars(recipe.target)).model.save_pretrained(tmp_path / "model")
+    on_path = ["target.random_init=", f"target.path={tmp_path / 'model'}"]
+    with pytest.raises(RecipeError, match="target.path: --engine vllm runs a target directory"):
+        run_inprocess(recipe_path, tmp_path / "a", "--engine", "vllm")
+    with pytest.raises(RecipeError, match="target.device_map: is for --engine hf"):
+        run_inprocess(recipe_path, tmp_path / "b", *on_path, "target.device_map=auto", "--engine", "vllm")
+    with pytest.raises(SystemExit):
+        run_inprocess(recipe_path, tmp_path / "c", "--engine-args", '{"max_num_seqs": 4}')
+    with pytest.raises(ExtractError, match=r"--engine vllm: no vLLM in .*make vllm-env"):
+        run_inprocess(recipe_path, tmp_path / "d", *on_path, "--engine", "vllm", "--engine-python", sys.executable)
+    assert not list((tmp_path / "d").glob("shard-*"))
+
+
+def test_features_vllm_extracted_are_not_extended_by_transformers(recipe_path: Path, reference: Path, tmp_path) -> None:
+    """The manifest of a vLLM extraction says `engine: vllm`; the transformers path refuses to re-run over it (and
+    its own manifests hold no `engine`, as before the option)."""
+    assert "engine" not in json.loads((reference / MANIFEST).read_text())
+    features = tmp_path / "features"
+    shutil.copytree(reference, features)
+    manifest = json.loads((features / MANIFEST).read_text())
+    (features / MANIFEST).write_text(json.dumps({**manifest, "engine": "vllm"}))
+    with pytest.raises(FeatureMismatchError, match="built with engine="):
+        run_inprocess(recipe_path, features)
+
+
+def test_a_target_cut_into_pieces_extracts_the_whole_targets_features(recipe_path: Path, tmp_path: Path) -> None:
+    """`target.device_map` in extraction: a target whose layers run in pieces (every other one offloaded to disk,
+    brought in by accelerate's hooks for each forward) writes the shards and manifest of the whole target, byte for
+    byte; its identity comes from the checkpoint, its offloaded weights being on the meta device."""
+    from tiny import cut_map
+
+    recipe = load_recipe(recipe_path)
+    load_target(**vars(recipe.target)).model.save_pretrained(tmp_path / "model")
+    on_path = ["target.random_init=", f"target.path={tmp_path / 'model'}"]
+    run_inprocess(recipe_path, tmp_path / "whole", *on_path)
+    placed = [f"target.device_map={json.dumps(cut_map(3))}", f"target.offload_folder={tmp_path / 'offload'}"]
+    run_inprocess(recipe_path, tmp_path / "cut", *on_path, *placed)
+    assert shard_bytes(tmp_path / "cut") == shard_bytes(tmp_path / "whole")
+    cut = load_target(path=str(tmp_path / "model"), dtype="float32", device_map=cut_map(3),
+                      offload_folder=str(tmp_path / "offload"))  # fmt: skip
+    assert cut.offloaded() and cut.base.layers[1].self_attn.q_proj.weight.device.type == "meta"

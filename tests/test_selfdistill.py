@@ -13,6 +13,7 @@ from tiny import accelerate_launch, save_chat_target
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from data import selfdistill
+from data.engines import EngineError, engine_devices
 from data.prepare import tokenize_record, vocab_fingerprint
 from data.selfdistill import SelfDistillError, main
 
@@ -416,12 +417,12 @@ def test_vllm_engine_errors_are_one_line(tiny_target, tmp_path, fake_vllm):
 
 
 def test_each_data_parallel_engine_gets_its_own_accelerators():
-    assert selfdistill.engine_devices([], 0, 2, 1) is None  # CPU
-    assert selfdistill.engine_devices(["0", "1"], 0, 1, 1) is None  # one process: vLLM takes what is visible
-    assert [selfdistill.engine_devices(["4", "5", "6", "7"], i, 2, 2) for i in (0, 1)] == ["4,5", "6,7"]
-    assert selfdistill.engine_devices(["0", "1", "2", "3"], 3, 4, 1) == "3"
-    with pytest.raises(SelfDistillError, match="4 processes x 2 accelerator.* need 8, and 4 are visible"):
-        selfdistill.engine_devices(["0", "1", "2", "3"], 0, 4, 2)
+    assert engine_devices([], 0, 2, 1) is None  # CPU
+    assert engine_devices(["0", "1"], 0, 1, 1) is None  # one process: vLLM takes what is visible
+    assert [engine_devices(["4", "5", "6", "7"], i, 2, 2) for i in (0, 1)] == ["4,5", "6,7"]
+    assert engine_devices(["0", "1", "2", "3"], 3, 4, 1) == "3"
+    with pytest.raises(EngineError, match="4 processes x 2 accelerator.* need 8, and 4 are visible"):
+        engine_devices(["0", "1", "2", "3"], 0, 4, 2)
 
 
 def test_a_second_self_distillation_into_the_same_out_is_refused(tiny_target, tmp_path):
@@ -440,3 +441,17 @@ def test_a_second_self_distillation_into_the_same_out_is_refused(tiny_target, tm
         release(held)
     assert len(run(tiny_target, prompts, out)) == len(PLAIN)
     assert not any(p.name.endswith(".specdraft.lock") for p in tmp_path.iterdir())
+
+
+def test_a_target_cut_into_pieces_writes_the_whole_targets_records(tiny_target, tmp_path):
+    """`--device-map` (HF engine): the target's layers in pieces (every other one offloaded to disk, run by
+    accelerate's hooks) write the records of the whole target; with vLLM the option is refused."""
+    from tiny import cut_map
+
+    prompts = write_jsonl(tmp_path / "mixed.jsonl", PLAIN + CHAT)
+    whole = run(tiny_target, prompts, tmp_path / "whole.jsonl", "--batch-size", "3", "--dtype", "float32")
+    placed = ["--device-map", json.dumps(cut_map(2)), "--offload-folder", str(tmp_path / "offload")]
+    cut = run(tiny_target, prompts, tmp_path / "cut.jsonl", "--batch-size", "3", "--dtype", "float32", *placed)
+    assert cut == whole
+    with pytest.raises(SystemExit):
+        run(tiny_target, prompts, tmp_path / "never.jsonl", "--engine", "vllm", *placed)

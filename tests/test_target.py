@@ -131,3 +131,41 @@ def test_a_random_bf16_target_computes_what_its_saved_copy_computes(tmp_path):
     ids = torch.randint(0, 64, (1, 300), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(target.model(ids).logits, copy(ids).logits, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("model_type,tied", [("llama", True), ("qwen2", False), ("mistral", False)])
+def test_checkpoint_identity_is_the_loaded_targets_without_loading_it(tmp_path, model_type, tied) -> None:
+    """An engine-served target's features record the identity the transformers path records: read from the
+    safetensors tensor by tensor (tied embeddings, several shards, a dtype cast), equal to `identity()`."""
+    from models.target import TargetError, checkpoint_identity
+
+    target = tiny_target(model_type, tie_word_embeddings=tied)
+    target.model.save_pretrained(tmp_path / "model", max_shard_size="200KB")  # several safetensors files
+    assert len(list((tmp_path / "model").glob("*.safetensors"))) > 1
+    for dtype in ("float32", "bfloat16"):
+        loaded = load_target(path=str(tmp_path / "model"), dtype=dtype)
+        assert checkpoint_identity(str(tmp_path / "model"), dtype) == loaded.identity()
+    other = tiny_target(model_type, seed=1, tie_word_embeddings=tied)
+    other.model.save_pretrained(tmp_path / "other")
+    assert (
+        checkpoint_identity(str(tmp_path / "other"), "float32")["weights_sha256_whole"]
+        != (checkpoint_identity(str(tmp_path / "model"), "float32")["weights_sha256_whole"])
+    )
+    from safetensors.torch import load_file, save_file
+
+    for file in (tmp_path / "other").glob("*.safetensors"):  # a checkpoint that lost a tensor
+        tensors = load_file(file)
+        save_file({k: v for k, v in tensors.items() if "layers.1.mlp.up_proj" not in k}, file, {"format": "pt"})
+    with pytest.raises(TargetError, match=r"no tensor 'model.layers.1.mlp.up_proj.weight'"):
+        checkpoint_identity(str(tmp_path / "other"), "float32")
+    with pytest.raises(TargetError, match="target.path: .*nowhere"):
+        checkpoint_identity(str(tmp_path / "nowhere"), "float32")
+
+
+def test_process_gpus_are_disjoint_equal_shares():
+    from models.target import TargetError, process_gpus
+
+    assert process_gpus(0, 2, 8) == [0, 1, 2, 3] and process_gpus(1, 2, 8) == [4, 5, 6, 7]
+    assert process_gpus(0, 1, 0) == []
+    with pytest.raises(TargetError, match="at most one process per GPU"):
+        process_gpus(0, 4, 2)

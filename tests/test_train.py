@@ -684,3 +684,22 @@ def test_heldout_evaluation_scores_a_random_subset_not_the_shortest_samples():
     assert picked == evaluated_heldout(heldout, 16, seed=0) != evaluated_heldout(heldout, 16, seed=1)
     assert sum(p >= 103 for p in picked) >= 4  # the longer half is drawn from too
     assert evaluated_heldout(heldout[:10], 16, seed=0) == heldout[:10]  # a small split: all of it
+
+
+def test_online_training_with_a_target_cut_into_pieces_equals_the_whole_target(features, tmp_path):
+    """`target.device_map` in online training: the target's layers run in pieces (every other one offloaded to disk)
+    and the run's losses and drafter equal those with the whole target."""
+    from tiny import cut_map
+
+    r = recipe("eagle2", features, tmp_path / "unused")
+    load_target(**vars(r.target)).model.save_pretrained(tmp_path / "target")
+    layers = r.target.size("num_hidden_layers")
+    common = ["target.random_init=", f"target.path={tmp_path / 'target'}", "train.online=true", "train.max_steps=3"]
+    placed = [f"target.device_map={json.dumps(cut_map(layers))}", f"target.offload_folder={tmp_path / 'offload'}"]
+    reset_accelerate()
+    train(recipe("eagle2", features, tmp_path / "whole", *common))
+    reset_accelerate()
+    train(recipe("eagle2", features, tmp_path / "cut", *common, *placed))
+    assert losses(tmp_path / "cut") == losses(tmp_path / "whole")
+    whole, cut = trained(tmp_path / "whole"), trained(tmp_path / "cut")
+    assert whole.keys() == cut.keys() and all(torch.equal(whole[k], cut[k]) for k in whole)

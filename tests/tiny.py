@@ -120,3 +120,11 @@ def accelerate_launch(*args: str) -> list[str]:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     return [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", str(port), *args]
+
+
+def cut_map(num_layers: int) -> dict[str, str]:
+    """A `device_map` that cuts a Llama-like target into pieces on a machine without GPUs: every other decoder layer
+    offloaded to "disk" (accelerate's hooks read its weights for each forward, the model never holds them), the rest
+    on the CPU, with the embedding and the head (what drafters borrow) on the CPU."""
+    placement = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.norm": "cpu", "lm_head": "cpu"}
+    return placement | {f"model.layers.{i}": "disk" if i % 2 else "cpu" for i in range(num_layers)}

@@ -100,11 +100,13 @@ class TargetConfig:
     """Seed for `random_init` weights."""
     trust_remote_code: bool = False
     attn_implementation: str = "sdpa"
-    device_map: str | None = None
-    """Evaluation only: spread a target too large for one GPU over the GPUs of each eval process
-    (`auto`, `balanced`, `sequential`, as in transformers' `from_pretrained`). Training and
-    extraction refuse it: they place the whole target on each process's device (training shards with DeepSpeed
-    or FSDP)."""
+    device_map: str | dict[str, Any] | None = None
+    """Spread a target too large for one GPU over several (transformers' `from_pretrained` placement, accelerate's
+    hooks): `auto`, `balanced`, `sequential` over each process's equal share of the node's GPUs, or an explicit map
+    of module names to a GPU index, `cpu` or `disk` (with `offload_folder`). Used by evaluation, extraction and
+    online training (`models.target.load_placed_target`); by default the target is whole on each process's device."""
+    offload_folder: str | None = None
+    """Where a `device_map`'s `disk` entries keep weights that are not in the checkpoint's safetensors already."""
 
     def validate(self, err) -> None:
         if self.seed < 0:
@@ -113,6 +115,8 @@ class TargetConfig:
             err("target", "set exactly one of target.path and target.random_init")
         if self.device_map is not None and self.path is None:
             err("target.device_map", "needs target.path (a randomly initialised target is built on one device)")
+        if isinstance(self.device_map, dict) and "disk" in self.device_map.values() and self.offload_folder is None:
+            err("target.offload_folder", "is required when target.device_map places modules on disk")
         if self.random_init is not None:
             for key, value in self.random_init.items():  # YAML 1.1 reads `1e-5` (no dot) as a string
                 if isinstance(value, str) and _EXPONENT_FLOAT.fullmatch(value):

@@ -40,7 +40,7 @@ from data.shards import FeatureDataset, FeatureMismatchError, frequent_loss_toke
 from models.common import DraftBatch, packed_additive_mask
 from models.io import DRAFT_VOCAB_FILE, ExportError, load_draft_vocab, save_draft_vocab
 from models.methods import METHODS
-from models.target import Target, load_target
+from models.target import Target, load_placed_target
 from train import TrainingError
 from train.checkpoint import METRICS_FILE, RECIPE_FILE
 from train.config import Recipe
@@ -134,24 +134,35 @@ def _check_backend(accelerator: Accelerator) -> None:
 
 
 def build_target(recipe: Recipe, accelerator: Accelerator) -> Target:
-    """The frozen target, whole on every process, on the device.
+    """The frozen target, whole on every process's device, or spread as `target.device_map` says
+    (`models.target.load_placed_target`).
 
     Under ZeRO-3, transformers would partition any model built while accelerate's DeepSpeed config
     is registered (`zero.Init`), so the target is loaded with it unregistered.
     """
-    if recipe.target.device_map is not None:
+    placed = recipe.target.device_map is not None
+    if placed and recipe.drafter.method == "medusa2":
         raise TrainingError(
-            f"{recipe.source}: target.device_map: is for evaluation; training shards with DeepSpeed/FSDP"
+            f"{recipe.source}: target.device_map: Medusa-2 trains the target's own layers (LoRA), which a device map "
+            "leaves to accelerate's hooks; train it with the target whole on each device (DeepSpeed/FSDP shard it)"
         )
     plugin = accelerator.state.deepspeed_plugin
     if plugin is not None:
         unset_hf_deepspeed_config()
     try:
-        target = load_target(**dataclasses.asdict(recipe.target))
+        target = load_placed_target(dataclasses.asdict(recipe.target), accelerator)
     finally:
         if plugin is not None and plugin.dschf is not None:
             set_hf_deepspeed_config(plugin.dschf)
-    target.model.to(accelerator.device)
+    if placed:  # the drafter borrows the embedding and the head: they must be where it trains
+        away = [f"{name} ({module.weight.device})" for name, module in
+                (("model.embed_tokens", target.embed_tokens), ("lm_head", target.lm_head))
+                if module.weight.device != accelerator.device]  # fmt: skip
+        if away:
+            raise TrainingError(
+                f"{recipe.source}: target.device_map: the drafter borrows the target's {' and '.join(away)}, which "
+                f"must be on this process's device {accelerator.device}; place them there in an explicit map"
+            )
     return target
 
 
@@ -283,7 +294,8 @@ def target_hidden(target: Target, batch: DraftBatch, layers: list[int]) -> torch
     """
     mask = packed_additive_mask(batch, target.dtype)  # (B, 1, T, T)
     with torch.no_grad():
-        return target.hidden_states(batch["input_ids"], mask, batch["position_ids"], layers=layers)  # (B, T, n, d)
+        hidden = target.hidden_states(batch["input_ids"], mask, batch["position_ids"], layers=layers)  # (B, T, n, d)
+    return hidden.to(batch["input_ids"].device)  # a device_map target ends on its last device
 
 
 class Stepper:
