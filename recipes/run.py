@@ -5,6 +5,7 @@
     python recipes/run.py recipes/smollm2 --shipped        # only evaluate the drafters shipped in the set
     python recipes/run.py my-recipes/ --methods eagle2 --large-trees
     python recipes/run.py recipes/smollm2 train.max_steps=200 eval.max_prompts=8   # overrides for every recipe
+    python recipes/run.py my-set --new --target DIR [--prompt-file P.jsonl]        # write a set for a target
 
 A recipe set is a directory with `pipeline.yaml` and one training recipe per method; `pipeline.yaml` says
 
@@ -33,6 +34,7 @@ A recipe set is a directory with `pipeline.yaml` and one training recipe per met
     recipes: {eagle2: recipes/smollm2/eagle2.yaml, medusa1: recipes/smollm2/medusa1.yaml}
     shipped: {eagle2: recipes/smollm2/drafters/eagle2}   # optional: committed exports, for --shipped
     shipped_overrides: {medusa1: [eval.tree=chain]}      # optional: eval overrides for --shipped, per method
+    draft_vocab_coverage: 0.99                  # optional: size own-vocabulary drafters from the answers (new.py)
     general: {prompts: recipes/smollm2/prompts/mtbench.jsonl, max_prompts: 8}   # optional: every method evaluated
                                                 # on these too; the table gains their τ and speedup (general chat)
     large_trees:                                # optional, for --large-trees: name -> [method, [overrides]]
@@ -173,7 +175,7 @@ def load_pipeline(directory: Path) -> dict[str, Any]:
     if not isinstance(spec, dict):
         sys.exit(f"run: {where}: a mapping of settings, got {type(spec).__name__}")
     known = {"target", "fetch", "synthesize", "selfdistill", "recipes", "shipped", "shipped_overrides", "large_trees"}
-    known |= {"extra_evals", "chatsets", "general"}
+    known |= {"extra_evals", "chatsets", "general", "draft_vocab_coverage"}
     unknown = set(spec) - known
     if unknown:
         sys.exit(f"run: {where}: unknown keys {sorted(unknown)}")
@@ -191,6 +193,9 @@ def load_pipeline(directory: Path) -> dict[str, Any]:
             sys.exit(f"run: {where}: {key}: needs source and out, and takes the keys {sorted(CHATSETS_KEYS)}")
         if not isinstance(chatset.get("exclude", []), list):
             sys.exit(f"run: {where}: {key}.exclude: a list of prompt files")
+    coverage = spec.get("draft_vocab_coverage")
+    if coverage is not None and not (isinstance(coverage, (int, float)) and 0 < coverage <= 1):
+        sys.exit(f"run: {where}: draft_vocab_coverage: a fraction in (0, 1], got {coverage!r}")
     if spec.get("fetch") is not None and not isinstance(spec["fetch"], str):
         sys.exit(f"run: {where}: fetch: must name a target models.fetch knows")
     for key in ("shipped", "shipped_overrides", "large_trees", "extra_evals"):
@@ -472,6 +477,9 @@ def write_ship(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("recipe_set", type=Path, help="a directory with pipeline.yaml, e.g. recipes/smollm2")
+    parser.add_argument("--new", action="store_true", help="write a set for --target into RECIPE_SET (recipes/new.py)")
+    parser.add_argument("--target", type=Path, default=None, help="--new: the target's HF directory")
+    parser.add_argument("--prompt-file", type=Path, default=None, help="--new: JSONL prompts (default: ShareGPT's)")
     parser.add_argument("overrides", nargs="*", help="section.key=value for every recipe of the set (train, eval, ...)")
     parser.add_argument("--methods", nargs="*", default=None, help="default: every recipe of the set")
     parser.add_argument("--shipped", action="store_true", help="evaluate the set's shipped drafters; train nothing")
@@ -484,6 +492,12 @@ def main() -> None:
     parser.add_argument("--train-threads", type=int, default=1, help="for extraction and training")
     parser.add_argument("--check", action="store_true", help="check the set against its target and stop (seconds)")
     args = parser.parse_args()
+    if args.new:
+        from recipes.new import main as new_set
+
+        return new_set(args.recipe_set, args.target, args.prompt_file)
+    if args.target is not None or args.prompt_file is not None:
+        sys.exit("run: --target and --prompt-file go with --new")
     if args.methods:  # `--methods eagle3 train.max_steps=10`: the list ends where the overrides begin
         args.overrides += [m for m in args.methods if "=" in m]
         args.methods = [m for m in args.methods if "=" not in m] or None
@@ -545,6 +559,14 @@ def main() -> None:
             # settings or another target (a count of records would not see those)
             step = f"selfdistill-{Path(distill['out']).stem}"  # named by what it writes, whatever --methods says
             run_step(step, selfdistill_cmd(distill, spec["target"]), log_dir, distill_env)
+
+        if spec.get("draft_vocab_coverage"):  # own-vocabulary drafters sized from the answers, before training
+            from recipes.new import size_draft_vocab
+
+            for method, recipe in recipes.items():
+                if (done := size_draft_vocab(ROOT / recipe, spec["draft_vocab_coverage"], args.overrides)) is not None:
+                    print(f"  {done}", flush=True)
+                    confs[method] = read_recipe(recipe, args.overrides)
 
         by_dir: dict[str, str] = {}  # features_dir -> the first method whose recipe names it extracts them for all
         for method, conf in confs.items():

@@ -406,3 +406,57 @@ def test_the_report_says_what_to_serve_and_when_prompt_lookup_wins():
     said = verdict(slow, methods, "artifacts/target", runs)
     assert said.startswith("What to serve: prompt lookup. It beats every drafter here (1.10x plain decoding against")
     assert '"method": "ngram"' in said
+
+
+OTHER_TEMPLATE = (
+    "{% for m in messages %}### {{ m['role'] | capitalize }}\n{{ m['content'] }}{{ eos_token }}\n{% endfor %}"
+    "{% if add_generation_prompt %}### Assistant\n{% endif %}"
+)
+
+
+@pytest.mark.slow
+def test_a_new_set_made_for_another_target_runs_as_written(tmp_path):
+    """`run.py --new` for a 5-layer Qwen2 with a chat template of its own (neither SmolLM2's depth nor its template):
+    the set chooses its layers, splits the prompts, names nothing of SmolLM2, passes --check, and runs to an
+    evaluated EAGLE-3.1 export (shortened by overrides), its draft vocabulary sized from the answers."""
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    target = tmp_path / "target"
+    tok = AutoTokenizer.from_pretrained(POCKET)
+    tok.chat_template = OTHER_TEMPLATE
+    config = Qwen2Config(vocab_size=8192, hidden_size=64, intermediate_size=128, num_hidden_layers=5,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                         initializer_range=0.5, tie_word_embeddings=False)  # fmt: skip
+    import torch
+
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(config).save_pretrained(target)
+    tok.save_pretrained(target)
+    prompts = tmp_path / "my-prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"r{i}", "messages": [{"role": "user", "content": f"Task {i}: add "
+                       f"{i} and {2 * i}."}]}) + "\n" for i in range(12)))  # fmt: skip
+    made = tmp_path / "my-set"
+    out = run(str(made), "--new", "--target", str(target), "--prompt-file", str(prompts)).stdout
+    assert "fused [1, 2, 4]" in out and "11 prompts" in out
+    recipe_text = (made / "eagle3.yaml").read_text()
+    pipeline_text = (made / "pipeline.yaml").read_text()
+    assert recipe_text.startswith(f"# python -m data.extract {made / 'eagle3.yaml'}")
+    assert pipeline_text.startswith(f"# python recipes/run.py {made}")
+    assert "smollm2" not in (recipe_text + pipeline_text).lower()
+    conf = yaml.safe_load(recipe_text)
+    assert conf["drafter"]["feature_layers"] == [1, 2, 4] and conf["data"]["layers"] == [1, 2, 4, -1]
+    assert len((made / "prompts" / "heldout.jsonl").read_text().splitlines()) == 1
+    assert len((made / "prompts" / "train.jsonl").read_text().splitlines()) == 11
+    assert "no problems" in run(str(made), "--check").stdout
+    with pytest.raises(AssertionError, match="exists"):
+        run(str(made), "--new", "--target", str(target), "--prompt-file", str(prompts))
+
+    short = ["train.max_steps=3", "train.warmup_steps=0", "train.batch_size=2", "eval.max_prompts=1",
+             "eval.max_new_tokens=8", "eval.kernels=reference"]  # fmt: skip
+    log = run(str(made), *short).stdout
+    sized = yaml.safe_load((made / "eagle3.yaml").read_text())["drafter"]["draft_vocab"]
+    assert f"drafter.draft_vocab: 8192 -> {sized}" in log and 4 <= sized < 8192
+    report = json.loads((made / "run" / "eagle3" / "eval" / "report.json").read_text())
+    assert report["num_prompts"] == 1 and report["lossless"] is True
+    assert "Serve" in log or "serve" in log
