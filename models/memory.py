@@ -7,7 +7,7 @@ Counts are exact for Llama-family decoders (Llama, Qwen2, Mistral: attention, Sw
 biases counted); activations are an estimate. What it prints, per process:
 
 - extraction, self-distillation and online training: the target's weights in its dtype, whole on every process
-  (the transformers path does not split a target over devices for these steps);
+  (unless `target.device_map` spreads it over a process's GPUs, or vLLM holds it: docs/scaling.md);
 - EAGLE-3 training from feature shards: the target's embedding (borrowed, frozen), the drafter's trainable weights
   with their gradients and AdamW state in fp32 (16 bytes a parameter; ZeRO-2 shards gradients and moments over the
   processes, ZeRO-3 and FSDP everything), and the activations of `--tokens` tokens per process, unrolled

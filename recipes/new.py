@@ -16,7 +16,9 @@ Writes DIR/pipeline.yaml and DIR/eagle3.yaml (an EAGLE-3.1 drafter, the field's 
 - sizes for the target and the machine: dtype (the config's on a GPU; float32 on a CPU without bf16 arithmetic),
   `data.max_len` (1,024 tokens on a CPU, 2,048 on a GPU, within the target's positions), `train.batch_size` the
   largest of 1-16 whose estimate (`models.memory`) takes at most half the device's memory, `train.max_steps` two
-  passes over the prompts' answers (100-20,000), and one self-distillation process per GPU (2 on a CPU).
+  passes over the prompts' answers (100-20,000), and one self-distillation process per GPU (2 on a CPU);
+- a sweep: the drafter is also evaluated with prompt lookup in its tree and on the cost-aware tree (`sweep` in
+  pipeline.yaml, always run), and the closing "What to serve" line weighs them all against prompt lookup.
 
 Nothing in the set points at another target; each file's first line is its own command. What the steps write goes
 to artifacts/DIRNAME-run/ for a set inside the repository, else to DIR/run/. An existing DIR with a pipeline.yaml is
@@ -40,6 +42,12 @@ COVERAGE = 0.99
 HELDOUT_FRACTION = 0.1
 MAX_HELDOUT = 200
 BATCHES = (16, 8, 4, 2, 1)
+SWEEP = {  # what can beat the drafter alone: prompt lookup in its tree, the cost-aware tree, both (docs/smollm2.md)
+    "eagle3-lookup": ["eagle3", ["eval.lookup_tokens=10"]],
+    "eagle3-cost": ["eagle3", ["eval.tree=cost", "eval.tree_depth=5", "eval.tree_total_tokens=16"]],
+    "eagle3-lookup-cost": ["eagle3", ["eval.tree=cost", "eval.tree_depth=5", "eval.tree_total_tokens=16",
+                                      "eval.lookup_tokens=10"]],
+}  # fmt: skip
 
 
 class NewSetError(ValueError):
@@ -171,6 +179,7 @@ def write_set(directory: Path, target: Path, prompt_file: Path | None, here: dic
         "selfdistill": selfdistill,
         "draft_vocab_coverage": COVERAGE,
         "recipes": {"eagle3": str(set_dir / "eagle3.yaml")},
+        "sweep": SWEEP,
     }
     recipe = {
         "target": {"path": target_name, "dtype": size["dtype"]},

@@ -39,6 +39,8 @@ A recipe set is a directory with `pipeline.yaml` and one training recipe per met
                                                 # on these too; the table gains their τ and speedup (general chat)
     large_trees:                                # optional, for --large-trees: name -> [method, [overrides]]
       eagle2-dynamic-d5-k10-n60: [eagle2, [eval.tree=dynamic, eval.tree_depth=5, eval.tree_top_k=10]]
+    sweep:                                      # optional, always evaluated (the same form): configurations that
+      eagle3-lookup: [eagle3, [eval.lookup_tokens=10]]   # can win, which the closing "What to serve" weighs too
     extra_evals:                                # optional, for --extra-evals: the same form
       eagle2-mtbench: [eagle2, [eval.prompts=recipes/smollm2/prompts/mtbench.jsonl, eval.max_prompts=80]]
 
@@ -175,7 +177,7 @@ def load_pipeline(directory: Path) -> dict[str, Any]:
     if not isinstance(spec, dict):
         sys.exit(f"run: {where}: a mapping of settings, got {type(spec).__name__}")
     known = {"target", "fetch", "synthesize", "selfdistill", "recipes", "shipped", "shipped_overrides", "large_trees"}
-    known |= {"extra_evals", "chatsets", "general", "draft_vocab_coverage"}
+    known |= {"extra_evals", "chatsets", "general", "draft_vocab_coverage", "sweep"}
     unknown = set(spec) - known
     if unknown:
         sys.exit(f"run: {where}: unknown keys {sorted(unknown)}")
@@ -198,7 +200,7 @@ def load_pipeline(directory: Path) -> dict[str, Any]:
         sys.exit(f"run: {where}: draft_vocab_coverage: a fraction in (0, 1], got {coverage!r}")
     if spec.get("fetch") is not None and not isinstance(spec["fetch"], str):
         sys.exit(f"run: {where}: fetch: must name a target models.fetch knows")
-    for key in ("shipped", "shipped_overrides", "large_trees", "extra_evals"):
+    for key in ("shipped", "shipped_overrides", "large_trees", "extra_evals", "sweep"):
         value = spec.get(key)
         if value is not None and (not isinstance(value, dict) or not all(isinstance(k, str) for k in value)):
             sys.exit(f"run: {where}: {key}: must map names to settings")
@@ -206,7 +208,7 @@ def load_pipeline(directory: Path) -> dict[str, Any]:
         sys.exit(f"run: {where}: shipped: must map each method to a directory")
     if not all(_strings(v) for v in (spec.get("shipped_overrides") or {}).values()):
         sys.exit(f"run: {where}: shipped_overrides: must map each method to a list of key=value overrides")
-    for key in ("large_trees", "extra_evals"):
+    for key in ("large_trees", "extra_evals", "sweep"):
         for name, entry in (spec.get(key) or {}).items():
             if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str) and _strings(entry[1])):
                 sys.exit(f"run: {where}: {key}.{name}: must be [method, [key=value overrides]]")
@@ -600,7 +602,7 @@ def main() -> None:
         limit = [f"eval.max_prompts={general.get('max_prompts', 8)}"]
         lookup = "eval.baselines=[plain,prompt_lookup]" if method == lookup_method else "eval.baselines=[plain]"
         evals[f"{method}{GENERAL}"] = (method, [f"eval.prompts={general['prompts']}", *limit, lookup])
-    for key, wanted in (("large_trees", args.large_trees), ("extra_evals", args.extra_evals)):
+    for key, wanted in (("sweep", True), ("large_trees", args.large_trees), ("extra_evals", args.extra_evals)):
         for name, (method, overrides) in (spec.get(key) or {}).items() if wanted else ():
             if method in methods:
                 evals[name] = (method, list(overrides))
@@ -643,7 +645,8 @@ def main() -> None:
         runs = {m: (spec["shipped"][m], f"{out_root}/{m}-vllm") for m in confs}
     else:
         runs = {m: (str(c["train"]["output_dir"]), f"{c['train']['output_dir']}/export-vllm") for m, c in confs.items()}
-    print("\n" + verdict(reports, {n: m for n, (m, _) in evals.items()}, spec["target"], runs))
+    print("\n" + verdict(reports, {n: m for n, (m, _) in evals.items()}, spec["target"], runs,
+                          {n: o for n, (_, o) in evals.items()}))  # fmt: skip
     print(f"\nReports: <eval dir>/report.md (+ report.png). Total {time.perf_counter() - start:.0f}s.")
 
 

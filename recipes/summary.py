@@ -66,15 +66,25 @@ def table(reports: dict[str, dict[str, Any]]) -> str:
     return markdown_table(header, rows)
 
 
+SWEEP_KEYS = ("eval.lookup_tokens", "eval.tree", "eval.head")
+"""Eval settings of a winning configuration that the closing line names (they decide how it drafts)."""
+
 SERVE_METHOD = {"eagle3": "eagle3", "eagle2": "eagle", "medusa1": "medusa", "medusa2": "medusa"}
 """vLLM's `speculative_config` method for each drafter method's `vllm` export (P-EAGLE: none yet)."""
 
 
-def verdict(reports: dict[str, dict[str, Any]], methods: dict[str, str], target: str, runs: dict[str, str]) -> str:
+def verdict(
+    reports: dict[str, dict[str, Any]],
+    methods: dict[str, str],
+    target: str,
+    runs: dict[str, str],
+    settings: dict[str, list[str]] | None = None,
+) -> str:
     """What to serve, by the measured speedups over plain decoding: the fastest lossless drafter evaluation, with the
     command that serves it; or, when transformers' prompt lookup was as fast or faster, prompt lookup, said plainly.
     `methods`: evaluation name -> drafter method; `runs`: method -> (its run directory or native export, where its
-    vLLM export goes)."""
+    vLLM export goes); `settings`: evaluation name -> its eval overrides (a sweep's tree settings: named when they
+    win, since a serving engine drafts with its own tree)."""
     rows = {n: r for n, r in reports.items() if not n.endswith(GENERAL) and r.get("speedup_vs_plain") is not None}
     good = {n: r for n, r in rows.items() if r.get("lossless") is not False and r.get("acceptance") != "typical"}
     if not good:
@@ -92,6 +102,10 @@ def verdict(reports: dict[str, dict[str, Any]], methods: dict[str, str], target:
     method = methods[name]
     line = f"What to serve: {name} ({best['speedup_vs_plain']:.2f}x plain decoding, τ {best['accept_len']:.2f}"
     line += f"; prompt lookup {lookup:.2f}x)." if lookup is not None else ")."
+    tree = [o for o in (settings or {}).get(name, []) if o.startswith(SWEEP_KEYS)]
+    if tree:
+        line += (f" It won with {', '.join(tree)}: `python -m eval RECIPE {' '.join(tree)}` decodes so; a serving "
+                 "engine drafts with its own tree, so measure it there.")  # fmt: skip
     if method not in SERVE_METHOD:
         return line + f" vLLM has no loader for {method} drafters yet; serve it with `python -m eval`'s decoders."
     src, out = runs[method]

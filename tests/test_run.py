@@ -406,6 +406,12 @@ def test_the_report_says_what_to_serve_and_when_prompt_lookup_wins():
     said = verdict(slow, methods, "artifacts/target", runs)
     assert said.startswith("What to serve: prompt lookup. It beats every drafter here (1.10x plain decoding against")
     assert '"method": "ngram"' in said
+    # a sweep's configuration that wins is named with its tree settings
+    reports = {"eagle3": _report(3.1, 1.5, lookup=12.0), "eagle3-lookup": _report(3.6, 1.7, lookup=12.0)}
+    methods = {"eagle3": "eagle3", "eagle3-lookup": "eagle3"}
+    settings = {"eagle3": [], "eagle3-lookup": ["eval.baselines=[plain]", "eval.lookup_tokens=10"]}
+    said = verdict(reports, methods, "artifacts/target", runs, settings)
+    assert said.startswith("What to serve: eagle3-lookup (1.70x") and "It won with eval.lookup_tokens=10" in said
 
 
 OTHER_TEMPLATE = (
@@ -459,4 +465,6 @@ def test_a_new_set_made_for_another_target_runs_as_written(tmp_path):
     assert f"drafter.draft_vocab: 8192 -> {sized}" in log and 4 <= sized < 8192
     report = json.loads((made / "run" / "eagle3" / "eval" / "report.json").read_text())
     assert report["num_prompts"] == 1 and report["lossless"] is True
+    for name in ("eagle3-lookup", "eagle3-cost", "eagle3-lookup-cost"):  # the sweep, weighed by the closing line
+        assert json.loads((made / "run" / "eagle3" / f"eval-{name}" / "report.json").read_text())["lossless"] is True
     assert "Serve" in log or "serve" in log
