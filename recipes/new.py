@@ -1,7 +1,8 @@
-"""A recipe set made for a target: `python recipes/run.py --new DIR --target MODEL [--prompt-file P.jsonl]`.
+"""A recipe set made for a target: `python recipes/run.py DIR --new --target MODEL [--prompt-file P.jsonl]`.
 
-Writes DIR/pipeline.yaml and DIR/eagle3.yaml (an EAGLE-3.1 drafter, the field's default) that run as they are with
-`python recipes/run.py DIR`, from the target's config.json, tokenizer and this machine:
+Writes DIR/pipeline.yaml and DIR/eagle3.yaml (an EAGLE-3.1 drafter, the field's default), which the same command then
+runs (with `--check`: checks and stops; later runs: `python recipes/run.py DIR`), from the target's config.json,
+tokenizer and this machine:
 
 - prompts: `--prompt-file` (JSONL prompt records: `messages` or `prompt`, as data.selfdistill reads them) split in
   file order, the last 10% (at least 1) held out for evaluation, into DIR/prompts/; without it, ShareGPT's requests
@@ -250,7 +251,7 @@ def write_set(directory: Path, target: Path, prompt_file: Path | None, here: dic
     return (
         f"{shown(directory)}: EAGLE-3.1 for {target_name} ({config['num_hidden_layers']} layers: fused {layers}), "
         f"{source}; {size['dtype']}, max_len {size['max_len']}, batch {size['batch_size']}, "
-        f"{size['max_steps']} steps. Next: python recipes/run.py {set_dir} --check, then without --check"
+        f"{size['max_steps']} steps (to run it again: python recipes/run.py {set_dir})"
     )
 
 

@@ -5,7 +5,7 @@
     python recipes/run.py recipes/smollm2 --shipped        # only evaluate the drafters shipped in the set
     python recipes/run.py my-recipes/ --methods eagle2 --large-trees
     python recipes/run.py recipes/smollm2 train.max_steps=200 eval.max_prompts=8   # overrides for every recipe
-    python recipes/run.py my-set --new --target DIR [--prompt-file P.jsonl]        # write a set for a target
+    python recipes/run.py my-set --new --target DIR [--prompt-file P.jsonl]   # write a set for a target, run it
 
 A recipe set is a directory with `pipeline.yaml` and one training recipe per method; `pipeline.yaml` says
 
@@ -479,7 +479,7 @@ def write_ship(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("recipe_set", type=Path, help="a directory with pipeline.yaml, e.g. recipes/smollm2")
-    parser.add_argument("--new", action="store_true", help="write a set for --target into RECIPE_SET (recipes/new.py)")
+    parser.add_argument("--new", action="store_true", help="write a set for --target into RECIPE_SET, then run it")
     parser.add_argument("--target", type=Path, default=None, help="--new: the target's HF directory")
     parser.add_argument("--prompt-file", type=Path, default=None, help="--new: JSONL prompts (default: ShareGPT's)")
     parser.add_argument("overrides", nargs="*", help="section.key=value for every recipe of the set (train, eval, ...)")
@@ -493,12 +493,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads for decoding (self-distil, eval)")
     parser.add_argument("--train-threads", type=int, default=1, help="for extraction and training")
     parser.add_argument("--check", action="store_true", help="check the set against its target and stop (seconds)")
-    args = parser.parse_args()
-    if args.new:
+    args = parser.parse_intermixed_args()  # overrides may follow the options
+    if args.new:  # write the set, then run it (with --check: check it and stop)
         from recipes.new import main as new_set
 
-        return new_set(args.recipe_set, args.target, args.prompt_file)
-    if args.target is not None or args.prompt_file is not None:
+        new_set(args.recipe_set, args.target, args.prompt_file)
+    elif args.target is not None or args.prompt_file is not None:
         sys.exit("run: --target and --prompt-file go with --new")
     if args.methods:  # `--methods eagle3 train.max_steps=10`: the list ends where the overrides begin
         args.overrides += [m for m in args.methods if "=" in m]

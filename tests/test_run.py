@@ -424,7 +424,8 @@ OTHER_TEMPLATE = (
 def test_a_new_set_made_for_another_target_runs_as_written(tmp_path):
     """`run.py --new` for a 5-layer Qwen2 with a chat template of its own (neither SmolLM2's depth nor its template):
     the set chooses its layers, splits the prompts, names nothing of SmolLM2, passes --check, and runs to an
-    evaluated EAGLE-3.1 export (shortened by overrides), its draft vocabulary sized from the answers."""
+    evaluated EAGLE-3.1 export (shortened by overrides), its draft vocabulary sized from the answers; without
+    --check, --new writes a set and runs it in the same command."""
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
     target = tmp_path / "target"
@@ -443,8 +444,8 @@ def test_a_new_set_made_for_another_target_runs_as_written(tmp_path):
     prompts.write_text("".join(json.dumps({"id": f"r{i}", "messages": [{"role": "user", "content": f"Task {i}: add "
                        f"{i} and {2 * i}."}]}) + "\n" for i in range(12)))  # fmt: skip
     made = tmp_path / "my-set"
-    out = run(str(made), "--new", "--target", str(target), "--prompt-file", str(prompts)).stdout
-    assert "fused [1, 2, 4]" in out and "11 prompts" in out
+    out = run(str(made), "--new", "--target", str(target), "--prompt-file", str(prompts), "--check").stdout
+    assert "fused [1, 2, 4]" in out and "11 prompts" in out and "no problems" in out
     recipe_text = (made / "eagle3.yaml").read_text()
     pipeline_text = (made / "pipeline.yaml").read_text()
     assert recipe_text.startswith(f"# python -m data.extract {made / 'eagle3.yaml'}")
@@ -454,17 +455,18 @@ def test_a_new_set_made_for_another_target_runs_as_written(tmp_path):
     assert conf["drafter"]["feature_layers"] == [1, 2, 4] and conf["data"]["layers"] == [1, 2, 4, -1]
     assert len((made / "prompts" / "heldout.jsonl").read_text().splitlines()) == 1
     assert len((made / "prompts" / "train.jsonl").read_text().splitlines()) == 11
-    assert "no problems" in run(str(made), "--check").stdout
     with pytest.raises(AssertionError, match="exists"):
         run(str(made), "--new", "--target", str(target), "--prompt-file", str(prompts))
 
     short = ["train.max_steps=3", "train.warmup_steps=0", "train.batch_size=2", "eval.max_prompts=1",
              "eval.max_new_tokens=8", "eval.kernels=reference"]  # fmt: skip
-    log = run(str(made), *short).stdout
+    made = tmp_path / "one-command"  # --new without --check: the set is written and run by the same command
+    log = run(str(made), "--new", "--target", str(target), "--prompt-file", str(prompts), *short).stdout
+    assert "eval.lookup_tokens=10" in log  # the sweep ran
     sized = yaml.safe_load((made / "eagle3.yaml").read_text())["drafter"]["draft_vocab"]
     assert f"drafter.draft_vocab: 8192 -> {sized}" in log and 4 <= sized < 8192
     report = json.loads((made / "run" / "eagle3" / "eval" / "report.json").read_text())
     assert report["num_prompts"] == 1 and report["lossless"] is True
     for name in ("eagle3-lookup", "eagle3-cost", "eagle3-lookup-cost"):  # the sweep, weighed by the closing line
         assert json.loads((made / "run" / "eagle3" / f"eval-{name}" / "report.json").read_text())["lossless"] is True
-    assert "Serve" in log or "serve" in log
+    assert "What to serve:" in log
