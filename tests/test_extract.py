@@ -541,7 +541,7 @@ def test_vllm_hidden_states_are_assembled_per_input_from_the_captured_forwards()
     """`--engine vllm` (data/engines.py) captures flattened forwards: prompts split where positions restart at 0 and
     matched to their inputs by token ids, in any order and over several forwards; a chunked prompt is refused.
     (The states themselves are compared with transformers' by `make check-vllm-extract`: CI has no vLLM.)"""
-    from data.engines import EngineError, _assemble
+    from data.engine_worker import EngineError, _assemble
 
     inputs = [[5, 6, 7], [9, 9], [5, 6, 7], [4]]
     states = {tuple(ids): torch.randn(len(ids), 2, 3) for ids in inputs}  # (tokens, 2 indices, d)
