@@ -114,7 +114,7 @@ def machine() -> dict[str, Any]:
 
 def sizes(config: dict[str, Any], prompts: int, here: dict[str, Any]) -> dict[str, Any]:
     """dtype, max_len, batch size, steps and processes for a target of `config` trained on about `prompts` answers."""
-    from models.memory import estimate, shape_of
+    from models.memory import MemoryError_, estimate, shape_of
 
     gpu = here["gpus"] > 0
     dtype = str(config.get("dtype") or config.get("torch_dtype") or "float32")
@@ -122,11 +122,14 @@ def sizes(config: dict[str, Any], prompts: int, here: dict[str, Any]) -> dict[st
         dtype = "float32"  # an AVX2-only CPU runs bf16 matrix products several times slower than float32
     positions = int(config.get("max_position_embeddings") or 2048)
     max_len = min(positions, 2048 if gpu else 1024)
-    shape = shape_of(config)
     vocab = min(32000, int(config["vocab_size"]))
     budget = 0.5 * (here["gpu_memory"] if gpu else here["host_memory"])
-    batch = next((b for b in BATCHES if estimate(shape, draft_vocab=vocab, tokens=b * max_len, ttt_steps=3)
-                  ["train_total_gb"] * 1e9 <= budget), 1)  # fmt: skip
+    try:
+        shape = shape_of(config)
+        batch = next((b for b in BATCHES if estimate(shape, draft_vocab=vocab, tokens=b * max_len, ttt_steps=3)
+                      ["train_total_gb"] * 1e9 <= budget), 1)  # fmt: skip
+    except MemoryError_:  # a config the estimate cannot read (not a Llama-family decoder): a middle size
+        batch = 4
     steps = min(20000, max(100, math.ceil(2 * prompts / batch)))
     return {"dtype": dtype, "max_len": max_len, "batch_size": batch, "max_steps": steps, "draft_vocab": vocab,
             "processes": here["gpus"] or 2}  # fmt: skip

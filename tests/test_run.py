@@ -470,3 +470,28 @@ def test_a_new_set_made_for_another_target_runs_as_written(tmp_path):
     for name in ("eagle3-lookup", "eagle3-cost", "eagle3-lookup-cost"):  # the sweep, weighed by the closing line
         assert json.loads((made / "run" / "eagle3" / f"eval-{name}" / "report.json").read_text())["lossless"] is True
     assert "What to serve:" in log
+
+
+def test_new_sets_choose_layers_for_any_depth_and_size_the_draft_vocabulary():
+    import torch
+
+    from recipes.new import coverage_size, feature_layers, sizes
+
+    assert feature_layers(30) == [2, 15, 27] and feature_layers(8) == [2, 4, 5]
+    assert [feature_layers(n) for n in (1, 2, 3, 4, 5, 7)] == [[0, 1], [0, 1, 2], [0, 1, 2], [1, 2, 3], [1, 2, 4],
+                                                               [1, 3, 6]]  # fmt: skip
+    for n in range(1, 40):  # distinct, ascending, within 0..L
+        layers = feature_layers(n)
+        assert layers == sorted(set(layers)) and 0 <= layers[0] and layers[-1] <= n
+    counts = torch.tensor([50, 0, 30, 15, 5])  # token ids by count: 0 (50%), 2 (30%), 3 (15%), 4 (5%)
+    assert [coverage_size(counts, c) for c in (0.5, 0.8, 0.81, 0.95, 0.99, 1.0)] == [1, 2, 3, 3, 4, 4]
+    config = {"model_type": "llama", "vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536,
+              "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "dtype": "bfloat16",
+              "max_position_embeddings": 8192}  # fmt: skip
+    cpu = sizes(config, 6930, {"gpus": 0, "gpu_memory": 0, "host_memory": 24e9, "cpu_bf16": False})
+    assert cpu["dtype"] == "float32" and cpu["max_len"] == 1024 and cpu["processes"] == 2
+    assert cpu["max_steps"] == max(100, -(-2 * 6930 // cpu["batch_size"]))
+    small = sizes(config, 10, {"gpus": 0, "gpu_memory": 0, "host_memory": 2e9, "cpu_bf16": True})
+    assert small["dtype"] == "bfloat16" and small["batch_size"] < cpu["batch_size"] and small["max_steps"] == 100
+    gpu = sizes(config, 6930, {"gpus": 8, "gpu_memory": 80e9, "host_memory": 24e9, "cpu_bf16": False})
+    assert gpu["dtype"] == "bfloat16" and gpu["max_len"] == 2048 and gpu["processes"] == 8
