@@ -63,28 +63,29 @@ lookup from the first evaluation.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
-import shutil
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from data.runs import latest_checkpoint, read_state
-from eval import REPORT_FILES
-from models.io import EXPORT_MARKER, SHIP_PROVENANCE, foreign_files
 from recipes.preflight import check_set
+from recipes.ship import PIPELINE, ship, ship_dir_problem
+from recipes.steps import (
+    ROOT,
+    banner,
+    clear_report,
+    run_step,
+    shown,
+    skip,
+    trained,
+)
 from recipes.summary import GENERAL, heading, table, verdict
 from train.schema import RecipeError, YAMLTooLarge, apply_overrides, safe_load, yaml_problem
 
-ROOT = Path(__file__).resolve().parents[1]
-PIPELINE = "pipeline.yaml"
 SELFDISTILL_KEYS = {
     "prompts", "out", "limit", "max_new_tokens", "batch_size", "dtype", "processes", "temperature", "engine",
     "engine_python", "engine_args",
@@ -97,74 +98,6 @@ SYNTHESIZE_KEYS = {
     "out", "count", "kinds", "max_new_tokens", "batch_size", "dtype", "processes", "temperature", "top_p", "seed",
     "min_words", "max_words", "language", "near_duplicate",
 }  # fmt: skip
-
-
-def banner(text: str) -> None:
-    print(f"\n=== {text} " + "=" * max(0, 100 - len(text)), flush=True)
-
-
-def clear_report(eval_dir: Path) -> None:
-    """Delete an out-of-date report before evaluating again: eval refuses to replace a report made with other
-    settings, and here the driver decided the old one is stale (another drafter, other overrides)."""
-    for stale in REPORT_FILES:
-        (eval_dir / stale).unlink(missing_ok=True)
-
-
-def run_step(name: str, cmd: list[str], log_dir: Path, env: dict[str, str]) -> None:
-    """Run one step as a subprocess, its output to a log file; on failure show the log's tail and stop."""
-    log = log_dir / f"{name}.log"
-    shown = log.relative_to(ROOT) if log.is_relative_to(ROOT) else log
-    print(f"$ {' '.join(cmd)}\n  (log: {shown})", flush=True)
-    start = time.perf_counter()
-    with open(log, "w") as f:
-        code = follow(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT), log)
-    if code != 0:
-        tail = log.read_text().replace("\r", "\n").splitlines()[-25:]
-        sys.exit("\n".join([*tail, f"run: step {name!r} failed (exit {code}); full log: {log}"]))
-    last = last_line(log)
-    print(f"  done in {time.perf_counter() - start:.0f}s" + (f": {last[:150]}" if last else ""), flush=True)
-
-
-def last_line(log: Path) -> str | None:
-    """The newest line of a log, progress bars included (tqdm rewrites its line with carriage returns)."""
-    try:
-        with open(log, "rb") as f:
-            f.seek(max(0, f.seek(0, os.SEEK_END) - 4096))
-            tail = f.read().decode("utf-8", "replace")
-    except OSError:
-        return None
-    lines = [line.strip() for line in tail.replace("\r", "\n").splitlines() if line.strip()]
-    return lines[-1] if lines else None
-
-
-def follow(proc: subprocess.Popen, log: Path, every: float = 2.0, new_line_every: float = 60.0) -> int:
-    """Wait for a step, showing on the console what its log shows last (a progress bar: done, rate, time left) with
-    the time elapsed: one line rewritten in place on a terminal, a new line each `new_line_every` seconds when the
-    console is a file. Returns the exit code."""
-    tty, start, printed, shown_at = sys.stdout.isatty(), time.perf_counter(), None, float("-inf")
-    while True:
-        try:
-            code = proc.wait(timeout=every)
-        except subprocess.TimeoutExpired:
-            code = None
-        line, now = last_line(log), time.perf_counter()
-        if line and line != printed and (tty or now - shown_at >= new_line_every or code is not None):
-            elapsed = time.strftime("%H:%M:%S", time.gmtime(now - start))
-            text = f"  [{elapsed}] {line}"
-            if tty:
-                width = shutil.get_terminal_size().columns - 1
-                print("\r" + text[:width].ljust(width), end="", flush=True)
-            elif code is None:  # the step's last line is printed once it ends
-                print(text[:200], flush=True)
-            printed, shown_at = line, now
-        if code is not None:
-            if tty and printed:
-                print("\r" + " " * (shutil.get_terminal_size().columns - 1) + "\r", end="", flush=True)
-            return code
-
-
-def skip(what: str) -> None:
-    print(f"  skipped: {what} is complete", flush=True)
 
 
 def load_pipeline(directory: Path) -> dict[str, Any]:
@@ -252,28 +185,9 @@ def _strings(value: Any) -> bool:
     return isinstance(value, list) and all(isinstance(v, str) for v in value)
 
 
-def trained(run_dir: Path, max_steps: int) -> bool:
-    """Whether the run reached `max_steps` and its export is newer than its last checkpoint (a larger
-    train.max_steps resumes training; a newer checkpoint is exported again)."""
-    export, last = run_dir / "export" / "config.json", latest_checkpoint(run_dir)
-    if not export.is_file() or last is None:
-        return False
-    return read_state(last)["step"] >= max_steps and export.stat().st_mtime >= last.stat().st_mtime
-
-
-def trained_steps(run_dir: Path) -> int | None:
-    """The step of the run's newest checkpoint (what its export holds), None without one."""
-    last = latest_checkpoint(run_dir)
-    return None if last is None else read_state(last)["step"]
-
-
 def eval_dir_of(conf: dict[str, Any]) -> Path:
     """A recipe's `eval.output_dir`, or eval's default `<train.output_dir>/eval`."""
     return Path((conf.get("eval") or {}).get("output_dir") or Path(conf["train"]["output_dir"]) / "eval")
-
-
-def records_in(path: Path) -> int:
-    return sum(1 for line in path.read_text().splitlines() if line.strip()) if path.is_file() else 0
 
 
 def read_yaml(path: Path, where: str) -> Any:
@@ -335,145 +249,6 @@ def chatsets_cmd(chatset: dict[str, Any], target: str) -> list[str]:
 
 def synthesize_cmd(synth: dict[str, Any], target: str) -> list[str]:
     return launch_cmd("data.synthesize", {"seed": 0} | synth, target, sorted(SYNTHESIZE_KEYS - {"processes"}))
-
-
-def shown(path: Path) -> str:
-    """A path relative to the repository when it is inside it (provenance that does not name this machine)."""
-    return str(path.relative_to(ROOT) if path.resolve().is_relative_to(ROOT) else path)
-
-
-def sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def distill_provenance(distill: dict[str, Any]) -> dict[str, Any] | None:
-    """A self-distillation job's recorded settings and record count (None before it ran)."""
-    meta = ROOT / (distill["out"] + ".meta.json")
-    if not meta.is_file():
-        return None
-    return (
-        {"out": distill["out"]}
-        | json.loads(meta.read_text())["settings"]
-        | {"records": records_in(ROOT / distill["out"])}
-    )
-
-
-def synthesis_provenance(synth: dict[str, Any] | None) -> dict[str, Any] | None:
-    """The synthesized prompts' settings, filters and counts (None without that step)."""
-    meta = ROOT / (synth["out"] + ".meta.json") if synth else None
-    if meta is None or not meta.is_file():
-        return None
-    recorded = json.loads(meta.read_text())
-    return {"out": synth["out"]} | {
-        k: recorded.get(k) for k in ("settings", "filters", "candidates", "kept", "removed")
-    }
-
-
-def ship(spec: dict[str, Any], method: str, recipe: dict[str, Any], directory: Path) -> None:
-    """Copy a trained export (native format, draft vocabulary, training metrics) into the set's `shipped` directory
-    with PROVENANCE.json: where the target and the data came from, the training run, and every file's sha256."""
-    if method not in (spec.get("shipped") or {}):
-        sys.exit(f"run: {directory / PIPELINE}: shipped: has no directory for {method!r}")
-    run_dir = ROOT / recipe["train"]["output_dir"]
-    dest = ROOT / spec["shipped"][method]
-    banner(f"ship {method}: {run_dir / 'export'} -> {spec['shipped'][method]}")
-    problem = ship_dir_problem(dest)
-    if problem is not None:  # checked before training too; again here, just before anything is replaced
-        sys.exit(f"run: {directory / PIPELINE}: shipped.{method}: {problem}")
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    staged = Path(tempfile.mkdtemp(prefix=f".{dest.name}.ship-", dir=dest.parent))  # a name nobody else uses
-    umask = os.umask(0)
-    os.umask(umask)
-    staged.chmod(0o777 & ~umask)  # as any new directory (mkdtemp makes it 0700)
-    try:
-        write_ship(staged, spec, method, recipe, directory, run_dir)
-    except BaseException:
-        shutil.rmtree(staged, ignore_errors=True)
-        raise
-    if dest.exists():  # an earlier ship (or export, or an empty directory): moved aside until the new one is in place
-        old = Path(tempfile.mkdtemp(prefix=f".{dest.name}.replaced-", dir=dest.parent))
-        dest.rename(old / dest.name)
-        staged.rename(dest)
-        shutil.rmtree(old)
-    else:
-        staged.rename(dest)
-    files = json.loads((dest / PROVENANCE).read_text())["files_sha256"]
-    print(f"  {len(files)} files, {sum((dest / f).stat().st_size for f in files) / 1e6:.1f} MB", flush=True)
-
-
-PROVENANCE = SHIP_PROVENANCE
-
-
-def ship_dir_problem(dest: Path) -> str | None:
-    """Why `--ship` must not replace `dest` (None: it may): only a directory that is recognisably this project's
-    is replaced (a previous ship, holding its PROVENANCE.json and only the files that lists; an export, holding
-    models.io's marker; or an empty one). A symbolic link, a file, or a directory holding anything else (a
-    user's files, a model) is refused, naming it: replacing it would delete them."""
-    if dest.is_symlink():
-        return f"{dest} is a symbolic link; name the directory itself"
-    if not dest.exists():
-        return None
-    if not dest.is_dir():
-        return f"{dest} is a file, not a shipped drafter's directory; choose another path"
-    entries = sorted(p.name for p in dest.iterdir())
-    if not entries:
-        return None
-    if EXPORT_MARKER in entries:
-        foreign = foreign_files(dest)
-        if not foreign:
-            return None
-        more = f" and {len(foreign) - 1} more" if len(foreign) > 1 else ""
-        return (
-            f"{dest} holds {foreign[0]}{more}, which no export wrote, beside an export, and --ship replaces the "
-            "directory whole; move them away and ship again"
-        )
-    if PROVENANCE not in entries:
-        return (
-            f"{dest} is not a shipped drafter (no {PROVENANCE}) nor an export (no {EXPORT_MARKER}), and --ship "
-            "replaces the directory whole: it holds files it did not write; choose another path, or empty it yourself"
-        )
-    try:
-        listed = json.loads((dest / PROVENANCE).read_text(encoding="utf-8"))["files_sha256"]
-        listed = set(listed) if isinstance(listed, dict) else None
-    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError):
-        listed = None
-    if listed is None:
-        return f"{dest / PROVENANCE}: not a ship's provenance (no files_sha256); move it away or empty {dest}"
-    foreign = [name for name in entries if name != PROVENANCE and (name not in listed or not (dest / name).is_file())]
-    if foreign:
-        return (
-            f"{dest} holds {foreign[0]}{f' and {len(foreign) - 1} more' if len(foreign) > 1 else ''}, which no ship "
-            f"wrote (not in its {PROVENANCE}), and --ship replaces the directory whole; move it away and ship again"
-        )
-    return None
-
-
-def write_ship(
-    dest: Path, spec: dict[str, Any], method: str, recipe: dict[str, Any], directory: Path, run_dir: Path
-) -> None:
-    """The shipped files of `method` into the empty directory `dest`: the export, metrics, target config and
-    PROVENANCE.json."""
-    for f in (run_dir / "export").iterdir():
-        if f.is_file() and f.name != EXPORT_MARKER:  # the shipped copy is the recipe set's, not an export to replace
-            shutil.copyfile(f, dest / f.name)
-    shutil.copyfile(run_dir / "metrics.jsonl", dest / "metrics.jsonl")
-    # The target's architecture, so that the drafter can be checked (and loaded) without the target's weights.
-    shutil.copyfile(ROOT / spec["target"] / "config.json", dest / "target_config.json")
-    target_provenance = ROOT / spec["target"] / "provenance.json"
-    files = {f.name: sha256(f) for f in sorted(dest.iterdir()) if f.is_file() and f.name != PROVENANCE}
-    provenance = {
-        "method": method,
-        "recipe": spec["recipes"][method],
-        "pipeline": shown(directory / PIPELINE),
-        "command": f"python recipes/run.py {shown(directory)} --methods {method} --ship",
-        "target": json.loads(target_provenance.read_text()) if target_provenance.is_file() else spec["target"],
-        "synthesize": synthesis_provenance(spec.get("synthesize")),
-        "selfdistill": [distill_provenance(distill) for distill in spec.get("selfdistill") or ()],
-        "training": {"steps": trained_steps(run_dir), "batch_size": recipe["train"]["batch_size"]},
-        "commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip(),
-        "files_sha256": files,
-    }
-    (dest / PROVENANCE).write_text(json.dumps(provenance, indent=2) + "\n")
 
 
 def main() -> None:

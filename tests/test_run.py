@@ -285,7 +285,7 @@ def fake_run(root: Path) -> tuple[dict, dict, Path]:
 
 
 def test_ship_replaces_a_previous_ship_and_refuses_anything_else(tmp_path):
-    from recipes.run import ship
+    from recipes.ship import ship
 
     spec, conf, directory = fake_run(tmp_path)
     dest = tmp_path / "shipped"
@@ -372,7 +372,7 @@ def test_an_alias_bomb_in_pipeline_yaml_is_refused(tmp_path):
 
 @pytest.mark.slow
 def test_a_long_step_shows_its_progress_on_the_console(tmp_path, capsys):
-    from recipes.run import follow
+    from recipes.steps import follow
 
     script = (
         "import sys, time\n"

@@ -28,7 +28,8 @@ import time
 from pathlib import Path
 
 from eval.report import lossless_mark, markdown_table
-from recipes.run import banner, clear_report, read_recipe, run_step, skip, trained
+from recipes.run import read_recipe
+from recipes.steps import banner, clear_report, run_step, skip, trained
 
 ROOT = Path(__file__).resolve().parents[2]
 
