@@ -91,6 +91,7 @@ class Target:
     tokenizer: object | None
     name: str
     _whole: str | None = field(default=None, repr=False, compare=False)
+    _offloaded_identity: dict | None = field(default=None, repr=False, compare=False)
 
     @property
     def config(self) -> PretrainedConfig:
@@ -131,7 +132,9 @@ class Target:
         `name` is informational (a moved directory is the same target); the other fields are compared.
         """
         if self.offloaded():  # weights left on disk or in host memory by a device_map: read them from the checkpoint
-            return checkpoint_identity(self.name, str(self.dtype).removeprefix("torch."))
+            if self._offloaded_identity is None:
+                self._offloaded_identity = checkpoint_identity(self.name, str(self.dtype).removeprefix("torch."))
+            return dict(self._offloaded_identity)
         tensors = self.model.state_dict().items()
         return _identity(self.name, self.config, self.num_layers, self.dtype, tensors, self.whole_weights_sha256())
 
@@ -258,7 +261,11 @@ def checkpoint_identity(path: str, dtype: str = "bfloat16", trust_remote_code: b
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code)
     _check_architecture(skeleton)
-    files = sorted(Path(path).glob("*.safetensors"))
+    index = Path(path) / "model.safetensors.index.json"  # what from_pretrained reads when the checkpoint is sharded
+    if index.is_file():
+        files = sorted({Path(path) / f for f in json.loads(index.read_text())["weight_map"].values()})
+    else:
+        files = sorted(Path(path).glob("*.safetensors"))
     where: dict[str, Path] = {}
     for file in files:
         with safe_open(str(file), framework="pt") as f:
