@@ -8,7 +8,8 @@ model that record the states at the recipe's `data.layers` (HF indices: 0 the em
 layer i - 1, L or -1 the final norm's output); the worker writes them, float32, to a scratch file that this process
 reads back. Everything else is extraction's own: the shard plan, the shards and their encodings, the manifest,
 resuming, so the features are the transformers path's in every respect but the arithmetic that computed them
-(`make check-vllm-extract` compares the two on a tiny target and on SmolLM2, float32).
+(`make check-vllm-extract` compares the two on a tiny float32 target, `benchmarks/extract_engines.py bench` on
+SmolLM2).
 
 The target never loads into this process: its identity (recorded in the manifest, and checked by training) is read
 from its safetensors tensor by tensor (`models.target.checkpoint_identity`), the same identity the transformers path
@@ -21,6 +22,7 @@ extraction process's engine gets tensor x pipeline parallel size of the node's G
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 import tempfile
@@ -33,6 +35,8 @@ import torch
 from data.engines import EngineError, VllmEngine, engine_env, engine_python, vllm_dtype
 from models.target import DTYPES, checkpoint_identity
 
+SCRATCH_PREFIX = "specdraft-hidden-"
+
 
 class VllmTarget:
     """What extraction asks of a target (identity, tokenizer, hidden size, `hidden_states`), computed by vLLM."""
@@ -43,7 +47,9 @@ class VllmTarget:
         self.engine, self._identity, self.tokenizer = engine, identity, tokenizer
         self.name, self.num_layers, self.hidden_size = identity["name"], identity["num_layers"], identity["hidden_size"]
         self.dtype = DTYPES[dtype]
-        self._scratch = Path(tempfile.mkdtemp(prefix="specdraft-hidden-", dir=_scratch_root()))
+        root = _scratch_root()
+        _remove_stale_scratch(root)
+        self._scratch = Path(tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-", dir=root))
 
     def identity(self) -> dict[str, Any]:
         return dict(self._identity)
@@ -90,9 +96,18 @@ class VllmTarget:
         shutil.rmtree(self._scratch, ignore_errors=True)
 
 
-def _scratch_root() -> str | None:
+def _scratch_root() -> str:
     """Memory-backed /dev/shm when there is one (the states cross once, never touching a disk), else the default."""
-    return "/dev/shm" if Path("/dev/shm").is_dir() else None
+    return "/dev/shm" if Path("/dev/shm").is_dir() else tempfile.gettempdir()
+
+
+def _remove_stale_scratch(root: str) -> None:
+    """Scratch directories of extraction processes that are gone (killed before they could remove theirs: in
+    /dev/shm they would hold memory until a reboot)."""
+    for path in Path(root).glob(f"{SCRATCH_PREFIX}*-*"):
+        pid = path.name.removeprefix(SCRATCH_PREFIX).split("-", 1)[0]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def check_vllm_target(target) -> None:

@@ -615,3 +615,18 @@ def test_a_target_cut_into_pieces_extracts_the_whole_targets_features(recipe_pat
     cut = load_target(path=str(tmp_path / "model"), dtype="float32", device_map=cut_map(3),
                       offload_folder=str(tmp_path / "offload"))  # fmt: skip
     assert cut.offloaded() and cut.base.layers[1].self_attn.q_proj.weight.device.type == "meta"
+
+
+def test_scratch_of_a_killed_vllm_extraction_is_removed(tmp_path: Path) -> None:
+    """A vLLM extraction killed mid-batch leaves its scratch directory (in /dev/shm: memory); the next one removes
+    the directories of processes that are gone, and keeps those of live ones."""
+    from data.vllm_features import SCRATCH_PREFIX, _remove_stale_scratch
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    gone = tmp_path / f"{SCRATCH_PREFIX}{int(dead.stdout)}-abc"
+    live = tmp_path / f"{SCRATCH_PREFIX}{os.getpid()}-def"
+    for path in (gone, live):
+        path.mkdir()
+        (path / "hidden.f32").write_bytes(b"\0" * 64)
+    _remove_stale_scratch(str(tmp_path))
+    assert not gone.exists() and live.exists()
