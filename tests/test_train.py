@@ -703,3 +703,27 @@ def test_online_training_with_a_target_cut_into_pieces_equals_the_whole_target(f
     assert losses(tmp_path / "cut") == losses(tmp_path / "whole")
     whole, cut = trained(tmp_path / "whole"), trained(tmp_path / "cut")
     assert whole.keys() == cut.keys() and all(torch.equal(whole[k], cut[k]) for k in whole)
+
+
+def test_a_device_map_that_training_cannot_use_is_refused(features, tmp_path):
+    """Online training with `target.device_map`: the drafter borrows the target's embedding and head, so a map that
+    offloads them is refused naming them; Medusa-2, which trains the target's layers, refuses any map."""
+    from accelerate import Accelerator
+    from tiny import cut_map
+
+    r = recipe("eagle2", features, tmp_path / "unused")
+    load_target(**vars(r.target)).model.save_pretrained(tmp_path / "target")
+    layers = r.target.size("num_hidden_layers")
+    on_path = ["target.random_init=", f"target.path={tmp_path / 'target'}", f"target.offload_folder={tmp_path / 'o'}"]
+    offloaded_head = json.dumps(cut_map(layers) | {"lm_head": "disk"})
+    reset_accelerate()
+    accelerator = Accelerator(cpu=True)
+    with pytest.raises(TrainingError, match=r"borrows the target's lm_head \(meta\)"):
+        build_target(recipe("eagle2", features, tmp_path / "a", *on_path, f"target.device_map={offloaded_head}"),
+                     accelerator)  # fmt: skip
+    placed = f"target.device_map={json.dumps(cut_map(layers))}"
+    overrides = [*on_path, placed, f"data.features_dir={features}", f"train.output_dir={tmp_path / 'b'}", *QUIET]
+    medusa2 = load_recipe(ROOT / "recipes/tiny/medusa2.yaml", overrides)
+    with pytest.raises(TrainingError, match="Medusa-2 trains the target's own layers"):
+        build_target(medusa2, accelerator)
+    reset_accelerate()
