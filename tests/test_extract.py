@@ -622,8 +622,9 @@ def test_scratch_of_a_killed_vllm_extraction_is_removed(tmp_path: Path) -> None:
     the directories of processes that are gone, and keeps those of live ones."""
     from data.vllm_features import SCRATCH_PREFIX, _remove_stale_scratch
 
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    gone = tmp_path / f"{SCRATCH_PREFIX}{int(dead.stdout)}-abc"
+    dead = 99_999_999  # above the largest process id Linux hands out (2**22)
+    assert not Path(f"/proc/{dead}").exists()
+    gone = tmp_path / f"{SCRATCH_PREFIX}{dead}-abc"
     live = tmp_path / f"{SCRATCH_PREFIX}{os.getpid()}-def"
     for path in (gone, live):
         path.mkdir()
