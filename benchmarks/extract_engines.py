@@ -94,6 +94,8 @@ def same_bytes(a: Path, b: Path) -> str | None:
 
 
 def check(args: argparse.Namespace) -> str:
+    from benchmarks.selfdistill_engines import free_port
+
     out = args.out
     if out.exists():
         shutil.rmtree(out)
@@ -148,14 +150,6 @@ def check(args: argparse.Namespace) -> str:
         f"{', '.join(f'{w:.1e}' for w in worst)}; 1 process, {seconds:.0f} s with its start); 2 processes wrote the "
         f"same bytes; stopped with {part_shards}/{len(hf)} shards written, resumed to the same bytes"
     )
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ------------------------------------------------------------------------------------------------------------ bench

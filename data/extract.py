@@ -47,7 +47,7 @@ from tqdm import tqdm
 
 from data.codecs import BASIS_FILE, FITTED_KEYS, Codec, PcaCodec, encoding_settings, make_codec
 from data.engines import EngineError, add_engine_options, engine_options
-from data.lock import DirectoryLocked, NotADirectory, acquire, release, shared_verdict
+from data.lock import DirectoryLocked, lock_for_all
 from data.prepare import PreparedData, TokenSample, data_sources, prepare_dataset, template_fingerprint
 from data.shards import (
     HEADER_KEYS,
@@ -65,7 +65,7 @@ from data.shards import (
     write_json_atomic,
     write_shard,
 )
-from models.target import Target, load_placed_target, load_tokenizer
+from models.target import Target, load_placed_target
 
 if TYPE_CHECKING:  # train.config pulls in every drafter; extraction needs none of them
     from train.config import DataConfig
@@ -413,6 +413,7 @@ def merge_parts(directory: Path, header: dict[str, Any], num_shards: int, world_
 
 def main(argv: list[str] | None = None) -> None:
     from accelerate import Accelerator
+    from accelerate.utils import gather_object
 
     from train.config import RecipeError, load_recipe
 
@@ -428,33 +429,12 @@ def main(argv: list[str] | None = None) -> None:
     if recipe.data.features_dir is None:
         raise RecipeError(f"{recipe.source}: data.features_dir: is required for extraction")
     state = Accelerator()  # not PartialState(): only Accelerator honours ACCELERATE_USE_CPU (multi-process CPU)
-    lock = lock_features_dir(recipe, state)
     engine = None if args.engine == "hf" else {"python": args.engine_python, "engine_args": engine_args}
-    try:
+    # the features directory's lock, taken by the main process before anything is read or written there: a second
+    # extraction into it stops on every one of its processes with one line naming it (DirectoryLocked)
+    key = f"{recipe.source}: data.features_dir"
+    with lock_for_all(recipe.data.features_dir, "extraction", key, state.is_main_process, gather_object):
         extract_recipe(recipe, state, engine)
-    finally:
-        if lock is not None:
-            release(lock)
-
-
-def lock_features_dir(recipe, state) -> int | None:
-    """The features directory's lock (`data.lock`), taken by the main process before anything is read or written
-    there; every process learns the verdict, so a second extraction into the directory stops on all of its
-    processes with one line naming it (DirectoryLocked). Returns the lock to release (main process)."""
-    from accelerate.utils import gather_object
-
-    fd, problem = None, None
-    if state.is_main_process:
-        try:
-            fd = acquire(recipe.data.features_dir, "extraction", key=f"{recipe.source}: data.features_dir")
-        except (DirectoryLocked, NotADirectory) as exc:
-            problem = str(exc)
-    problem = shared_verdict(problem, gather_object)
-    if problem is not None:
-        if fd is not None:
-            release(fd)
-        raise DirectoryLocked(problem)
-    return fd
 
 
 def extract_recipe(recipe, state, engine: dict[str, Any] | None = None) -> None:
@@ -473,10 +453,9 @@ def extract_recipe(recipe, state, engine: dict[str, Any] | None = None) -> None:
         from data.vllm_features import check_vllm_target
 
         try:
-            check_vllm_target(recipe.target)
+            tokenizer = check_vllm_target(recipe.target)
         except EngineError as exc:
             raise RecipeError(f"{recipe.source}: {exc}") from None
-        tokenizer = load_tokenizer(recipe.target.path, recipe.target.tokenizer, recipe.target.trust_remote_code)
     if tokenizer is None:
         raise RecipeError(f"{recipe.source}: target.tokenizer: no tokenizer found for {recipe.target.path}")
     prepared: PreparedData = prepare_dataset(recipe.data, tokenizer)

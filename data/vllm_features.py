@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from data.engines import EngineError, VllmEngine, engine_env, engine_python, vllm_dtype
-from models.target import DTYPES, checkpoint_identity
+from models.target import DTYPES, checkpoint_identity, hidden_index, load_tokenizer
 
 SCRATCH_PREFIX = "specdraft-hidden-"
 
@@ -54,14 +54,6 @@ class VllmTarget:
     def identity(self) -> dict[str, Any]:
         return dict(self._identity)
 
-    def check_layers(self, layers: list[int]) -> list[int]:
-        """HF hidden-state indices in 0..L (-1 is L); ValueError names one out of range."""
-        L = self.num_layers
-        for layer in layers:
-            if not -1 <= layer <= L:
-                raise ValueError(f"hidden-state index {layer} out of range for a {L}-layer target (-1..{L})")
-        return [L if layer == -1 else layer for layer in layers]
-
     def hidden_states(
         self,
         input_ids: torch.Tensor,
@@ -74,7 +66,7 @@ class VllmTarget:
         positions hold zeros), in the target's dtype."""
         if position_ids is not None:
             raise ValueError("the vLLM target computes positions itself (position_ids must be None)")
-        wanted = self.check_layers(layers)
+        wanted = [hidden_index(layer, self.num_layers) for layer in layers]
         B, T = input_ids.shape
         lengths = [T] * B if attention_mask is None else attention_mask.sum(1).tolist()
         inputs = [input_ids[row, :length].tolist() for row, length in enumerate(lengths)]
@@ -110,12 +102,14 @@ def _remove_stale_scratch(root: str) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
-def check_vllm_target(target) -> None:
-    """Refuse recipe `target` settings that vLLM cannot run (EngineError naming the key)."""
+def check_vllm_target(target):
+    """The tokenizer of recipe section `target`, once its settings are ones vLLM can run (else EngineError naming the
+    key)."""
     if target.path is None:
         raise EngineError("target.path: --engine vllm runs a target directory (target.random_init is for --engine hf)")
     if target.device_map is not None:
         raise EngineError("target.device_map: is for --engine hf; vLLM places the model itself (see --engine-args)")
+    return load_tokenizer(target.path, target.tokenizer, target.trust_remote_code)
 
 
 def load_vllm_target(target, tokenizer, state, *, python: str | None, engine_args: dict[str, Any], log: Path,

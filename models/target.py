@@ -152,15 +152,8 @@ class Target:
     def parts(self, stored_layers: list[int]) -> TargetParts:
         """The frozen pieces a drafter borrows, with the hidden-state indices its batches carry."""
         for layer in stored_layers:
-            self._check_layer(layer)
+            hidden_index(layer, self.num_layers)
         return TargetParts(self.config, self.embed_tokens, self.lm_head, list(stored_layers), self.model)
-
-    def _check_layer(self, layer: int) -> int:
-        """Validate an HF hidden-state index; return it in 0..L (L = after the final norm)."""
-        L = self.num_layers
-        if not -1 <= layer <= L:
-            raise ValueError(f"hidden-state index {layer} out of range for a {L}-layer target (-1..{L})")
-        return L if layer == -1 else layer
 
     def hidden_states(
         self,
@@ -177,7 +170,7 @@ class Target:
         the final norm. The forward raises out of the hook of the deepest requested index, so
         layers past it and lm_head never run.
         """
-        wanted = [self._check_layer(layer) for layer in layers]
+        wanted = [hidden_index(layer, self.num_layers) for layer in layers]
         deepest = max(wanted)
         L = self.num_layers
         captured: dict[int, torch.Tensor] = {}
@@ -206,6 +199,14 @@ class Target:
             return captured[wanted[0]].unsqueeze(2)  # (B, T, 1, d)
         home = captured[wanted[-1]].device  # a device_map target's layers sit on several GPUs: gather on one
         return torch.stack([captured[i].to(home) for i in wanted], dim=2)  # (B, T, n, d)
+
+
+def hidden_index(layer: int, num_layers: int) -> int:
+    """An HF hidden-state index of a `num_layers`-layer target, validated (ValueError), in 0..L (L or -1: after the
+    final norm)."""
+    if not -1 <= layer <= num_layers:
+        raise ValueError(f"hidden-state index {layer} out of range for a {num_layers}-layer target (-1..{num_layers})")
+    return num_layers if layer == -1 else layer
 
 
 def _identity(name: str, config: PretrainedConfig, num_layers: int, dtype: torch.dtype, tensors, whole: str) -> dict:

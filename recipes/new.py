@@ -38,6 +38,8 @@ from typing import Any
 
 import yaml
 
+from recipes.steps import shown as steps_shown
+
 ROOT = Path(__file__).resolve().parents[1]
 COVERAGE = 0.99
 HELDOUT_FRACTION = 0.1
@@ -79,23 +81,20 @@ def coverage_size(counts, coverage: float) -> int:
 
 
 def read_prompts(path: Path) -> list[str]:
-    """The prompt file's record lines (JSON objects with `messages` or `prompt`); NewSetError names a bad line."""
+    """The prompt file's records as JSON lines, each with its id, checked as self-distillation reads them
+    (`data.selfdistill.read_prompts`: NewSetError names a bad line)."""
+    from data.selfdistill import SelfDistillError
+    from data.selfdistill import read_prompts as read_records
+
     if not path.is_file():
         raise NewSetError(f"--prompt-file {path}: no such file")
-    lines = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise NewSetError(f"{path}:{number}: not JSON ({exc.msg})") from None
-        if not isinstance(record, dict) or not ({"messages", "prompt", "conversations"} & set(record)):
-            raise NewSetError(f"{path}:{number}: a prompt record has `messages`, `conversations` or `prompt`")
-        lines.append(line)
-    if len(lines) < 2:
-        raise NewSetError(f"{path}: {len(lines)} prompt record(s); a set needs at least 2 (training and held out)")
-    return lines
+    try:
+        records = read_records(path, None)
+    except SelfDistillError as exc:
+        raise NewSetError(str(exc)) from None
+    if len(records) < 2:
+        raise NewSetError(f"{path}: {len(records)} prompt record(s); a set needs at least 2 (training and held out)")
+    return [json.dumps({"id": rid} | record, ensure_ascii=False) for rid, record in records]  # ids kept when split
 
 
 def machine() -> dict[str, Any]:
@@ -136,8 +135,8 @@ def sizes(config: dict[str, Any], prompts: int, here: dict[str, Any]) -> dict[st
 
 
 def shown(path: Path) -> str:
-    path = path.resolve()
-    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+    """`recipes.steps.shown` of the resolved path (relative paths are the current directory's)."""
+    return steps_shown(path.resolve())
 
 
 def write_set(directory: Path, target: Path, prompt_file: Path | None, here: dict[str, Any] | None = None) -> str:
