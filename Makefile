@@ -79,7 +79,7 @@ check-speculators: install
 	$(SPEC_VENV)/bin/python benchmarks/speculators_check.py consume runs/speculators-check-peagle-fcnorm
 
 # Another project's trainer: speculators' own pipeline (prepare-data, `speculators train` with its Trainer, CPU patches
-# applied at runtime) trains a tiny EAGLE-3 drafter, and `train.imports --format speculators` imports it; the imported
+# applied at runtime) trains a tiny EAGLE-3 drafter, and `export.imports --format speculators` imports it; the imported
 # drafter's logits must equal speculators' own (benchmarks/speculators_train.py; about 2 minutes).
 check-speculators-train: install
 	test -x $(SPEC_VENV)/bin/python || $(PY) -m venv $(SPEC_VENV)

@@ -63,7 +63,7 @@ def tiny_target(
     HF directory a transformers-4 consumer reads."""
     from models.io import add_legacy_rope
     from models.target import load_target
-    from train.config import load_recipe
+    from schema.recipe import load_recipe
 
     target_dir = out / "target"
     if not (target_dir / "config.json").is_file():
@@ -92,8 +92,8 @@ def train_and_export(out: Path, target_dir: Path, recipe: str, extra: list[str],
     """Train `recipe` for a few steps on the saved target under OUT, export it as `fmt` to OUT/export; returns the
     run's (target, drafter in float32, eval mode)."""
     from data.extract import main as extract_main
-    from train.config import load_recipe
-    from train.export import export, load_run
+    from export.write import export, load_run
+    from schema.recipe import load_recipe
     from train.loop import train
 
     run, features = out / "run", out / "features"

@@ -4,7 +4,7 @@ full head's top tokens survive the screen.
     .venv/bin/python -m benchmarks.draft_heads artifacts/smollm2-run/medusa1 [--rank 64] [--candidates 256]
 
 For every head the drafter lists (`draft_heads()`: EAGLE one, Medusa one per head), factors are fitted exactly as
-`python -m train.export` fits them (`models.lm_head.fit_samples`: the first samples of the run's feature shards, here
+`python -m export` fits them (`models.lm_head.fit_samples`: the first samples of the run's feature shards, here
 only training ones, and their loss-token counts), then evaluated on what the head reads at the loss positions of the
 run's *held-out* samples (`heldout.json`, else the last 5% of the shards): top-1 recall = the fraction of positions
 whose full-head best token is among the candidates, top-4 recall = the same for each of its 4 best. FLOP ratio as
@@ -25,8 +25,8 @@ import torch
 from data.heldout import read_heldout
 from data.shards import FeatureDataset
 from eval.heads import TwoStageHead, shard_fit_data
+from export.write import load_run
 from models.lm_head import compute_factors
-from train.export import load_run
 
 POSITIONS = 4000
 

@@ -163,7 +163,7 @@ def bench(args: argparse.Namespace) -> None:
     from data.prepare import prepare_dataset
     from data.vllm_features import load_vllm_target
     from models.target import load_target
-    from train.config import load_recipe
+    from schema.recipe import load_recipe
 
     torch.set_num_threads(args.threads)
     records = Path(args.records).read_text().splitlines()[: args.samples]

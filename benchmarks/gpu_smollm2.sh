@@ -80,7 +80,7 @@ train_run() {
   fi
   # shellcheck disable=SC2086
   stage "train-$name" "$PY" -m train "$recipe" $o || return 1
-  stage "export-$name" "$PY" -m train.export "$RUN/$name" || return 1
+  stage "export-$name" "$PY" -m export "$RUN/$name" || return 1
 }
 eval_run() { # eval_run NAME RECIPE ENCODING BASELINES
   local name=$1 recipe=recipes/smollm2/$2.yaml

@@ -7,7 +7,7 @@
     .venv-speculators/bin/python benchmarks/speculators_check.py consume OUT
 
 `prepare` (project environment) exports an `eagle3` run (default: trains recipes/tiny/eagle3.yaml for a few steps
-under OUT/run) with `python -m train.export --format speculators` into OUT/export, runs the target on one sequence
+under OUT/run) with `python -m export --format speculators` into OUT/export, runs the target on one sequence
 and writes OUT/inputs.safetensors: the fused hidden states as speculators reads them (`aux`, (1, T, 3·d) in
 `eagle_aux_hidden_state_layer_ids` order), the next tokens (`input_ids`, x_{t+1} at t), 0-based positions and our
 drafter's training-time-test logits for each unrolled step (`reference_<j>`, (1, T, K)). `--method peagle` trains
@@ -51,8 +51,8 @@ def prepare(out: Path, run: Path | None, steps: int, overrides: list[str], metho
 
     from benchmarks.consumers_check import parallel_reference
     from data.extract import main as extract_main
-    from train.config import load_recipe
-    from train.export import export, load_run
+    from export.write import export, load_run
+    from schema.recipe import load_recipe
     from train.loop import train
 
     out.mkdir(parents=True, exist_ok=True)

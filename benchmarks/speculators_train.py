@@ -1,4 +1,4 @@
-"""Another project's trainer: an EAGLE-3 drafter trained by the `speculators` package imports with `train.imports`.
+"""Another project's trainer: an EAGLE-3 drafter trained by the `speculators` package imports with `export.imports`.
 
     .venv/bin/python benchmarks/speculators_train.py prepare OUT [--samples 24] [--target-dtype bfloat16]
     .venv-speculators/bin/python benchmarks/speculators_train.py train OUT [--epochs 2] [-- SPECULATORS_TRAIN_FLAGS...]
@@ -21,9 +21,9 @@ optimizer, vocabulary mapping and checkpointer, which writes each epoch with `sa
 last epoch's checkpoint is copied to OUT/drafter; speculators' `SpeculatorModel.from_pretrained` reloads it and its
 forward on the probe (3 teacher-forced TTT steps) gives the reference logits, OUT/speculators_logits.safetensors.
 The patches it needs on a CPU-only machine are applied at runtime (`cpu_patches`). Flags after `--` go to
-`speculators train` (e.g. `-- --norm-before-fc` for its eagle3 default, which `train.imports` refuses).
+`speculators train` (e.g. `-- --norm-before-fc` for its eagle3 default, which `export.imports` refuses).
 
-`import` (project environment) runs `python -m train.imports OUT/drafter --format speculators --target OUT/target
+`import` (project environment) runs `python -m export.imports OUT/drafter --format speculators --target OUT/target
 --out OUT/imported --dtype float32`, loads the result with `models.io.load_drafter` and unrolls it on the probe:
 its draft logits (matched by target token id) must be speculators'. Ends with
 `speculators_import/max_abs_logit_diff: <x> (goal <= 0.0001)`.
@@ -132,8 +132,8 @@ def train(out: Path, epochs: int, extra: list[str]) -> None:
     from safetensors.torch import load_file, save_file
     from speculators import SpeculatorModel
     from speculators.cli.prepare_data import prepare_data
+    from speculators.schema.recipe import TrainConfig
     from speculators.train.cli import main as speculators_train
-    from speculators.train.config import TrainConfig
 
     cpu_patches()
     for name in ("data", "checkpoints", "drafter", "logs"):
@@ -156,7 +156,7 @@ def train(out: Path, epochs: int, extra: list[str]) -> None:
             "--num-workers", "0", "--ttt-steps", str(TTT), "--lr", "3e-3", "--seed", "0",
             # no flex attention / Triton kernels on a CPU: speculators' own alternatives
             "--draft-attn-impl", "eager", "--loss-implementation", "eager",
-            # train.imports refuses its eagle3 default norm_before_fc (the project's eagle3 has no such norm)
+            # export.imports refuses its eagle3 default norm_before_fc (the project's eagle3 has no such norm)
             "--no-norm-before-fc", *extra]  # fmt: skip
     speculators_train(TrainConfig.resolve(argv))
     last = max((p for p in (out / "checkpoints").iterdir() if p.name.isdigit()), key=lambda p: int(p.name))
@@ -194,12 +194,12 @@ def check_import(out: Path) -> float:
     import torch
     from safetensors.torch import load_file
 
+    from export.imports import resolve_target
     from models.io import load_drafter
-    from train.imports import resolve_target
 
     shutil.rmtree(out / "imported", ignore_errors=True)
     # float32: the probe logits are compared to 1e-4; the import's default for a directory is bfloat16
-    cmd = [sys.executable, "-m", "train.imports", str(out / "drafter"), "--format", "speculators",
+    cmd = [sys.executable, "-m", "export.imports", str(out / "drafter"), "--format", "speculators",
            "--target", str(out / "target"), "--out", str(out / "imported"), "--dtype", "float32"]  # fmt: skip
     result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     print(result.stdout.strip())
@@ -207,7 +207,7 @@ def check_import(out: Path) -> float:
         lines = result.stderr.strip().splitlines() or [f"exit {result.returncode}"]
         if "Traceback" in result.stderr:  # a crash, not a refusal: show where
             print("\n".join(lines[-6:-1]), file=sys.stderr)
-        raise SystemExit(f"error: train.imports refused speculators' checkpoint: {lines[-1].removeprefix('error: ')}")
+        raise SystemExit(f"error: export.imports refused speculators' checkpoint: {lines[-1].removeprefix('error: ')}")
     target = resolve_target(str(out / "target"), "float32")
     drafter = load_drafter(out / "imported", target).float().eval()
     drafter.cfg = dataclasses.replace(drafter.cfg, ttt_steps=TTT)  # the import writes 1 step; compare TTT

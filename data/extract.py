@@ -47,7 +47,6 @@ from tqdm import tqdm
 
 from data.codecs import BASIS_FILE, FITTED_KEYS, Codec, PcaCodec, encoding_settings, make_codec
 from data.engines import EngineError, add_engine_options, engine_options
-from data.lock import DirectoryLocked, lock_for_all
 from data.prepare import PreparedData, TokenSample, data_sources, prepare_dataset, template_fingerprint
 from data.shards import (
     HEADER_KEYS,
@@ -66,9 +65,10 @@ from data.shards import (
     write_shard,
 )
 from models.target import Target, load_placed_target
+from rundir.lock import DirectoryLocked, lock_for_all
 
-if TYPE_CHECKING:  # train.config pulls in every drafter; extraction needs none of them
-    from train.config import DataConfig
+if TYPE_CHECKING:  # schema.recipe pulls in every drafter; extraction needs none of them
+    from schema.recipe import DataConfig
 
 STOP_AFTER_ENV = "SPECDRAFT_EXTRACT_STOP_AFTER_SHARDS"
 """Test hook: every process exits (code 3) once each has written this many shards, as if killed."""
@@ -415,7 +415,7 @@ def main(argv: list[str] | None = None) -> None:
     from accelerate import Accelerator
     from accelerate.utils import gather_object
 
-    from train.config import RecipeError, load_recipe
+    from schema.recipe import RecipeError, load_recipe
 
     parser = argparse.ArgumentParser(prog="python -m data.extract", description=__doc__.split("\n\n")[0])
     parser.add_argument("recipe")
@@ -440,7 +440,7 @@ def main(argv: list[str] | None = None) -> None:
 def extract_recipe(recipe, state, engine: dict[str, Any] | None = None) -> None:
     """Extract `recipe`'s features on this process of `state` (an Accelerator): target, data, shards, manifest.
     `engine` ({"python", "engine_args"}) runs the target in vLLM (`data.vllm_features`) instead of transformers."""
-    from train.config import RecipeError
+    from schema.recipe import RecipeError
 
     if engine is None:
         target = load_placed_target(dataclasses.asdict(recipe.target), state)
@@ -510,7 +510,7 @@ def _extract(recipe, state, target, prepared: PreparedData, vllm: bool) -> None:
 if __name__ == "__main__":
     from data.chat import ChatTemplateError, DataError
     from models.target import TargetError
-    from train.config import RecipeError
+    from schema.recipe import RecipeError
 
     try:
         main()

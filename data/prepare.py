@@ -28,8 +28,8 @@ from data.chat import (
     render_with_turn_ids,
 )
 
-if TYPE_CHECKING:  # train.config pulls in every drafter; data preparation needs none of them
-    from train.config import DataConfig
+if TYPE_CHECKING:  # schema.recipe pulls in every drafter; data preparation needs none of them
+    from schema.recipe import DataConfig
 
 __all__ = [
     "ChatTemplateError",
@@ -328,7 +328,7 @@ def format_masked(sample: TokenSample, tokenizer: Any) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from train.config import RecipeError, load_recipe
+    from schema.recipe import RecipeError, load_recipe
 
     parser = argparse.ArgumentParser(prog="python -m data.prepare", description=__doc__.split("\n\n")[0])
     parser.add_argument("recipe")

@@ -86,10 +86,10 @@ from data.engines import (
     engine_python,
     vllm_dtype,
 )
-from data.lock import lock_for_all
 from data.prepare import vocab_fingerprint
 from data.shards import durable_replace
 from models.target import process_memory
+from rundir.lock import lock_for_all
 
 
 class SelfDistillError(ValueError):
@@ -411,7 +411,7 @@ def weights_fingerprint(path: Path) -> str:
 def check_new_tokens(target: str, max_new_tokens: int, error: type[Exception]) -> None:
     """Refuse --max-new-tokens that the target cannot hold: at least its max_position_embeddings (from config.json,
     read without loading the model), which generation would run past until memory gives out."""
-    from train.config import TargetConfig
+    from schema.recipe import TargetConfig
 
     positions = TargetConfig(path=target).size("max_position_embeddings")
     if positions is not None and max_new_tokens >= positions:

@@ -54,7 +54,6 @@ import torch
 import yaml
 from tqdm import tqdm
 
-from data.lock import lock_for_all
 from data.requests import Duplicates, english_problem, words
 from data.selfdistill import (
     Generator,
@@ -70,7 +69,8 @@ from data.selfdistill import (
     target_identity,
 )
 from data.shards import durable_replace
-from train.schema import safe_load, yaml_problem
+from rundir.lock import lock_for_all
+from schema.parse import safe_load, yaml_problem
 
 SENTINEL = "\x00specdraft-user-request\x00"
 MAX_COUNT = 10_000_000

@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("recipe", help="YAML recipe (see recipes/)")
     parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
     args = parser.parse_args(argv)
-    from train.config import RecipeError, load_recipe  # imports neither torch nor triton
+    from schema.recipe import RecipeError, load_recipe  # imports neither torch nor triton
 
     try:
         recipe = load_recipe(args.recipe, args.overrides, inputs=("target.path", "target.tokenizer", "eval.prompts"))

@@ -20,7 +20,7 @@ PyTorch twin (`reference`), in tiles of `BLOCK_V` rows keeping `K_LOCAL` each; a
 to survive such tiles gets smaller ones (`screen_block`, 16 rows at least: every row survives).
 
 The factors (`models.lm_head`: one per draft head, fitted to what it reads) come with the export when `python -m
-train.export` stored them (`lm_head/<head>.safetensors`: the recipe asks for the two-stage head and the run has
+export.write` stored them (`lm_head/<head>.safetensors`: the recipe asks for the two-stage head and the run has
 feature shards). Else evaluation computes them at start-up (with a log line) from the feature shards, or, for a drafter
 that adapts the target (Medusa-2) or a run without shards, from the verifying target's hidden states over the
 calibration samples (`eval.run.fit_data`).

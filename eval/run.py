@@ -33,9 +33,7 @@ import yaml
 
 from data.chat import ChatTemplateError, DataError
 from data.heldout import HELDOUT_FILE, HeldoutError, read_heldout
-from data.lock import lock_for_all
 from data.prepare import prepare_dataset
-from data.runs import latest_checkpoint, read_state
 from data.shards import FeatureDataset, FeatureMismatchError, frequent_loss_tokens, loss_token_counts, split_by_id
 from eval import REPORT_FILES, EvalError, kernels
 from eval.baselines import PROMPT_LOOKUP_TOKENS, plain_generate, plain_generate_batch, prompt_lookup_generate
@@ -51,7 +49,9 @@ from models.io import ExportError, load_draft_vocab, load_drafter, read_config
 from models.medusa import MedusaHeads
 from models.methods import METHODS, Method
 from models.target import Target, TargetError, load_placed_target
-from train.config import EvalConfig, Recipe, RecipeError, dotted_settings
+from rundir.checkpoints import latest_checkpoint, read_state
+from rundir.lock import lock_for_all
+from schema.recipe import EvalConfig, Recipe, RecipeError, dotted_settings
 
 CALIBRATION_SAMPLES = 64
 WARMUP_TOKENS = 4
@@ -378,7 +378,7 @@ def check_export_is_current(recipe: Recipe, drafter_dir: str, config: dict[str, 
         run = recipe.train.output_dir
         raise EvalError(
             f"{drafter_dir}: exported at step {exported}, but {run} has trained on to step {trained}: re-export "
-            f"(python -m train.export {run}), or set eval.drafter={drafter_dir} to evaluate this export as it is"
+            f"(python -m export {run}), or set eval.drafter={drafter_dir} to evaluate this export as it is"
         )
 
 
@@ -437,7 +437,7 @@ def summary_line(summary: dict[str, Any], out_dir: str) -> str:
 
 def run(recipe: Recipe) -> dict[str, Any] | None:
     """Evaluate; returns the summary on the main process (None on the others). `eval.output_dir` is locked
-    meanwhile (`data.lock`): a second evaluation into it is refused with one line, on every one of its processes."""
+    meanwhile (`rundir.lock`): a second evaluation into it is refused with one line, on every one of its processes."""
     from accelerate import PartialState
     from accelerate.utils import gather_object, parse_flag_from_env
 

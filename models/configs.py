@@ -1,6 +1,6 @@
 """Drafter method configurations (recipe section `drafter`): plain dataclasses, no torch.
 
-The recipe schema (`train.config`) reads these to load and check a recipe, so loading one imports neither
+The recipe schema (`schema.recipe`) reads these to load and check a recipe, so loading one imports neither
 torch, transformers nor peft. Each config validates its own fields (`validate`), its recipe context
 (`check_recipe`: the method-specific limits on trees, vocabularies, online training) and, before a run, its
 input files (`check_inputs`). It also declares, so that no caller probes it: which of its fields the target's sizes
@@ -25,7 +25,7 @@ DraftLoss = Literal["kl", "hass", "tv", "nla", "lk_hybrid"]
 
 LLAMA_LINEAR_LAYERS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
-# Upper bounds on the drafter's sizes, checked at load time (the recipe schema's other bounds: `train.config`). Always
+# Upper bounds on the drafter's sizes, checked at load time (the recipe schema's other bounds: `schema.recipe`). Always
 # these; and against the target where its config is readable without loading it (`TargetConfig.size`): layers
 # within its num_hidden_layers, vocabularies within its vocab_size, LoRA rank within its hidden_size.
 MAX_LAYERS = 64

@@ -283,7 +283,7 @@ def staged_directory(out: str | Path) -> Iterator[Path]:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     files = {p.relative_to(tmp).as_posix(): sha256_file(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
-    marker = {"written_by": "specdraft (train.export / train.imports); a new export replaces it", "files": files}
+    marker = {"written_by": "specdraft (export.write / export.imports); a new export replaces it", "files": files}
     (tmp / EXPORT_MARKER).write_text(json.dumps(marker, indent=1) + "\n")
     check_export_dir(out)
     if out.exists():  # moved aside, not deleted, until the new one is in place
@@ -303,14 +303,14 @@ def read_config(export_dir: str | Path) -> dict[str, Any]:
         engine = sorted(p.name for p in export_dir.parent.glob(f"{export_dir.name}-*") if p.is_dir())
         hint = (
             f"; beside it only engine layouts ({', '.join(engine)}): write the native one with "
-            f"`python -m train.export {export_dir.parent} --format native`"
+            f"`python -m export {export_dir.parent} --format native`"
             if engine
-            else " (write one with `python -m train.export`)"
+            else " (write one with `python -m export`)"
         )
         raise ExportError(f"{export_dir}: no such drafter export directory{hint}")
     verify_files(export_dir)
     if not path.is_file():
-        raise ExportError(f"{export_dir}: no {CONFIG_FILE} (not a drafter export: see `python -m train.export`)")
+        raise ExportError(f"{export_dir}: no {CONFIG_FILE} (not a drafter export: see `python -m export`)")
     config = read_json(path)
     if config.get("format") != FORMAT or config.get("format_version") != FORMAT_VERSION:
         raise ExportError(

@@ -23,7 +23,7 @@ A drafter lists the vocabulary projections it drafts through in `draft_heads()` 
 the target's lm_head, an EAGLE-3 drafter its own head over the draft vocabulary, Medusa one per head. Each gets
 factors (`compute_factors`) frequency-aware (token weights from the training data's loss-token counts) and fitted
 to the second moment of what that projection reads at the loss positions of some training samples, so that the
-screen ranks the tokens the drafter actually proposes. `python -m train.export` stores them with the native export
+screen ranks the tokens the drafter actually proposes. `python -m export` stores them with the native export
 (`save_factors`); evaluation reads them, or fits them at start-up. Torch only: this module imports neither data nor
 eval (feature shards are handed in).
 """

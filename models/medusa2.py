@@ -2,7 +2,7 @@
 
     python -m train recipes/tiny/medusa1.yaml train.online=true                  # stage 1: heads alone
     python -m train recipes/tiny/medusa2.yaml drafter.stage1_heads=runs/tiny-medusa1/export   # stage 2
-    python -m train.export runs/tiny-medusa2 [--merge-lora]                      # heads/ + adapter/ (+ merged/)
+    python -m export runs/tiny-medusa2 [--merge-lora]                      # heads/ + adapter/ (+ merged/)
 
 `Medusa2Model(cfg, target.parts(...))(batch)` takes token batches (its method declares `inputs="tokens"`) and returns
 `L_base + α(step)·head_loss_coef·Σ_k λ_k CE_k` with metrics; `set_step(step)` tells it the optimizer step

@@ -13,7 +13,7 @@ A method declares:
 - `proposer`: how it drafts at evaluation ("eagle": a dynamic tree or a chain from the drafter's own feature
   recurrence; "medusa": a static tree filled from per-head top-k; "parallel": a static tree filled from the per-depth
   top-k of one drafter forward with mask slots, P-EAGLE), and `trees`: the `eval.tree` values it drafts;
-- `formats`: the export formats that can hold it (`train.export`);
+- `formats`: the export formats that can hold it (`export.write`);
 - `step_dependent`: its loss depends on the optimizer step (the loop calls `set_step(step)` before each step);
   `adapts_target`: evaluation verifies with `drafter.adapt_target(target)` (a LoRA-merged target) and drafts with
   what that returns; `export_extra`: the native export calls `drafter.export_extra(out, target, merge_lora=...)`;

@@ -1,4 +1,4 @@
-"""Typed construction of plain dataclasses from parsed YAML / JSON: the recipe schema's sections (`train.config`) and
+"""Typed construction of plain dataclasses from parsed YAML / JSON: the recipe schema's sections (`schema.recipe`) and
 the drafter configs an export records (`models.io`) are built and checked by it.
 
     cfg = build_dataclass(Eagle3Config, {"draft_vocab": 8000}, "drafter", err)   # err(key, message) raises

@@ -25,8 +25,8 @@ COMMANDS: dict[str, str] = {
     "prepare": "data.prepare",
     "extract": "data.extract",
     "train": "train",
-    "export": "train.export",
-    "import": "train.imports",
+    "export": "export",
+    "import": "export.imports",
     "eval": "eval",
 }
 """Subcommand -> the module it runs (or, for `run`, the pipeline driver's file in the project)."""

@@ -237,7 +237,7 @@ def write_set(directory: Path, target: Path, prompt_file: Path | None, here: dic
         (directory / "prompts" / "heldout.jsonl").write_text("".join(line + "\n" for line in lines[-held:]))
     recipe_file = set_dir / "eagle3.yaml"
     (directory / "eagle3.yaml").write_text(
-        f"# python -m data.extract {recipe_file} && python -m train {recipe_file} && python -m train.export "
+        f"# python -m data.extract {recipe_file} && python -m train {recipe_file} && python -m export "
         f"{recipe['train']['output_dir']} && python -m eval {recipe_file}\n"
         f"# EAGLE-3.1 drafter for {target_name}, made by `recipes/run.py --new`: fused hidden states {layers} of "
         f"{config['num_hidden_layers']} layers; drafter.draft_vocab is sized from the answers by "
@@ -262,11 +262,11 @@ def size_draft_vocab(recipe_path: Path, coverage: float, overrides: list[str]) -
     tokens covering `coverage` of them, rewriting the number in the recipe file, unless its training has started
     (its checkpoints keep the vocabulary they were made with). Returns what it did, or None when nothing changed."""
     from data.prepare import prepare_dataset
-    from data.runs import list_checkpoints
     from data.shards import loss_token_counts, split_by_id
     from models.methods import METHODS
     from models.target import load_tokenizer
-    from train.config import load_recipe
+    from rundir.checkpoints import list_checkpoints
+    from schema.recipe import load_recipe
 
     recipe = load_recipe(recipe_path, overrides)
     if not METHODS[recipe.drafter.method].own_vocab or list_checkpoints(recipe.train.output_dir):

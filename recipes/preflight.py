@@ -1,7 +1,7 @@
 """A recipe set checked before anything heavy runs: `recipes/run.py SET --check`, and always before its first step.
 
 In seconds and without a model forward: every recipe of the set loads (its schema, and its layers, sizes and draft
-vocabulary against the target's config.json, as `train.config.load_recipe` checks them), trains for the set's
+vocabulary against the target's config.json, as `schema.recipe.load_recipe` checks them), trains for the set's
 target, reads only files that exist or that a step of the set writes first, and evaluates on prompts of its own
 set; the target has a tokenizer and a chat template; the set's prompt files exist. Each problem is one line naming
 the file and key.
@@ -13,8 +13,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from train.config import load_recipe
-from train.schema import RecipeError
+from schema.parse import RecipeError
+from schema.recipe import load_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 

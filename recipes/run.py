@@ -84,7 +84,7 @@ from recipes.steps import (
     trained,
 )
 from recipes.summary import GENERAL, heading, table, verdict
-from train.schema import RecipeError, YAMLTooLarge, apply_overrides, safe_load, yaml_problem
+from schema.parse import RecipeError, YAMLTooLarge, apply_overrides, safe_load, yaml_problem
 
 SELFDISTILL_KEYS = {
     "prompts", "out", "limit", "max_new_tokens", "batch_size", "dtype", "processes", "temperature", "engine",
@@ -364,7 +364,7 @@ def main() -> None:
                 continue
             train_cmd = [py, "-m", "train", recipe, "train.resume=auto", *args.overrides]
             run_step(f"train-{method}", train_cmd, log_dir, train_env)
-            run_step(f"export-{method}", [py, "-m", "train.export", run_dir], log_dir, env)
+            run_step(f"export-{method}", [py, "-m", "export", run_dir], log_dir, env)
 
     if args.ship:
         for method in methods:

@@ -11,8 +11,8 @@ import sys
 import time
 from pathlib import Path
 
-from data.runs import latest_checkpoint, read_state
 from eval import REPORT_FILES
+from rundir.checkpoints import latest_checkpoint, read_state
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -111,7 +111,7 @@ def verdict(
     src, out = runs[method]
     config = json.dumps({"method": SERVE_METHOD[method], "model": out, "num_speculative_tokens": 3})
     return (
-        f"{line} Export and serve it: python -m train.export {src} --format vllm --out {out} && vllm serve {target} "
+        f"{line} Export and serve it: python -m export {src} --format vllm --out {out} && vllm serve {target} "
         f"--speculative-config '{config}'"
     )
 

@@ -172,35 +172,35 @@ CASES: dict[str, Case] = {
         "train", f"{M1} target.random_init= target.path={{w}}", ("target.path", "{w}", "no config.json")
     ),
     "train/stop-after-zero": Case("train", f"{M1} --stop-after 0", ("--stop-after", ">= 1")),
-    # train.export
-    "export/no-run-dir": Case("train.export", "{w}/no-run --out {out}", ("no-run", "no such run directory")),
+    # export.write
+    "export/no-run-dir": Case("export", "{w}/no-run --out {out}", ("no-run", "no such run directory")),
     "export/truncated-drafter": Case(
-        "train.export", "{run_trunc} --out {out}", ("{run_trunc}/checkpoints/", "drafter.safetensors", "truncated")
+        "export", "{run_trunc} --out {out}", ("{run_trunc}/checkpoints/", "drafter.safetensors", "truncated")
     ),
     "export/fasterdecoding-head-count": Case(
-        "train.export", "{run} --format medusa --out {out}", ("drafter.num_heads", "builds 5 heads", "--format vllm")
+        "export", "{run} --format medusa --out {out}", ("drafter.num_heads", "builds 5 heads", "--format vllm")
     ),
     "export/out-is-a-file": Case(
-        "train.export", "{run} --out {w}/good.jsonl", ("good.jsonl", "is a file"), watch="{w}/good.jsonl"
+        "export", "{run} --out {w}/good.jsonl", ("good.jsonl", "is a file"), watch="{w}/good.jsonl"
     ),
-    # train.imports: FasterDecoding Medusa checkpoints for the tiny target
+    # export.imports: FasterDecoding Medusa checkpoints for the tiny target
     "imports/missing-tensor": Case(
-        "train.imports",
+        "export.imports",
         "{w}/fd-missing --format medusa --target {m1} --out {out}",
         ("fd-missing/medusa_lm_head.pt", "missing tensors", "4.1.weight"),
     ),
     "imports/extra-tensor": Case(
-        "train.imports",
+        "export.imports",
         "{w}/fd-extra --format medusa --target {m1} --out {out}",
         ("fd-extra/medusa_lm_head.safetensors", "extra tensors", "0.0.linear.scale"),
     ),
     "imports/deeply-nested-config": Case(
-        "train.imports",
+        "export.imports",
         "{w}/fd-deep --format medusa --target {m1} --out {out}",
         ("fd-deep/config.json", "nested too deeply"),
     ),
     "imports/bad-config": Case(
-        "train.imports",
+        "export.imports",
         "{w}/fd-badjson --format medusa --target {m1} --out {out}",
         ("fd-badjson/config.json", "not valid JSON"),
     ),
@@ -311,9 +311,9 @@ def _recipe(path: Path, name: str, **sections) -> str:
 @pytest.fixture(scope="module")
 def world(tmp_path_factory) -> dict[str, str]:
     from data.extract import main as extract_main
+    from export.write import main as export_main
+    from schema.recipe import load_recipe
     from train.__main__ import main as train_main
-    from train.config import load_recipe
-    from train.export import main as export_main
 
     torch.set_num_threads(1)
     w = tmp_path_factory.mktemp("bad-input")
@@ -454,8 +454,8 @@ def test_cases_cover_every_cli():
         "data.chatsets",
         "data.extract",
         "train",
-        "train.export",
-        "train.imports",
+        "export",
+        "export.imports",
         "eval",
     }
     assert len(CASES) >= 40
@@ -467,7 +467,7 @@ def test_an_eval_output_dir_is_reused_only_with_the_same_settings(world, tmp_pat
     report of unknown settings are refused, an empty or absent directory is fine."""
     from eval import EvalError
     from eval.run import check_output_dir
-    from train.config import load_recipe
+    from schema.recipe import load_recipe
 
     args = EVAL.format(**world, out=tmp_path / "ev").split()
     recipe = load_recipe(args[0], args[1:])

@@ -19,7 +19,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRot
 
 from models.common import DraftBatch, TargetParts
 from models.eagle import EagleConfig, EagleDrafter
-from train.config import RecipeError, build_dataclass, recipe_from_dict
+from schema.recipe import RecipeError, build_dataclass, recipe_from_dict
 
 torch.set_num_threads(1)
 LAYERS = [1, -1]  # stored hidden states in the test batches: a middle layer and the last one
@@ -408,7 +408,7 @@ def test_a_fused_eagle2_drafter_is_evaluated_at_depth_one_only():
     named by its index L is the same feature as -1, and drafts through the same path."""
     from eval.proposers import build_proposer
     from models.methods import METHODS
-    from train.config import EvalConfig
+    from schema.recipe import EvalConfig
 
     model = tiny_target()
     fused = drafter_for(model, feature_layers=[1, -1])

@@ -21,25 +21,26 @@ from tiny import tiny_llama as tiny_target
 from data.extract import main as extract_main
 from data.heldout import read_heldout
 from data.loader import BatchLoader
-from data.runs import latest_checkpoint
 from data.shards import FeatureDataset, frequent_loss_tokens
 from eval.baselines import plain_generate
 from eval.decode import DecodeSettings, speculative_generate
 from eval.proposers import DecodeState, EagleProposer, VocabProjection, build_proposer
+from export import eagle3_layouts
+from export.eagle3_layouts import compare, drafter_logits, eagle3_inputs
+from export.gates import check as gate_check
+from export.imports import import_eagle3
+from export.imports import main as imports_main
+from export.write import export, load_run
 from models.common import DraftBatch, TargetParts
 from models.configs import Eagle3Config
 from models.eagle3 import Eagle3Drafter
 from models.io import ExportError, load_draft_vocab, load_drafter
 from models.methods import METHODS
 from models.target import load_target
-from train import TrainingError, eagle3_layouts, loop
+from rundir.checkpoints import latest_checkpoint
+from schema.recipe import load_recipe, recipe_from_dict
+from train import TrainingError, loop
 from train.checkpoint import DRAFTER_FILE, METRICS_FILE
-from train.config import load_recipe, recipe_from_dict
-from train.eagle3_layouts import compare, drafter_logits, eagle3_inputs
-from train.export import export, load_run
-from train.gates import check as gate_check
-from train.imports import import_eagle3
-from train.imports import main as imports_main
 from train.loop import MIN_IN_VOCAB, draft_vocab_warning, train
 
 torch.set_num_threads(1)
@@ -168,7 +169,7 @@ def test_draft_vocabulary_offsets_membership_and_head_start(setup):
 
 
 def test_its_own_head_takes_the_head_learning_rate(setup):
-    from train.config import TrainConfig
+    from schema.recipe import TrainConfig
     from train.optim import param_groups
 
     drafter = drafter_for(setup[0])

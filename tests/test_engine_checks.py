@@ -28,15 +28,15 @@ from benchmarks.engine_side import (
     edit_aux_ids,
     shifted_aux_ids,
 )
+from export import eagle3_layouts
+from export.gates import check as gate_check
 from models.configs import Eagle3Config, EagleConfig, PeagleConfig
 from models.eagle import EagleDrafter
 from models.eagle3 import Eagle3Drafter
 from models.io import ExportError
 from models.peagle import PeagleDrafter
 from models.target import load_target
-from train import eagle3_layouts
-from train.config import load_recipe
-from train.gates import check as gate_check
+from schema.recipe import load_recipe
 
 torch.set_num_threads(1)
 ROOT = Path(__file__).resolve().parents[1]
@@ -79,7 +79,7 @@ def test_ids_filling_every_captured_layer_cannot_be_shifted():
 @pytest.mark.parametrize("engine", ["vllm", "sglang"])
 def test_the_edit_s_ranges_are_what_the_export_writes(engine):
     """`engine_side.CAPTURED` (the checks run in the engines' environments and cannot import the project) holds the
-    id ranges `train.eagle3_layouts.aux_layer_ids` writes: the lowest and highest ids pass, one beyond each is
+    id ranges `export.eagle3_layouts.aux_layer_ids` writes: the lowest and highest ids pass, one beyond each is
     refused."""
     L = TINY["num_hidden_layers"]
     lo, below_top = CAPTURED[engine]

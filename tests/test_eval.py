@@ -31,7 +31,7 @@ from models.io import FORMAT, FORMAT_VERSION, save_draft_vocab, save_native
 from models.medusa import MedusaConfig, MedusaHeads
 from models.medusa2 import Medusa2Config, Medusa2Model
 from models.target import load_target
-from train.config import load_recipe
+from schema.recipe import load_recipe
 
 TOKENIZER = "recipes/pocket/target"
 TARGET = {
@@ -520,7 +520,7 @@ def test_the_lossless_check_goes_on_past_a_near_tie(monkeypatch):
     from eval import run as eval_run
     from eval.baselines import plain_generate
     from eval.decode import DecodeSettings
-    from train.config import EvalConfig
+    from schema.recipe import EvalConfig
 
     config = {"model_type": "llama", "vocab_size": 96, "hidden_size": 64, "intermediate_size": 128,
               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -562,7 +562,7 @@ def test_the_runs_own_export_must_be_of_its_newest_checkpoint(tmp_path, monkeypa
     """A run that trained on after its export: evaluating `<output_dir>/export` by default would measure the older
     drafter under the run's name, so it is refused; named with eval.drafter it is taken as it is."""
     from eval.run import run as eval_run
-    from train.export import export
+    from export.write import export
     from train.loop import train
 
     monkeypatch.chdir(Path(__file__).resolve().parents[1])
@@ -649,7 +649,7 @@ def test_eval_reports_tau_by_context_length(tmp_path, target):
 
 def test_the_draft_window_is_the_exports_training_length_unless_set():
     from eval.run import draft_window
-    from train.config import EvalConfig
+    from schema.recipe import EvalConfig
 
     config = {"recipe": {"data": {"max_len": 384}}}
     assert draft_window(EvalConfig(), config) == 384
@@ -668,7 +668,7 @@ def test_the_draft_window_is_the_exports_training_length_unless_set():
     ],
 )
 def test_bad_context_settings_are_named(tmp_path, section, message):
-    from train.config import RecipeError
+    from schema.recipe import RecipeError
 
     with pytest.raises(RecipeError, match=message):
         load_recipe(_recipe(tmp_path, "eagle2", {}, section))
@@ -690,7 +690,7 @@ def test_a_second_evaluation_into_the_same_output_dir_is_refused(tmp_path, targe
     """While another evaluation writes eval.output_dir (here: this test holds its lock), `python -m eval` into it
     stops with one line naming the directory and the holder, before loading anything; once free, it evaluates, and
     no lock file stays behind."""
-    from data.lock import LOCK_FILE, acquire, release
+    from rundir.lock import LOCK_FILE, acquire, release
 
     torch.manual_seed(0)
     save_native(tmp_path / "run" / "export", EagleDrafter(EagleConfig(), target.parts([-1])), target)
@@ -728,7 +728,7 @@ def test_eval_with_prompt_lookup_in_the_tree_is_lossless_and_reports_it(tmp_path
     "key,value,message", [("lookup_tokens", -1, "must be >= 0"), ("lookup_ngram", 0, "must be >= 1")]
 )
 def test_prompt_lookup_settings_are_checked(tmp_path, key, value, message):
-    from train.config import RecipeError
+    from schema.recipe import RecipeError
 
     path = _recipe(tmp_path, "eagle2", {}, {})
     with pytest.raises(RecipeError, match=f"eval.{key}: {message}"):

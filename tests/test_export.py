@@ -1,6 +1,6 @@
 """Export -> reload round trips: `pytest tests/test_export.py`.
 
-Tiny drafters are trained for two steps on the tiny recipes, exported with `python -m train.export`
+Tiny drafters are trained for two steps on the tiny recipes, exported with `python -m export`
 and rebuilt with `models.io.load_drafter` (what eval uses): outputs must be identical.
 """
 
@@ -23,6 +23,8 @@ from data.loader import BatchLoader
 from data.shards import FeatureDataset, frequent_loss_tokens
 from eval import EvalError
 from eval.run import draft_vocabulary
+from export.write import ENGINE_WEIGHTS, MEDUSA_PT, MEDUSA_WEIGHTS, export, legacy_rope, load_run, medusa_names
+from export.write import main as export_main
 from models.io import (
     CONFIG_FILE,
     EXPORT_MARKER,
@@ -35,9 +37,7 @@ from models.io import (
 )
 from models.methods import METHODS
 from models.target import load_target
-from train.config import load_recipe
-from train.export import ENGINE_WEIGHTS, MEDUSA_PT, MEDUSA_WEIGHTS, export, legacy_rope, load_run, medusa_names
-from train.export import main as export_main
+from schema.recipe import load_recipe
 from train.loop import train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -411,7 +411,7 @@ def test_each_format_has_its_own_directory_and_a_re_export_replaces_it(runs, tmp
         read_config(run / "export")
     assert str(info.value) == (
         f"{run / 'export'}: no such drafter export directory; beside it only engine layouts (export-vllm): write the "
-        f"native one with `python -m train.export {run} --format native`"
+        f"native one with `python -m export {run} --format native`"
     )
     native = export(run)
     assert (native, vllm) == (run / "export", run / "export-vllm")
@@ -500,7 +500,7 @@ def test_a_second_export_into_the_same_directory_is_refused(runs, tmp_path):
     """While another export writes --out (here: this test holds its lock, beside --out since --out is replaced whole),
     an export into it is refused before anything is staged, naming it and the holder; once free, it exports, and
     no lock file stays behind."""
-    from data.lock import DirectoryLocked, acquire, release
+    from rundir.lock import DirectoryLocked, acquire, release
 
     out = tmp_path / "out"
     held = acquire(out, "export", beside=True)

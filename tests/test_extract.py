@@ -26,8 +26,8 @@ from data.extract import STOP_AFTER_ENV, ExtractError, length_batches, main, pla
 from data.prepare import prepare_dataset
 from data.shards import MANIFEST, FeatureDataset, FeatureMismatchError, file_sha256
 from models.target import load_target
+from schema.recipe import RecipeError, load_recipe
 from train.__main__ import main as train_main
-from train.config import RecipeError, load_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = "the cat sat on a mat while every model learns to draft tokens quickly and well from its target".split()
@@ -312,7 +312,7 @@ def test_a_second_extraction_into_the_same_directory_is_refused(recipe_path: Pat
     """While another extraction writes data.features_dir (here: this test holds its lock), an extraction into it
     stops before reading or writing anything there, naming the directory and the holder; a features_dir that is a
     file is refused at load."""
-    from data.lock import LOCK_FILE, DirectoryLocked, acquire, release
+    from rundir.lock import LOCK_FILE, DirectoryLocked, acquire, release
 
     features = tmp_path / "busy"
     held = acquire(features, "extraction")

@@ -13,7 +13,7 @@ from accelerate.state import AcceleratorState, GradientState
 from tiny import accelerate_launch
 
 from data.extract import main as extract_main
-from data.runs import latest_checkpoint
+from rundir.checkpoints import latest_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 QUIET = ["train.eval_every=0", "train.save_every=0", "train.log_every=1", "logging.tracker=none"]

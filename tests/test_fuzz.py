@@ -28,14 +28,14 @@ from tiny import save_chat_target
 
 from data.chat import ChatTemplateError, DataError
 from data.chatsets import ChatSetError, Filters, build
-from data.runs import CheckpointError
 from data.selfdistill import SelfDistillError, read_prompts
 from data.shards import FeatureDataset, FeatureMismatchError
 from data.synthesize import SynthesizeError, read_kinds
 from models.io import ExportError, load_drafter, read_safetensors
 from models.target import TargetError
-from train.config import load_recipe
-from train.schema import RecipeError
+from rundir.checkpoints import CheckpointError
+from schema.parse import RecipeError
+from schema.recipe import load_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 POCKET = ROOT / "recipes" / "pocket" / "target"
@@ -115,7 +115,7 @@ def world(tmp_path_factory) -> dict[str, Path]:
     from accelerate.state import AcceleratorState, GradientState
 
     from data.extract import main as extract_main
-    from train.export import export
+    from export.write import export
     from train.loop import train
 
     torch.set_num_threads(1)
@@ -319,7 +319,7 @@ def test_damaged_export_configs_are_loaded_or_refused_in_one_line(world, tmp_pat
 @FUZZ
 @given(data=st.data())
 def test_damaged_import_configs_are_imported_or_refused_in_one_line(world, tmp_path_factory, data):
-    from train.imports import import_checkpoint, resolve_target
+    from export.imports import import_checkpoint, resolve_target
 
     tmp = tmp_path_factory.mktemp("import")
     source = tmp / "speculators"
@@ -335,7 +335,7 @@ def test_damaged_import_configs_are_imported_or_refused_in_one_line(world, tmp_p
 @FUZZ
 @given(data=st.data())
 def test_damaged_checkpoints_are_resumed_or_refused_in_one_line(world, tmp_path_factory, data):
-    from data.runs import latest_checkpoint, read_state
+    from rundir.checkpoints import latest_checkpoint, read_state
 
     run = fresh(world, "run", tmp_path_factory.mktemp("run"))
     checkpoint = latest_checkpoint(run)

@@ -1,7 +1,7 @@
-"""Load gates (`train.gates`): good exports pass; exports a consumer loads wrong fail with one line naming the field.
+"""Load gates (`export.gates`): good exports pass; exports a consumer loads wrong fail with one line naming the field.
 
 Drafters here are built untrained on tiny random targets and perturbed (no training needed to check a layout), then
-written with `train.export`'s writers and handed to `train.gates.check`.
+written with `export.write`'s writers and handed to `export.gates.check`.
 """
 
 from __future__ import annotations
@@ -16,15 +16,15 @@ import torch
 from safetensors.torch import load_file, save_file
 from tiny import perturbed
 
+from export import write as export_mod
+from export.gate_parts import rope_cos_sin
+from export.gates import EAGLE_PT, GATES, MEDUSA_PT, check
 from models.configs import EagleConfig, MedusaConfig
 from models.eagle import EagleDrafter
 from models.io import EXPORT_MARKER, ExportError
 from models.medusa import MedusaHeads
 from models.target import load_target
-from train import export as export_mod
-from train.config import load_recipe
-from train.gate_parts import rope_cos_sin
-from train.gates import EAGLE_PT, GATES, MEDUSA_PT, check
+from schema.recipe import load_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = {
@@ -107,11 +107,11 @@ def test_every_engine_format_has_a_gate():
 
 
 def test_the_gates_are_one_literal_table():
-    """`train.gates.GATES` is one dict literal that names every gate, EAGLE-3's included, like export's tables of
+    """`export.gates.GATES` is one dict literal that names every gate, EAGLE-3's included, like export's tables of
     writers; no module adds gates to it as it is imported (which left EAGLE-3's out of a process that had not imported
-    `train.eagle3_layouts`)."""
+    `export.eagle3_layouts`)."""
     writes = []
-    for path in sorted((ROOT / "train").glob("*.py")):
+    for path in sorted((ROOT / "export").glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
             for target in targets:
@@ -375,7 +375,7 @@ def test_eagle_layouts_describe_the_drafter_s_layers_not_the_target_s(fmt, recip
 
 
 def test_a_failing_gate_leaves_nothing(targets, recipe, tmp_path, monkeypatch):
-    """Through `train.export.export`: the gate runs inside `<out>.tmp`, which a failure removes."""
+    """Through `export.write.export`: the gate runs inside `<out>.tmp`, which a failure removes."""
     target = targets["plain"]
     drafter = eagle(target, fc_bias=False)
     run_recipe = load_recipe(ROOT / "recipes/tiny/eagle2.yaml", ["drafter.fc_norm=false", "drafter.post_norm=false"])
@@ -446,7 +446,7 @@ def test_native_gate_reloads_strictly_and_compares_logits(targets, recipes, tmp_
 
 def test_a_gate_without_logits_only_reloads(targets, recipes, tmp_path, monkeypatch):
     """Methods the native gate has no logit path for (a new drafter type) pass on the strict reload alone."""
-    from train import gates
+    from export import gates
 
     target = targets["plain"]
     drafter = eagle(target)

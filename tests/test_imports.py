@@ -1,6 +1,6 @@
-"""Imports of SafeAILab EAGLE-1/2 and FasterDecoding Medusa checkpoints (`python -m train.imports`).
+"""Imports of SafeAILab EAGLE-1/2 and FasterDecoding Medusa checkpoints (`python -m export.imports`).
 
-Round trips: a drafter exported to `eagle` / `medusa` (through `train.export.export`, gate included) and imported
+Round trips: a drafter exported to `eagle` / `medusa` (through `export.write.export`, gate included) and imported
 back computes the original drafter's logits. Bad checkpoints: one `error:` line naming the file and field, nothing
 written at --out.
 """
@@ -18,14 +18,14 @@ import torch
 from safetensors.torch import load_file, save_file
 from tiny import perturbed
 
+from export import write as export_mod
+from export.gates import MEDUSA_PT, MEDUSA_SAFETENSORS, eagle_inputs, medusa_hidden
+from export.imports import import_checkpoint, main, resolve_target
 from models.configs import EagleConfig, MedusaConfig
 from models.eagle import EagleDrafter
 from models.io import EXPORT_MARKER, ExportError, load_drafter, save_native
 from models.medusa import MedusaHeads
-from train import export as export_mod
-from train.config import load_recipe
-from train.gates import MEDUSA_PT, MEDUSA_SAFETENSORS, eagle_inputs, medusa_hidden
-from train.imports import import_checkpoint, main, resolve_target
+from schema.recipe import load_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 EAGLE_RECIPE = "recipes/tiny/eagle2.yaml"
@@ -46,7 +46,7 @@ def target():
 
 
 def exported(fmt: str, drafter, recipe_file: str, overrides: list[str], target, out: Path, monkeypatch) -> Path:
-    """`train.export.export` of `drafter` (as if trained with `recipe_file` + overrides) to `fmt` at `out`, as another
+    """`export.write.export` of `drafter` (as if trained with `recipe_file` + overrides) to `fmt` at `out`, as another
     project's trainer would leave it: the layout's files, without this project's marker (its checksums)."""
     recipe = load_recipe(recipe_file, overrides)
     monkeypatch.setattr(export_mod, "load_run", lambda run_dir, checkpoint=None: (recipe, target, drafter))
@@ -250,7 +250,7 @@ def test_medusa_heads_come_from_the_file_not_the_config(medusa_src, target, tmp_
 def test_an_import_that_computes_other_logits_leaves_nothing(medusa_src, target, tmp_path, monkeypatch):
     """The last safety net: the reloaded native drafter against the consumer's reading of the source. A mapping bug
     (here: one head's projection scaled after the mapping) fails the import and writes nothing."""
-    from train import imports
+    from export import imports
 
     mapped = imports.import_medusa
 
@@ -319,7 +319,7 @@ def test_a_second_import_into_the_same_directory_is_refused(eagle_src, target, t
     """While another import writes --out (this test holds its lock, beside --out: --out is renamed into place whole),
     an import into it stops with one line naming --out and the holder, and stages nothing; once free, it imports,
     and no lock file stays behind."""
-    from data.lock import acquire, release
+    from rundir.lock import acquire, release
 
     out = tmp_path / "out"
     held = acquire(out, "import", beside=True)

@@ -128,8 +128,8 @@ def test_native_export_stores_the_two_stage_factors_that_eval_reads(tmp_path, mo
 
     from data.extract import main as extract_main
     from eval.heads import two_stage_projections
-    from train.config import load_recipe
-    from train.export import export, load_run
+    from export.write import export, load_run
+    from schema.recipe import load_recipe
     from train.loop import train
 
     root = Path(__file__).resolve().parents[1]
@@ -300,8 +300,8 @@ def test_eagle3_export_stores_its_heads_factors_that_eval_reads(tmp_path, monkey
 
     from data.extract import main as extract_main
     from eval.heads import two_stage_projections
-    from train.config import load_recipe
-    from train.export import export, load_run
+    from export.write import export, load_run
+    from schema.recipe import load_recipe
     from train.loop import train
 
     root = Path(__file__).resolve().parents[1]

@@ -1,4 +1,4 @@
-"""data.lock: one writer per output, a refusal naming the directory and its holder, nothing left behind, and a
+"""rundir.lock: one writer per output, a refusal naming the directory and its holder, nothing left behind, and a
 killed holder's lock released by the kernel (training, extraction and export use it: their tests refuse real runs)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import signal
 
 import pytest
 
-from data.lock import LOCK_FILE, DirectoryLocked, NotADirectory, acquire, directory_lock, release
+from rundir.lock import LOCK_FILE, DirectoryLocked, NotADirectory, acquire, directory_lock, release
 
 
 def test_a_second_writer_is_refused_naming_the_directory_and_the_holder(tmp_path):

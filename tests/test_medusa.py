@@ -15,7 +15,7 @@ from transformers import LlamaForCausalLM
 
 from models.common import TargetParts
 from models.medusa import MedusaConfig, MedusaHeads
-from train.config import RecipeError, build_dataclass
+from schema.recipe import RecipeError, build_dataclass
 
 torch.set_num_threads(1)
 

@@ -28,15 +28,15 @@ from transformers.models.llama.modeling_llama import LlamaMLP
 
 from data.heldout import read_heldout
 from data.prepare import prepare_dataset
-from data.runs import latest_checkpoint
 from models.common import DraftBatch, TargetParts
 from models.eagle import EagleConfig, EagleDrafter
 from models.io import ExportError, load_draft_vocab, load_drafter, place_on_target, save_native
 from models.medusa import MedusaConfig, MedusaHeads
 from models.medusa2 import Medusa2Config, Medusa2Model, load_medusa2
 from models.target import Target, load_target
+from rundir.checkpoints import latest_checkpoint
+from schema.recipe import RecipeError, TrainConfig, load_recipe
 from train.checkpoint import DRAFTER_FILE, METRICS_FILE
-from train.config import RecipeError, TrainConfig, load_recipe
 from train.loop import TrainingError, _check_zero3_sharing
 from train.optim import build_optimizer
 
@@ -391,7 +391,7 @@ def metrics(out: Path) -> list[dict]:
 
 def test_two_stages_train_export_and_decode(in_repo, tmp_path, capsys):
     from eval.run import run as run_eval
-    from train.export import export
+    from export.write import export
     from train.loop import train
 
     stage1 = tmp_path / "stage1"
@@ -440,7 +440,7 @@ def test_two_stages_train_export_and_decode(in_repo, tmp_path, capsys):
 def test_an_online_export_whose_training_data_is_gone_names_it(in_repo, tmp_path):
     """The draft vocabulary of an online run is counted in its training data at export: a file gone by then, or
     data without the run's held-out samples, is named in one line, and nothing is left that looks like an export."""
-    from train.export import ExportError, export
+    from export.write import ExportError, export
     from train.loop import train
 
     data = tmp_path / "chat.jsonl"

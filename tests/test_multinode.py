@@ -19,8 +19,8 @@ from accelerate.state import AcceleratorState, GradientState
 from tiny import accelerate_launch
 
 from data.extract import main as extract_main
-from data.runs import latest_checkpoint
 from data.shards import FeatureDataset
+from rundir.checkpoints import latest_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = str(ROOT / "recipes/tiny/eagle2.yaml")

@@ -19,21 +19,21 @@ from tiny import tiny_llama as tiny_target
 
 from data.extract import main as extract_main
 from data.loader import BatchLoader
-from data.runs import latest_checkpoint
 from data.shards import FeatureDataset
 from eval.baselines import plain_generate
 from eval.decode import DecodeSettings, speculative_generate, speculative_generate_batch
 from eval.proposers import DecodeState, ParallelProposer, VocabProjection, build_proposer, parallel_rank_accuracy
 from eval.trees import chain, medusa_tree
+from export.gates import check as gate_check
+from export.write import export, load_run
 from models.common import TargetParts
 from models.configs import PeagleConfig
 from models.io import ExportError, load_drafter
 from models.methods import METHODS
 from models.peagle import PeagleDrafter
+from rundir.checkpoints import latest_checkpoint
+from schema.recipe import load_recipe, recipe_from_dict
 from train.checkpoint import DRAFTER_FILE, METRICS_FILE
-from train.config import load_recipe, recipe_from_dict
-from train.export import export, load_run
-from train.gates import check as gate_check
 from train.loop import train
 
 torch.set_num_threads(1)

@@ -14,8 +14,8 @@ import yaml
 from accelerate.commands.config.config_args import load_config_from_file
 
 from models.methods import METHODS
+from schema.recipe import RecipeError, load_recipe
 from train.__main__ import main as train_main
-from train.config import RecipeError, load_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 ALL_YAML = sorted((ROOT / "recipes").rglob("*.yaml"))

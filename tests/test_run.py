@@ -398,7 +398,7 @@ def test_the_report_says_what_to_serve_and_when_prompt_lookup_wins():
     reports = {"eagle3": _report(3.1, 1.8, lookup=12.0), "medusa1": _report(2.0, 1.3)}
     said = verdict(reports, methods, "artifacts/target", runs)
     assert said.startswith("What to serve: eagle3 (1.80x plain decoding, τ 3.10; prompt lookup 1.20x).")
-    assert "python -m train.export runs/e3 --format vllm --out runs/e3/export-vllm" in said
+    assert "python -m export runs/e3 --format vllm --out runs/e3/export-vllm" in said
     assert '"method": "eagle3", "model": "runs/e3/export-vllm"' in said
     reports["eagle3"]["lossless"] = False  # a drafter whose outputs differed from plain decoding is never advised
     assert verdict(reports, methods, "artifacts/target", runs).startswith("What to serve: medusa1 (1.30x")

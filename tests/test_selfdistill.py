@@ -429,7 +429,7 @@ def test_a_second_self_distillation_into_the_same_out_is_refused(tiny_target, tm
     """While another run writes --out (this test holds its lock, beside the file), a run into it stops with one line
     naming --out and the holder before writing anything (no part file, no meta); once free, it runs, and no lock
     file stays behind."""
-    from data.lock import acquire, release
+    from rundir.lock import acquire, release
 
     prompts, out = write_jsonl(tmp_path / "p.jsonl", PLAIN), tmp_path / "out.jsonl"
     held = acquire(out, "self-distillation", beside=True)

@@ -239,7 +239,7 @@ def test_a_target_without_chat_template_is_one_line(tmp_path):
 
 
 def test_a_second_synthesis_into_the_same_out_is_refused(target, tmp_path):
-    from data.lock import acquire, release
+    from rundir.lock import acquire, release
 
     out = tmp_path / "p.jsonl"
     held = acquire(out, "synthesis", beside=True)  # another run writing there

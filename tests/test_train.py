@@ -24,14 +24,14 @@ from tiny import accelerate_launch
 from data.extract import main as extract_main
 from data.loader import BatchLoader
 from data.prepare import prepare_dataset
-from data.runs import latest_checkpoint, list_checkpoints
 from data.shards import FeatureDataset
 from models.methods import METHODS
 from models.target import load_target
+from rundir.checkpoints import latest_checkpoint, list_checkpoints
+from schema.recipe import load_recipe
 from train import loop
 from train.__main__ import main as train_main
 from train.checkpoint import DRAFTER_FILE, METRICS_FILE
-from train.config import load_recipe
 from train.loop import TrainingError, build_target, evaluated_heldout, target_hidden, train
 from train.optim import WarmupCosine
 
@@ -255,7 +255,7 @@ def test_an_infinite_gradient_norm_stops_naming_step_and_checkpoint(features, tm
 def test_a_second_training_into_a_run_directory_in_use_is_refused(features, tmp_path):
     """While another process trains into train.output_dir (here: this test holds its lock), a training into it stops
     before reading or writing anything there, naming the directory and the holder; once free, it trains."""
-    from data.lock import LOCK_FILE, acquire, release
+    from rundir.lock import LOCK_FILE, acquire, release
 
     out = tmp_path / "run"
     held = acquire(out, "training")
@@ -619,7 +619,7 @@ def test_a_launch_into_a_run_directory_in_use_stops_every_process(features, tmp_
     """Two processes of one launch share their main process's lock: when another training holds the directory, the
     main process is refused and the other learns it before any collective it would wait in forever; both stop with
     the one line naming the directory, and nothing is written."""
-    from data.lock import acquire, release
+    from rundir.lock import acquire, release
 
     out = tmp_path / "run"
     args = [f"data.features_dir={features}", f"train.output_dir={out}", *QUIET, "train.max_steps=2"]

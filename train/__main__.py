@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from train.config import RecipeError, check_inputs, load_recipe
+from schema.recipe import RecipeError, check_inputs, load_recipe
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -3,7 +3,7 @@
     <output_dir>/recipe.yaml        the resolved recipe
     <output_dir>/metrics.jsonl      one line per optimizer step
     <output_dir>/checkpoints/step-000500/
-        drafter.safetensors         trainable drafter tensors, full, fp32 (what `train.export` reads)
+        drafter.safetensors         trainable drafter tensors, full, fp32 (what `export.write` reads)
         optimizer.safetensors       AdamW moments and step per parameter, "<name>/<key>", full
         optimizer.json              parameter groups: hyper-parameters and parameter names
         scheduler.json              the learning-rate schedule's state
@@ -14,7 +14,7 @@ Everything but the RNG is full and keyed by name (see `train.state`), so a check
 another number of processes or another backend. A checkpoint is written under `step-XXXXXX.tmp`
 and renamed once every process has finished, so a directory named `step-XXXXXX` is always
 complete; only the newest `keep` are kept. Finding checkpoints and reading their state (`latest_checkpoint`,
-`read_state`) is `data.runs`: export and evaluation read them too.
+`read_state`) is `rundir.checkpoints`: export and evaluation read them too.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from accelerate import Accelerator
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from data.runs import STATE_FILE, CheckpointError, checkpoints_root, list_checkpoints, read_json, read_state
 from models.io import write_safetensors
+from rundir.checkpoints import STATE_FILE, CheckpointError, checkpoints_root, list_checkpoints, read_json, read_state
 
 DRAFTER_FILE = "drafter.safetensors"
 OPTIMIZER_FILE = "optimizer.safetensors"

@@ -34,16 +34,16 @@ from transformers.integrations import set_hf_deepspeed_config, unset_hf_deepspee
 from data.extract import feature_identity
 from data.heldout import write_heldout
 from data.loader import BatchLoader
-from data.lock import DirectoryLocked, NotADirectory, acquire_for_all, release
 from data.prepare import prepare_dataset
 from data.shards import FeatureDataset, FeatureMismatchError, frequent_loss_tokens, split_by_id
 from models.common import DraftBatch, packed_additive_mask
 from models.io import DRAFT_VOCAB_FILE, ExportError, load_draft_vocab, save_draft_vocab
 from models.methods import METHODS
 from models.target import Target, load_placed_target
+from rundir.lock import DirectoryLocked, NotADirectory, acquire_for_all, release
+from schema.recipe import Recipe
 from train import TrainingError
 from train.checkpoint import METRICS_FILE, RECIPE_FILE
-from train.config import Recipe
 from train.curves import plot_curves
 from train.optim import build_optimizer, build_scheduler, reschedule
 from train.resume import checkpoint_to_resume, restore_run, save_run, truncate_metrics
@@ -87,7 +87,7 @@ def make_accelerator(recipe: Recipe) -> Accelerator:
         ds["train_micro_batch_size_per_gpu"] = cfg.batch_size
         ds["gradient_accumulation_steps"] = cfg.grad_accum
         ds["gradient_clipping"] = cfg.clip_grad_norm or 0.0
-        # ZeRO-3: checkpoints gather the full drafter tensors (drafter.safetensors, read by train.export)
+        # ZeRO-3: checkpoints gather the full drafter tensors (drafter.safetensors, read by export.write)
         ds.setdefault("zero_optimization", {})["stage3_gather_16bit_weights_on_model_save"] = True
     return accelerator
 
@@ -445,7 +445,7 @@ def draft_vocab_warning(in_vocab: float, recipe: Recipe) -> str | None:
 
 
 def lock_run_dir(recipe: Recipe, accelerator: Accelerator) -> int | None:
-    """Take the run directory's lock (`data.lock`) on the main process, before anything reads or writes the run:
+    """Take the run directory's lock (`rundir.lock`) on the main process, before anything reads or writes the run:
     a second training into the same `train.output_dir` stops on every one of its processes with the same line,
     naming the directory (the other processes of one launch share the main process's lock). Returns the lock to
     release (main process), else None."""
@@ -579,6 +579,6 @@ def _train(recipe: Recipe, accelerator: Accelerator, stop_after: int | None) -> 
     if accelerator.is_main_process:
         print(f"metrics: {out_dir / METRICS_FILE} (curves: {out_dir / 'curves.png'})")
         if step >= cfg.max_steps:
-            print(f"export: python -m train.export {out_dir}")
+            print(f"export: python -m export {out_dir}")
         print(f"last checkpoint: {last_ckpt}")
     return last_ckpt

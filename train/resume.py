@@ -21,10 +21,10 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 from tqdm import tqdm
 
-from data.runs import CheckpointError, latest_checkpoint, list_checkpoints, read_state
+from rundir.checkpoints import CheckpointError, latest_checkpoint, list_checkpoints, read_state
+from schema.recipe import Recipe, RecipeError, dotted_settings, load_recipe
 from train import TrainingError
 from train.checkpoint import RECIPE_FILE, load_checkpoint, save_checkpoint
-from train.config import Recipe, RecipeError, dotted_settings, load_recipe
 from train.state import gather_state, restore_state, rng_state, set_rng_state
 
 
@@ -127,7 +127,7 @@ def checkpoint_to_resume(recipe: Recipe, accelerator: Accelerator) -> Path | Non
     if "data" not in saved:
         raise TrainingError(
             f"{path}: written by an older specdraft (accelerate's pickled state, which is never loaded): "
-            "start a new run, or export this checkpoint with `python -m train.export`"
+            "start a new run, or export this checkpoint with `python -m export`"
         )
     return path
 

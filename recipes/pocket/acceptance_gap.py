@@ -31,7 +31,7 @@ from eval.prompts import load_prompts, stop_token_ids  # noqa: E402
 from eval.run import heldout_positions  # noqa: E402
 from models.io import load_drafter  # noqa: E402
 from models.target import load_target  # noqa: E402
-from train.config import load_recipe  # noqa: E402
+from schema.recipe import load_recipe  # noqa: E402
 from train.loop import evaluated_heldout  # noqa: E402
 
 

@@ -6,7 +6,7 @@ Steps, each a subprocess with its log under OUT/logs/ (re-run to resume: self-di
 complete and refuse outputs of other settings; training and evaluation are skipped once done with these recipes):
   1. self-distil: the pocket target continues training prompts greedily   (python -m data.selfdistill)
   2. extract: the target's last hidden state over those samples            (python -m data.extract)
-  3. train + export an EAGLE-2 drafter and Medusa-1 heads                  (python -m train, python -m train.export)
+  3. train + export an EAGLE-2 drafter and Medusa-1 heads                  (python -m train, python -m export)
   4. evaluate both on held-out prompts: plain vs speculative vs prompt lookup (python -m eval)
 then one table: method, tree, τ, speedup vs plain and vs transformers' prompt lookup, lossless ✓/✗.
 
@@ -116,7 +116,7 @@ def main() -> None:
             continue
         resume = ["train.resume=auto"]  # continues an interrupted run from its last checkpoint
         run_step(f"train-{method}", [py, "-m", "train", recipe, *overrides(method), *resume], log_dir, train_env)
-        run_step(f"export-{method}", [py, "-m", "train.export", str(run_dir)], log_dir, env)
+        run_step(f"export-{method}", [py, "-m", "export", str(run_dir)], log_dir, env)
 
     for method, recipe in RECIPES.items():
         banner(f"4/4 eval {method}: plain vs speculative vs prompt lookup on held-out prompts")

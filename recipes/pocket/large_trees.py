@@ -51,7 +51,7 @@ def main() -> None:
     else:
         overrides = [*data, "drafter.num_heads=4", f"train.output_dir={medusa_run}", "train.resume=auto"]
         run_step("train-medusa1-4heads", [py, "-m", "train", RECIPES["medusa1"], *overrides], log_dir, env)
-        run_step("export-medusa1-4heads", [py, "-m", "train.export", str(medusa_run)], log_dir, env)
+        run_step("export-medusa1-4heads", [py, "-m", "export", str(medusa_run)], log_dir, env)
 
     rows = []
     for name, (method, tree) in EVALS.items():

@@ -78,7 +78,7 @@ def main() -> None:
         inputs = data if recipe != MEDUSA2_RECIPE else data[:1]  # Medusa-2 trains online (no feature shards)
         overrides = [*inputs, *extra, f"train.output_dir={run_dir}", "train.resume=auto"]
         run_step(f"train-{name}", [py, "-m", "train", recipe, *overrides], log_dir, env)
-        run_step(f"export-{name}", [py, "-m", "train.export", str(run_dir)], log_dir, env)
+        run_step(f"export-{name}", [py, "-m", "export", str(run_dir)], log_dir, env)
 
     arms = {"medusa1-full": f"Medusa-1, {args.steps} steps", "medusa2": f"Medusa-1 {half} → Medusa-2 {half}"}
     taus: dict[tuple[str, str], dict] = {}

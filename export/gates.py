@@ -31,13 +31,13 @@ llama3 are reproduced; another type is refused by the gate rather than guessed).
 
 `native`: `models.io.load_drafter` (eval's strict loader), then the same logits for EAGLE-2 and Medusa drafters.
 
-`GATES`, at the end, lists every gate by layout (the EAGLE-3 ones live in `train.eagle3_layouts`); what all build on
-(the gate input, `GateResult`, `Params`, RoPE) is `train.gate_parts`. Adding a gate for a new format: write
+`GATES`, at the end, lists every gate by layout (the EAGLE-3 ones live in `export.eagle3_layouts`); what all build on
+(the gate input, `GateResult`, `Params`, RoPE) is `export.gate_parts`. Adding a gate for a new format: write
 `def gate(out_dir, recipe, target, drafter) -> GateResult` and add it to `GATES` ("format-name", or
-"format/method" for a method-specific layout); `train.export` runs `check` on every engine format, so one missing
+"format/method" for a method-specific layout); `export.write` runs `check` on every engine format, so one missing
 from the table is refused.
 The functional consumers (`eagle_consumer_logits`, `medusa_fd_logits`, `vllm_medusa_logits`) take a config dict and
-a tensor dict, so `train.imports` verifies imported checkpoints with the same code.
+a tensor dict, so `export.imports` verifies imported checkpoints with the same code.
 """
 
 from __future__ import annotations
@@ -52,10 +52,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.io import ExportError, load_drafter, read_json, read_safetensors
-from models.methods import METHODS
-from train import eagle3_layouts
-from train.gate_parts import (
+from export import eagle3_layouts
+from export.gate_parts import (
     GATE_BATCH,
     GATE_LEN,
     GATE_SEED,
@@ -67,6 +65,8 @@ from train.gate_parts import (
     config_value,
     rope_cos_sin,
 )
+from models.io import ExportError, load_drafter, read_json, read_safetensors
+from models.methods import METHODS
 
 MEDUSA_PT = "medusa_lm_head.pt"
 EAGLE_PT = "pytorch_model.bin"
@@ -101,7 +101,7 @@ def compute_dtype(drafter: nn.Module, target) -> torch.dtype:
 def check(fmt: str, out_dir: str | Path, recipe, target, drafter: nn.Module) -> float:
     """Run `fmt`'s gate on the export at `out_dir`; return the max abs logit difference, or raise ExportError."""
     if fmt not in GATES:
-        raise ExportError(f"export.format: {fmt} has no load gate (train.gates.GATES has {', '.join(sorted(GATES))})")
+        raise ExportError(f"export.format: {fmt} has no load gate (export.gates.GATES has {', '.join(sorted(GATES))})")
     was_training = drafter.training
     drafter.eval()
     try:
@@ -470,7 +470,7 @@ def sglang_gate(out_dir: Path, recipe, target, drafter: nn.Module) -> GateResult
 def native_gate(out_dir: Path, recipe, target, drafter: nn.Module) -> GateResult:
     """`models.io.load_drafter` (what eval runs: strict names, shapes and frozen tensors), then the same draft
     logits for EAGLE-2 drafters and Medusa heads (what their method declares: `models.methods`); a method with its
-    own gate registers `native/<method>` (EAGLE-3: `train.eagle3_layouts`), others get the strict reload only."""
+    own gate registers `native/<method>` (EAGLE-3: `export.eagle3_layouts`), others get the strict reload only."""
     reloaded = load_drafter(out_dir, target)
     method = METHODS[drafter.cfg.method]
     if method.proposer == "eagle" and not method.own_vocab:
@@ -485,7 +485,7 @@ def native_gate(out_dir: Path, recipe, target, drafter: nn.Module) -> GateResult
 
 
 # --------------------------------------------------------------------------------------------
-# Every load gate, by export layout: a format, or "<format>/<method>" for a method-specific layout (`train.export`)
+# Every load gate, by export layout: a format, or "<format>/<method>" for a method-specific layout (`export.write`)
 
 GATES: dict[str, Gate] = {
     "native": native_gate,

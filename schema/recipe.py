@@ -6,7 +6,7 @@ A recipe has seven sections: `target`, `data`, `drafter`, `train`, `eval`, `expo
 Every section is a dataclass below (the drafter section is the config class of the chosen method, from
 `models.methods.METHODS`; loading a recipe imports no torch). Unknown keys, wrong types and impossible values
 fail at load time with one line naming the key and the file (`RecipeError`); the checks that every field gets from
-its annotation, and the command-line overrides, are `train.schema`'s. This is the one module every stage imports.
+its annotation, and the command-line overrides, are `schema.parse`'s. This is the one module every stage imports.
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ from typing import Any, Literal
 
 import yaml
 
-from data.lock import NotADirectory, check_output_path
 from models.methods import METHODS
 from models.typed import build_dataclass
-from train.schema import RecipeError, YAMLTooLarge, apply_overrides, safe_load, yaml_problem
+from rundir.lock import NotADirectory, check_output_path
+from schema.parse import RecipeError, YAMLTooLarge, apply_overrides, safe_load, yaml_problem
 
 # --------------------------------------------------------------------------------------------
 # Sections
@@ -325,7 +325,7 @@ class EvalConfig(SamplingConfig):
     """Acceptance-length evaluation (`python -m eval`); the decoding fields come from `SamplingConfig`."""
 
     drafter: str | None = None
-    """Exported drafter directory (train.export output); defaults to `export.out`, else <train.output_dir>/export,
+    """Exported drafter directory (export.write output); defaults to `export.out`, else <train.output_dir>/export,
     which must then be of the run's newest checkpoint (exports record their step): a run that trained on since is
     refused until re-exported. A directory named here is evaluated as it is."""
     prompts: str | None = None
@@ -466,7 +466,7 @@ EVAL_BASELINES = ("plain", "prompt_lookup")
 @dataclass
 class ExportConfig:
     format: Literal["native", "eagle", "sglang", "medusa", "vllm", "speculators"] = "native"
-    """Engine layouts (train/export.py; EAGLE-3: train/eagle3_layouts.py). `speculators` holds `eagle3` drafters only:
+    """Engine layouts (export/write.py; EAGLE-3: export/eagle3_layouts.py). `speculators` holds `eagle3` drafters only:
     its layer attends over [embedding | fused features], which specdraft's EAGLE-2 drafter is not."""
     out: str | None = None
     """Where the recipe's own `format` goes; defaults to <train.output_dir>/export (native) or
@@ -479,7 +479,7 @@ class ExportConfig:
     """Drafters with LoRA adapters (Medusa-2): also write the target with the adapters merged in (`merged/`)."""
 
     def validate(self, err) -> None:
-        """Nothing beyond the fields' types (whether `format` holds the drafter: `train.export` checks)."""
+        """Nothing beyond the fields' types (whether `format` holds the drafter: `export.write` checks)."""
 
 
 @dataclass

@@ -6,7 +6,7 @@ computes them.
     theta = config_value(config, "rope_theta", 10000.0, notes)  # a missing field: the consumer's default, noted
     cos, sin = rope_cos_sin(config, head_dim, positions, notes)
 
-`train.gates` (the EAGLE-1/2 and Medusa consumers, and the table of every gate) and `train.eagle3_layouts` (the
+`export.gates` (the EAGLE-1/2 and Medusa consumers, and the table of every gate) and `export.eagle3_layouts` (the
 EAGLE-3 consumers) build on these; neither imports the other's gates through here.
 """
 
@@ -117,7 +117,7 @@ def rope_cos_sin(
         elif kind not in ("default", "dynamic"):
             raise ExportError(
                 f"config.json: rope_scaling type {kind!r}: the load gate reproduces default, linear, dynamic and "
-                "llama3 RoPE only (add it to train.gates.rope_cos_sin)"
+                "llama3 RoPE only (add it to export.gates.rope_cos_sin)"
             )
     inv = inv.to(positions.device)
     freqs = (inv[None, :, None].float() @ positions[:, None, :].float()).transpose(1, 2)  # (B, T, hd/2)

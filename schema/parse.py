@@ -1,4 +1,4 @@
-"""Generic YAML machinery under the recipe schema (`train.config`): bounded YAML reading and `section.key=value`
+"""Generic YAML machinery under the recipe schema (`schema.recipe`): bounded YAML reading and `section.key=value`
 overrides; typed construction of the sections is `models.typed.build_dataclass` (exports are read with it too).
 
     raw = apply_overrides(raw, ["train.lr=1e-3", "eval.baselines=[plain]"], source)
@@ -15,7 +15,7 @@ import yaml
 
 class RecipeError(ValueError):
     """A recipe that cannot be used; the message names the file and the key. Defined here because the override
-    parser raises it; every stage imports it from `train.config`."""
+    parser raises it; every stage imports it from `schema.recipe`."""
 
 
 MAX_YAML_NODES = 100_000

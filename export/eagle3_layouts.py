@@ -1,7 +1,7 @@
-"""EAGLE-3 engine layouts: how `train.export` writes an `eagle3` drafter for each consumer, and how the load gate
+"""EAGLE-3 engine layouts: how `export.write` writes an `eagle3` drafter for each consumer, and how the load gate
 reloads it the way that consumer does.
 
-Formats (`python -m train.export RUN_DIR --format speculators|sglang|vllm`):
+Formats (`python -m export RUN_DIR --format speculators|sglang|vllm`):
 - `speculators` (and `vllm`, which writes the same files: vLLM reads this layout natively): `config.json` with
   `speculators_model_type: eagle3`, `transformer_layer_config` (the drafter's Llama layer, `vocab_size` = the
   target's), `draft_vocab_size`, `target_hidden_size`, `eagle_aux_hidden_state_layer_ids` (vLLM numbering: id i =
@@ -34,8 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.io import ExportError, legacy_rope, load_drafter, read_json, read_safetensors, write_safetensors
-from train.gate_parts import (
+from export.gate_parts import (
     GATE_BATCH,
     GATE_LEN,
     GATE_SEED,
@@ -47,6 +46,7 @@ from train.gate_parts import (
     config_value,
     rope_cos_sin,
 )
+from models.io import ExportError, legacy_rope, load_drafter, read_json, read_safetensors, write_safetensors
 
 WEIGHTS = "model.safetensors"
 SPECULATORS_VERSION = "0.9.0"

@@ -1,9 +1,9 @@
 """Export a trained drafter from a run directory.
 
-    python -m train.export RUN_DIR [--out DIR] [--format native|medusa|eagle|sglang|vllm|speculators]
+    python -m export RUN_DIR [--out DIR] [--format native|medusa|eagle|sglang|vllm|speculators]
                                    [--checkpoint DIR]
                                    [--include-target-weights] [--merge-lora]
-    python -m train.export NATIVE_EXPORT --format FORMAT --out DIR    # e.g. recipes/smollm2/drafters/medusa1
+    python -m export NATIVE_EXPORT --format FORMAT --out DIR    # e.g. recipes/smollm2/drafters/medusa1
 
 Reads the run's resolved recipe (`RUN_DIR/recipe.yaml`) and the newest checkpoint's gathered drafter
 tensors (`drafter.safetensors`, written by every checkpoint whatever the parallelism), rebuilds the
@@ -41,9 +41,9 @@ Engine formats, each a `config.json` + safetensors file:
 - `vllm`: Medusa heads as vLLM's `MedusaModel` (`model_type: medusa`, `blocks.{h}.layers.{l}.*`,
   `lm_heads.{h}.weight`, `medusa_fc_bias: true`); EAGLE-1/2 drafters as `eagle` (vLLM reads that layout), only
   with `fc_bias: false`, since vLLM's EAGLE fc has no bias and it drops an `fc.bias` without a word.
-- `speculators`, and `sglang` / `vllm` for `eagle3` drafters: the EAGLE-3 layouts of `train.eagle3_layouts` (own
+- `speculators`, and `sglang` / `vllm` for `eagle3` drafters: the EAGLE-3 layouts of `export.eagle3_layouts` (own
   LM head, `d2t` / `t2d`, each engine's auxiliary layer ids, the EAGLE-3.1 flags where the consumer reads them).
-Every engine export passes its load gate (`train.gates`) before it is renamed into place: a re-implementation of
+Every engine export passes its load gate (`export.gates`) before it is renamed into place: a re-implementation of
 the consumer's loading code (config fields and their defaults, tensor names, strictness) reloads it from the
 directory and must give the trained drafter's draft logits, else the export fails naming the field.
 The export is written under `<out>.tmp` and renamed once complete (a failed export leaves nothing behind; an
@@ -66,10 +66,11 @@ from torch import nn
 
 from data.chat import DataError
 from data.heldout import HeldoutError, read_heldout
-from data.lock import DirectoryLocked, NotADirectory, directory_lock
 from data.prepare import prepare_dataset
-from data.runs import CheckpointError, latest_checkpoint, read_state
 from data.shards import FeatureDataset, FeatureMismatchError, loss_token_counts, most_frequent
+from export import eagle3_layouts
+from export.gates import EAGLE_PT, FASTERDECODING_HEADS, GATES, MEDUSA_PT, MEDUSA_SAFETENSORS
+from export.gates import check as gate_check
 from models.io import (
     CONFIG_FILE,
     DRAFT_VOCAB_FILE,
@@ -90,11 +91,10 @@ from models.lm_head import fit_samples, save_factors
 from models.medusa import MedusaHeads
 from models.methods import METHODS
 from models.target import Target, TargetError, load_target
-from train import eagle3_layouts
+from rundir.checkpoints import CheckpointError, latest_checkpoint, read_state
+from rundir.lock import DirectoryLocked, NotADirectory, directory_lock
+from schema.recipe import Recipe, RecipeError, load_recipe, recipe_from_dict
 from train.checkpoint import DRAFTER_FILE, RECIPE_FILE
-from train.config import Recipe, RecipeError, load_recipe, recipe_from_dict
-from train.gates import EAGLE_PT, FASTERDECODING_HEADS, GATES, MEDUSA_PT, MEDUSA_SAFETENSORS
-from train.gates import check as gate_check
 
 MEDUSA_WEIGHTS = MEDUSA_SAFETENSORS
 ENGINE_WEIGHTS = "model.safetensors"
@@ -317,7 +317,7 @@ def write_sglang(out: Path, recipe: Recipe, target: Target, drafter: nn.Module, 
 
 
 ENGINE_FORMATS = {"medusa": write_medusa, "eagle": write_eagle, "sglang": write_sglang, "vllm": write_vllm}
-# Method-specific layouts of a format; their gates are `train.gates.GATES["<format>/<method>"]`.
+# Method-specific layouts of a format; their gates are `export.gates.GATES["<format>/<method>"]`.
 METHOD_LAYOUTS = {
     ("eagle3", "speculators"): eagle3_layouts.write_speculators,
     ("eagle3", "vllm"): eagle3_layouts.write_speculators,  # vLLM reads the speculators layout natively
@@ -472,7 +472,7 @@ def default_out(recipe: Recipe, run_dir: str | Path, fmt: str) -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m train.export", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m export", description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dir", help="train.output_dir of a run, or a native export (with --format and --out)")
     parser.add_argument(
         "--out", default=None, help="output directory (default: export.out, RUN_DIR/export or RUN_DIR/export-FORMAT)"

@@ -1,6 +1,6 @@
 """Import an existing SafeAILab EAGLE-1/2/3, speculators or FasterDecoding Medusa checkpoint as a native export.
 
-    python -m train.imports SRC --format eagle|medusa|eagle3|speculators --target RECIPE.yaml|TARGET_DIR --out DIR
+    python -m export.imports SRC --format eagle|medusa|eagle3|speculators --target RECIPE.yaml|TARGET_DIR --out DIR
                             [--dtype DTYPE]
 
 `SRC` is the checkpoint directory: `config.json` plus
@@ -23,7 +23,7 @@ tensors, a config it cannot read, a config that disagrees with the target: one l
 mapped into our drafter (EAGLE: `fc_norm: false`, `post_norm: false`, `feature_layers: [-1]`, `fc_bias` from the
 config; Medusa: `num_heads`, `num_layers` from the checkpoint, one lm_head per head), written through `<out>.tmp`
 and a rename, reloaded strictly with `models.io.load_drafter` and compared with the consumer-semantics loader of the
-source (`train.gates`): the same draft logits, else nothing is written. Evaluate the result like any native export,
+source (`export.gates`): the same draft logits, else nothing is written. Evaluate the result like any native export,
 into a directory of its own: `python -m eval RECIPE eval.drafter=DIR eval.output_dir=DIR-eval`, with a recipe of the
 same method (eagle2 / medusa1 / eagle3) and target.
 """
@@ -40,7 +40,21 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from data.lock import DirectoryLocked, NotADirectory, directory_lock
+from export import eagle3_layouts
+from export.gates import (
+    MEDUSA_PT,
+    MEDUSA_SAFETENSORS,
+    SAFEAILAB,
+    compute_dtype,
+    eagle_consumer_logits,
+    eagle_inputs,
+    medusa_fd_logits,
+    medusa_hidden,
+    read_json,
+    read_pt,
+    rope_hints,
+    tolerance,
+)
 from models.configs import Eagle3Config, EagleConfig, MedusaConfig
 from models.io import (
     FORMAT,
@@ -55,22 +69,8 @@ from models.io import (
 )
 from models.methods import METHODS
 from models.target import Target, TargetError, load_target
-from train import eagle3_layouts
-from train.config import RecipeError, load_recipe
-from train.gates import (
-    MEDUSA_PT,
-    MEDUSA_SAFETENSORS,
-    SAFEAILAB,
-    compute_dtype,
-    eagle_consumer_logits,
-    eagle_inputs,
-    medusa_fd_logits,
-    medusa_hidden,
-    read_json,
-    read_pt,
-    rope_hints,
-    tolerance,
-)
+from rundir.lock import DirectoryLocked, NotADirectory, directory_lock
+from schema.recipe import RecipeError, load_recipe
 
 FORMATS = ("eagle", "medusa", "eagle3", "speculators")
 WEIGHTS = {
@@ -392,7 +392,7 @@ def import_checkpoint(src: str | Path, fmt: str, target: Target, out: str | Path
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m train.imports", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m export.imports", description=__doc__.split("\n\n")[0])
     parser.add_argument("src", help="checkpoint directory (config.json + weights)")
     parser.add_argument("--format", required=True, choices=FORMATS, help="the checkpoint's layout")
     parser.add_argument("--target", required=True, help="a recipe (.yaml; its target section) or a target directory")
