@@ -66,6 +66,7 @@ class VllmEngine:
         hidden: dict[str, Any] | None = None,
     ):
         self.python, self.log = python, Path(log)
+        self._proc: subprocess.Popen | None = None  # close() may run after a refusal below
         reserved = sorted((RESERVED_ENGINE_ARGS | (HIDDEN_ENGINE_ARGS if hidden else set())) & set(engine_args or {}))
         if reserved:
             raise EngineError(f"--engine-args may not set {', '.join(reserved)} (the target and the settings do)")
@@ -126,7 +127,7 @@ class VllmEngine:
 
     def close(self) -> None:
         """End of input ends the worker; one that does not go within 30 s is killed."""
-        proc = getattr(self, "_proc", None)
+        proc = self._proc
         if proc is not None and proc.poll() is None:
             try:
                 proc.stdin.close()

@@ -15,6 +15,7 @@ import argparse
 import hashlib
 import json
 import sys
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -296,12 +297,15 @@ def vocab_fingerprint(tokenizer: Any) -> str:
     """Short sha256 of the token -> id map (what token ids mean), computed once per tokenizer object: self-distilled
     records carry it (`generation.vocab`), so that their ids are never read with another vocabulary of the same
     size."""
-    cached = getattr(tokenizer, "_specdraft_vocab", None)
+    cached = _VOCAB_FINGERPRINTS.get(tokenizer)
     if cached is None:
         blob = json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False)
-        cached = hashlib.sha256(blob.encode()).hexdigest()[:16]
-        tokenizer._specdraft_vocab = cached
+        cached = _VOCAB_FINGERPRINTS[tokenizer] = hashlib.sha256(blob.encode()).hexdigest()[:16]
     return cached
+
+
+_VOCAB_FINGERPRINTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""tokenizer -> its fingerprint, for as long as the tokenizer lives."""
 
 
 def _same_vocabulary(record: dict[str, Any], tokenizer: Any) -> None:

@@ -295,7 +295,8 @@ def checkpoint_identity(path: str, dtype: str = "bfloat16", trust_remote_code: b
 
 def _check_architecture(model: PreTrainedModel) -> None:
     base = model.base_model
-    missing = [name for name in ("embed_tokens", "layers", "norm") if not hasattr(base, name)]
+    children = dict(base.named_children())
+    missing = [name for name in ("embed_tokens", "layers", "norm") if name not in children]
     if missing or model.get_output_embeddings() is None:
         raise ValueError(
             f"unsupported target architecture {type(model).__name__}: its base model "

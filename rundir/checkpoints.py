@@ -49,10 +49,10 @@ def read_json(path: Path) -> Any:
         raise CheckpointError(
             f"{path}: missing (an incomplete checkpoint, or one written by an older specdraft that saved pickles)"
         ) from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(
-            f"{path}: not valid JSON ({exc.msg if hasattr(exc, 'msg') else exc}): truncated?"
-        ) from None
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{path}: not valid JSON ({exc.msg}): truncated?") from None
+    except UnicodeDecodeError as exc:
+        raise CheckpointError(f"{path}: not valid JSON ({exc}): truncated?") from None
 
 
 def read_state(path: str | Path) -> dict:

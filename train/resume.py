@@ -166,12 +166,12 @@ def optimizer_settings(recipe: Recipe) -> dict[str, Any]:
 def scaler_state(accelerator) -> dict[str, Any] | None:
     """fp16 mixed precision's loss scale and its growth tracker (JSON numbers), or None without a scaler: a resumed
     run must skip the same overflowing steps as the uninterrupted one."""
-    scaler = getattr(accelerator, "scaler", None)
+    scaler = accelerator.scaler
     return None if scaler is None else scaler.state_dict()
 
 
 def restore_scaler(accelerator, state: dict[str, Any] | None, path: Path) -> None:
-    scaler = getattr(accelerator, "scaler", None)
+    scaler = accelerator.scaler
     if scaler is None:
         return
     if state:

@@ -27,9 +27,15 @@ from typing import Any
 import numpy as np
 import torch
 from accelerate import Accelerator
+from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import DistributedType
 
 MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
+
+
+def _torch_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer accelerate's wrapper steps (DeepSpeed's ZeRO optimizer under DeepSpeed), or a bare one."""
+    return optimizer.optimizer if isinstance(optimizer, AcceleratedOptimizer) else optimizer
 
 
 def _trainable(accelerator: Accelerator, model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
@@ -60,7 +66,7 @@ def gather_state(
     if kind == DistributedType.FSDP:
         return _gather_fsdp(accelerator, model, optimizer)
     trainable = _trainable(accelerator, model)
-    inner = getattr(optimizer, "optimizer", optimizer)  # accelerate wraps the torch optimizer
+    inner = _torch_optimizer(optimizer)
     params = {n: p.detach().float().cpu() for n, p in trainable.items()}
     moments = {}
     for name, p in trainable.items():
@@ -73,7 +79,7 @@ def gather_state(
 def _gather_fsdp(accelerator, model, optimizer):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    inner = getattr(optimizer, "optimizer", optimizer)
+    inner = _torch_optimizer(optimizer)
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     model_sd, optim_sd = get_state_dict(model, inner, options=options)
     trainable = _trainable(accelerator, model)
@@ -85,15 +91,25 @@ def _gather_fsdp(accelerator, model, optimizer):
     return params, moments, groups
 
 
-def _zero_optimizer(engine_optimizer):
-    """DeepSpeed's ZeRO optimizer inside accelerate's wrapper."""
-    return getattr(engine_optimizer, "optimizer", engine_optimizer)
+def _zero_optimizer(engine_optimizer) -> tuple[Any, int]:
+    """DeepSpeed's ZeRO optimizer inside accelerate's wrapper, and its stage: 2 for ZeRO-1/2 (one class), or 3."""
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    zero = _torch_optimizer(engine_optimizer)
+    if isinstance(zero, DeepSpeedZeroOptimizer):
+        return zero, 2
+    if isinstance(zero, DeepSpeedZeroOptimizer_Stage3):
+        return zero, 3
+    raise TypeError(
+        f"DeepSpeed optimizer {type(zero).__name__}: checkpoints are written through ZeRO's per-parameter API, so "
+        "training under DeepSpeed needs zero_optimization.stage 1, 2 or 3 in the accelerate config"
+    )
 
 
 def _base_optimizer(engine_optimizer) -> torch.optim.Optimizer:
     """The torch optimizer DeepSpeed's ZeRO optimizer steps (over flat fp32 partitions)."""
-    zero = _zero_optimizer(engine_optimizer)
-    return getattr(zero, "optimizer", zero)
+    return _zero_optimizer(engine_optimizer)[0].optimizer
 
 
 def _link_moments(engine_optimizer, step: float | None = None) -> None:
@@ -102,15 +118,16 @@ def _link_moments(engine_optimizer, step: float | None = None) -> None:
     ZeRO-1/2 link the views once, after the first group's first step, so groups stepped later have none
     (and `safe_get_full_optimizer_state` fails on them); before any step (resume) there are no moments at
     all. With `step`, missing moments are created (zeros, to be overwritten) with that step count."""
-    zero, base = _zero_optimizer(engine_optimizer), _base_optimizer(engine_optimizer)
-    flats = getattr(zero, "single_partition_of_fp32_groups", None) or getattr(zero, "fp32_partitioned_groups_flat", [])
+    zero, stage = _zero_optimizer(engine_optimizer)
+    base = zero.optimizer
+    flats = zero.single_partition_of_fp32_groups if stage == 2 else zero.fp32_partitioned_groups_flat
     if step is not None:
         for flat in flats:
             if not base.state[flat]:
                 base.state[flat].update(
                     step=torch.tensor(step), exp_avg=torch.zeros_like(flat), exp_avg_sq=torch.zeros_like(flat)
                 )
-    if hasattr(zero, "_lazy_init_hp_params_optimizer_state"):  # ZeRO-1/2; ZeRO-3 reads the state directly
+    if stage == 2:  # ZeRO-3 reads the state directly
         zero._hp_optimizer_states_linked = False
         zero._lazy_init_hp_params_optimizer_state()
 
@@ -147,14 +164,12 @@ def _deepspeed_groups(optimizer, trainable, names) -> list[dict]:
     """Group hyper-parameters from the base optimizer; parameter names from the groups the loop built.
 
     DeepSpeed keeps the loop's group dicts (replacing their params by flat partitions), in order."""
-    base = _base_optimizer(optimizer)
-    original = getattr(getattr(optimizer, "optimizer", optimizer), "bit16_groups", None) or getattr(
-        getattr(optimizer, "optimizer", optimizer), "fp16_groups", None
-    )
+    zero, stage = _zero_optimizer(optimizer)
+    original = zero.bit16_groups if stage == 2 else zero.fp16_groups
     out = []
-    for i, group in enumerate(base.param_groups):
+    for i, group in enumerate(zero.optimizer.param_groups):
         meta = _hyper(group)
-        if original is not None and i < len(original):
+        if i < len(original):
             meta["params"] = [names[id(p)] for p in original[i] if id(p) in names]
         out.append(meta)
     return out
@@ -179,20 +194,18 @@ def restore_state(
     missing, extra = sorted(trainable.keys() - params.keys()), sorted(params.keys() - trainable.keys())
     if missing or extra:
         raise ValueError(f"parameters do not match the drafter: missing {missing[:3]}, unexpected {extra[:3]}")
-    for name, p in trainable.items():
-        if tuple(params[name].shape) != tuple(_full_shape(p)):
-            raise ValueError(f"parameter {name}: saved shape {tuple(params[name].shape)}, drafter has {_full_shape(p)}")
     kind = accelerator.distributed_type
+    zero3 = kind == DistributedType.DEEPSPEED and _zero_optimizer(optimizer)[1] == 3
+    for name, p in trainable.items():
+        shape = tuple(p.ds_shape if zero3 else p.shape)  # ZeRO-3 partitions a parameter; ds_shape is its own
+        if tuple(params[name].shape) != shape:
+            raise ValueError(f"parameter {name}: saved shape {tuple(params[name].shape)}, drafter has {shape}")
     if kind == DistributedType.DEEPSPEED:
         _restore_deepspeed(optimizer, trainable, params, moments, groups)
     elif kind == DistributedType.FSDP:
         _restore_fsdp(model, optimizer, params, moments, groups)
     else:
         _restore_plain(optimizer, trainable, params, moments, groups)
-
-
-def _full_shape(p: torch.nn.Parameter) -> tuple[int, ...]:
-    return tuple(getattr(p, "ds_shape", None) or p.shape)  # ZeRO-3 partitions a parameter; ds_shape is its own
 
 
 def _apply_groups(param_groups: list[dict], groups: list[dict]) -> None:
@@ -205,7 +218,7 @@ def _apply_groups(param_groups: list[dict], groups: list[dict]) -> None:
 
 
 def _restore_plain(optimizer, trainable, params, moments, groups) -> None:
-    inner = getattr(optimizer, "optimizer", optimizer)
+    inner = _torch_optimizer(optimizer)
     names = {id(p): n for n, p in trainable.items()}
     for group, saved in zip(inner.param_groups, groups):
         now = [names[id(p)] for p in group["params"]]
@@ -225,7 +238,7 @@ def _restore_plain(optimizer, trainable, params, moments, groups) -> None:
 def _restore_fsdp(model, optimizer, params, moments, groups) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-    inner = getattr(optimizer, "optimizer", optimizer)
+    inner = _torch_optimizer(optimizer)
     state: dict[str, dict[str, torch.Tensor]] = {}
     for key, value in moments.items():
         name, sub = key.split("/", 1)
