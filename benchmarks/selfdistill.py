@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from data.selfdistill import GenerationSettings, Generator
+from data.generation import GenerationSettings, Generator
 
 
 def main() -> None:

@@ -254,7 +254,7 @@ def bench_worker(args: argparse.Namespace) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from data import selfdistill
+    from data import generation, selfdistill
     from data.engines import VllmEngine
 
     started = time.perf_counter()
@@ -263,20 +263,20 @@ def bench_worker(args: argparse.Namespace) -> None:
     mine = [b for k, b in enumerate(batches) if k % args.processes == args.rank]
     tokenizer = AutoTokenizer.from_pretrained(args.target)
 
-    def settings(n: int) -> selfdistill.GenerationSettings:
-        return selfdistill.GenerationSettings("bench", n, 0.0, 1.0, 0, args.dtype, args.batch_size, args.engine)
+    def settings(n: int) -> generation.GenerationSettings:
+        return generation.GenerationSettings("bench", n, 0.0, 1.0, 0, args.dtype, args.batch_size, args.engine)
 
     if args.engine == "hf":
         model = AutoModelForCausalLM.from_pretrained(args.target, dtype=getattr(torch, args.dtype)).eval()
-        selfdistill.Generator(model, tokenizer, settings(4))([tokenizer("Hi")["input_ids"]], [0])  # warm-up
-        generate = selfdistill.Generator(model, tokenizer, settings(args.max_new_tokens))
+        generation.Generator(model, tokenizer, settings(4))([tokenizer("Hi")["input_ids"]], [0])  # warm-up
+        generate = generation.Generator(model, tokenizer, settings(args.max_new_tokens))
         windows = [[b] for b in mine]
     else:
         log = Path(args.log_dir) / f"vllm{args.rank}.log"
         engine = VllmEngine(args.engine_python, args.target, args.dtype, log, engine_args=json.loads(args.vllm_args))
-        stop_ids = selfdistill.stop_token_ids(selfdistill.target_eos(args.target), tokenizer)
-        selfdistill.VllmGenerator(engine, tokenizer, settings(4), stop_ids)([tokenizer("Hi")["input_ids"]], [0])
-        generate = selfdistill.VllmGenerator(engine, tokenizer, settings(args.max_new_tokens), stop_ids)
+        stop_ids = generation.stop_token_ids(generation.target_eos(args.target), tokenizer)
+        generation.VllmGenerator(engine, tokenizer, settings(4), stop_ids)([tokenizer("Hi")["input_ids"]], [0])
+        generate = generation.VllmGenerator(engine, tokenizer, settings(args.max_new_tokens), stop_ids)
         windows = [mine]  # every batch of this process in one LLM.generate: vLLM batches them itself
     print(json.dumps({"ready": time.perf_counter() - started}), flush=True)
     sys.stdin.readline()  # go

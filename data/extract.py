@@ -68,7 +68,7 @@ from models.target import Target, load_placed_target
 from rundir.lock import DirectoryLocked, lock_for_all
 
 if TYPE_CHECKING:  # schema.recipe pulls in every drafter; extraction needs none of them
-    from schema.recipe import DataConfig
+    from schema.sections import DataConfig
 
 STOP_AFTER_ENV = "SPECDRAFT_EXTRACT_STOP_AFTER_SHARDS"
 """Test hook: every process exits (code 3) once each has written this many shards, as if killed."""

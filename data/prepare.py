@@ -30,7 +30,7 @@ from data.chat import (
 )
 
 if TYPE_CHECKING:  # schema.recipe pulls in every drafter; data preparation needs none of them
-    from schema.recipe import DataConfig
+    from schema.sections import DataConfig
 
 __all__ = [
     "ChatTemplateError",

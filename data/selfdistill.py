@@ -48,18 +48,20 @@ last line is dropped), batches whose records are all done are skipped; a larger 
 with the next prompts, giving the records one run with that limit gives. Resuming onto other prompts (the file
 compared by content, not by name), other settings or another target (its config and tokenizer files, and samples
 of its weight files' bytes) is refused.
+
+Beside it: `data/generation.py` (the settings and the two generators) and `data/selfdistill_parts.py` (what binds
+an output, the records done, the part files and their merge).
 """
 
 from __future__ import annotations
 
 import argparse
-import glob
 import hashlib
 import itertools
 import json
 import os
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -67,12 +69,8 @@ import torch
 from safetensors import SafetensorError
 from tqdm import tqdm
 from transformers import (
-    AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
-    GenerationConfig,
-    LogitsProcessor,
-    LogitsProcessorList,
 )
 
 from data.chat import SHAREGPT_ROLES, ChatTemplateError, DataError, render_with_turn_ids
@@ -86,63 +84,27 @@ from data.engines import (
     engine_python,
     vllm_dtype,
 )
+from data.generation import (
+    GenerationSettings,
+    Generator,
+    SelfDistillError,
+    VllmGenerator,
+    record_settings,
+    stop_token_ids,
+    target_eos,
+)
 from data.prepare import vocab_fingerprint
-from data.shards import durable_replace
+from data.selfdistill_parts import (
+    check_new_tokens,
+    merge_parts,
+    part_files,
+    part_path,
+    read_done,
+    run_difference,
+    target_identity,
+)
 from models.target import process_memory
 from rundir.lock import lock_for_all
-
-
-class SelfDistillError(ValueError):
-    pass
-
-
-@dataclass(frozen=True)
-class GenerationSettings:
-    """Everything that determines the output; a resumed run must match it exactly."""
-
-    prompts: str
-    """sha256 of the prompts file's records (ids and content); --limit is not part of it: a larger limit continues a
-    run (the first batches are the same), a smaller one leaves the records already made."""
-    max_new_tokens: int
-    temperature: float
-    top_p: float
-    seed: int
-    dtype: str
-    batch_size: int
-    """Part of the output: a batch's padding changes bf16 numerics, so batches are fixed by the prompt list."""
-    engine: str = "hf"
-    """"hf" (transformers' `generate`) or "vllm" (`vllm.LLM.generate`, data/engines.py). Settings recorded before
-    there was a choice have no `engine`: they were made with "hf". Records say it only when it is not "hf", so the
-    HF engine's records are what they were before."""
-
-
-def record_settings(settings: GenerationSettings) -> dict[str, Any]:
-    """The settings a record's `generation` holds: all of them, `engine` only when it is not "hf"."""
-    out = asdict(settings)
-    if out.get("engine") == "hf":
-        del out["engine"]
-    return out
-
-
-def stop_token_ids(eos: int | list[int] | None, tokenizer, extra_stop_ids: list[int] = ()) -> list[int]:
-    """Where generation stops: the generation config's EOS tokens, the tokenizer's, `extra_stop_ids` and `<|end|>`
-    when the vocabulary has it."""
-    stop = set(eos if isinstance(eos, list) else [eos]) | {tokenizer.eos_token_id} | set(extra_stop_ids)
-    if "<|end|>" in tokenizer.get_vocab():
-        stop.add(tokenizer.convert_tokens_to_ids("<|end|>"))
-    stop_ids = sorted(i for i in stop if i is not None)
-    if not stop_ids:
-        raise SelfDistillError("the target has no EOS token to stop generation at")
-    return stop_ids
-
-
-def finish(row: list[int], stop_ids: list[int], tokenizer) -> tuple[str, str, list[int]]:
-    """(text without the stop token, "stop" | "length", the ids up to and with the first stop token) of a
-    generated row (an HF row runs on with padding after its stop token)."""
-    stop_at = next((k for k, t in enumerate(row) if t in stop_ids), None)
-    new = row if stop_at is None else row[:stop_at]
-    text = tokenizer.decode(new, skip_special_tokens=True, clean_up_tokenization_spaces=False)
-    return text, "length" if stop_at is None else "stop", row if stop_at is None else row[: stop_at + 1]
 
 
 def read_prompts(path: Path, limit: int | None) -> list[tuple[str, dict[str, Any]]]:
@@ -210,94 +172,6 @@ def chat_keys(record: dict[str, Any]) -> tuple[str, str, str]:
 
 def record_seed(seed: int, rid: str, turn: int) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}\0{rid}\0{turn}".encode()).digest()[:8], "big") >> 1
-
-
-class PerRowSampler(LogitsProcessor):
-    """Samples each row from its own generator and leaves only that token finite, so greedy
-    decoding inside `generate` emits it: the samples do not depend on the batch composition."""
-
-    def __init__(self, seeds: list[int], temperature: float, top_p: float):
-        self.generators = [torch.Generator().manual_seed(s) for s in seeds]
-        self.temperature, self.top_p = temperature, top_p
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        probs = torch.softmax(scores.float().cpu() / self.temperature, dim=-1)  # (B, V)
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-        sorted_probs[(sorted_probs.cumsum(-1) - sorted_probs) >= self.top_p] = 0
-        picks = [
-            int(order[i, torch.multinomial(p, 1, generator=g)])
-            for i, (p, g) in enumerate(zip(sorted_probs, self.generators))
-        ]
-        out = torch.full_like(scores, float("-inf"))
-        out[torch.arange(len(picks)), torch.tensor(picks, device=scores.device)] = 0
-        return out
-
-
-class Generator:
-    """Batched left-padded generation with one target, returning text and finish reason per input."""
-
-    def __init__(self, model, tokenizer, settings: GenerationSettings, extra_stop_ids: list[int] = ()):
-        self.model, self.tokenizer, self.settings = model, tokenizer, settings
-        self.stop_ids = stop_token_ids(model.generation_config.eos_token_id, tokenizer, extra_stop_ids)
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stop_ids[0]
-        # Replacing the target's own generation config keeps its defaults (repetition penalty, sampling,
-        # ...) out: `generate` fills every field we leave unset from the model's config.
-        model.generation_config = GenerationConfig(
-            max_new_tokens=settings.max_new_tokens, do_sample=False, eos_token_id=self.stop_ids, pad_token_id=pad
-        )
-
-    @torch.no_grad()
-    def __call__(self, inputs: list[list[int]], seeds: list[int]) -> list[tuple[str, str, list[int]]]:
-        """(text without the stop token, "stop" | "length", generated ids with the stop token) per input."""
-        width = max(map(len, inputs))
-        pad = self.model.generation_config.pad_token_id
-        ids = torch.tensor([[pad] * (width - len(x)) + x for x in inputs], device=self.model.device)  # (B, T)
-        mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in inputs], device=self.model.device)
-        processors = LogitsProcessorList()
-        if self.settings.temperature > 0:
-            processors.append(PerRowSampler(seeds, self.settings.temperature, self.settings.top_p))
-        out = self.model.generate(input_ids=ids, attention_mask=mask, logits_processor=processors)
-        return [finish(row, self.stop_ids, self.tokenizer) for row in out[:, width:].tolist()]
-
-
-def target_eos(target: str, trust_remote_code: bool = False) -> int | list[int] | None:
-    """The EOS token(s) of the generation config transformers gives the target when it loads the model (its
-    generation_config.json, else its config), without loading the weights."""
-    try:
-        return GenerationConfig.from_pretrained(target).eos_token_id
-    except OSError:  # no generation_config.json
-        config = AutoConfig.from_pretrained(target, trust_remote_code=trust_remote_code)
-        return GenerationConfig.from_model_config(config).eos_token_id
-
-
-class VllmGenerator:
-    """`Generator`'s interface over vLLM's `LLM.generate` (a `data.engines.VllmEngine` worker): the same inputs,
-    stop tokens and results, from the token ids vLLM generated. Sampled rows use vLLM's per-request seeds."""
-
-    def __init__(self, engine, tokenizer, settings: GenerationSettings, stop_ids: list[int]):
-        self.engine, self.tokenizer, self.settings, self.stop_ids = engine, tokenizer, settings, stop_ids
-        self.max_model_len = int(engine.info["max_model_len"])
-
-    def __call__(self, inputs: list[list[int]], seeds: list[int]) -> list[tuple[str, str, list[int]]]:
-        n = self.settings.max_new_tokens
-        longest = max(map(len, inputs))
-        if longest + n > self.max_model_len:
-            raise SelfDistillError(
-                f"an input of {longest} tokens and --max-new-tokens {n} do not fit vLLM's max_model_len "
-                f"{self.max_model_len} (the target's context)"
-            )
-        rows = self.engine.generate(
-            inputs, seeds, n, self.settings.temperature, self.settings.top_p, list(self.stop_ids)
-        )
-        results = [finish(row, self.stop_ids, self.tokenizer) for row in rows]
-        for row, (_, reason, ids) in zip(rows, results):
-            if len(ids) != len(row) or (reason == "length" and len(row) != n):
-                raise SelfDistillError(
-                    f"vLLM returned {len(row)} tokens for --max-new-tokens {n}, "
-                    + ("past a stop token" if len(ids) != len(row) else "without a stop token")
-                )
-        return results
 
 
 def is_chat(record: dict[str, Any]) -> bool:
@@ -379,145 +253,6 @@ def distill_batch(batch: list[tuple[str, dict[str, Any]]], generate: Generator) 
             out["assistant_ids"] = out.pop("assistant_ids")
         out["generation"] = out.pop("generation")  # last, so records read prompt -> completion -> settings
     return outputs
-
-
-IDENTITY_FILES = (
-    "config.json",
-    "generation_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "chat_template.jinja",
-    "tokenizer.model",
-)
-
-
-WEIGHT_SAMPLE_BYTES = 1 << 20
-"""Bytes of a weight file hashed at its start, middle and end: hashing GBs whole is too slow, and a retrained or
-fine-tuned model of the same shapes (the same file sizes) changes every one of them."""
-
-
-def weights_fingerprint(path: Path) -> str:
-    """sha256 over a weight file's size and three samples of its bytes (start, middle, end)."""
-    size = path.stat().st_size
-    digest = hashlib.sha256(str(size).encode())
-    with open(path, "rb") as f:
-        for start in (0, max(0, size // 2 - WEIGHT_SAMPLE_BYTES // 2), max(0, size - WEIGHT_SAMPLE_BYTES)):
-            f.seek(start)
-            digest.update(f.read(WEIGHT_SAMPLE_BYTES))
-    return f"bytes:{size},sampled-sha256:{digest.hexdigest()}"
-
-
-def check_new_tokens(target: str, max_new_tokens: int, error: type[Exception]) -> None:
-    """Refuse --max-new-tokens that the target cannot hold: at least its max_position_embeddings (from config.json,
-    read without loading the model), which generation would run past until memory gives out."""
-    from schema.recipe import TargetConfig
-
-    positions = TargetConfig(path=target).size("max_position_embeddings")
-    if positions is not None and max_new_tokens >= positions:
-        raise error(
-            f"--max-new-tokens {max_new_tokens}: {target} holds {positions} positions (max_position_embeddings in "
-            "its config.json), prompt included; ask for fewer"
-        )
-
-
-def target_identity(target: str) -> dict[str, Any]:
-    """Path, hashes of the config and tokenizer files, and of samples of the weight files (`weights_fingerprint`)."""
-    path = Path(target)
-    if not path.is_dir():
-        return {"name": target}
-    files = {}
-    for f in sorted(path.iterdir()):
-        if f.name in IDENTITY_FILES:
-            files[f.name] = "sha256:" + hashlib.sha256(f.read_bytes()).hexdigest()
-        elif f.suffix in (".safetensors", ".bin"):
-            files[f.name] = weights_fingerprint(f)
-    return {"path": str(path.resolve()), "files": files}
-
-
-def run_difference(previous: dict[str, Any] | None, meta: dict[str, Any]) -> str | None:
-    """What differs between OUT's recorded settings and target and this run's (None: the same run). A weight file
-    recorded by its size alone (before samples of its bytes were hashed) matches on its size, so a run started then
-    can still be finished."""
-    if previous is None:
-        return "no readable record of its settings"
-    before_settings, now_settings = previous.get("settings") or {}, meta["settings"]
-    for key in [*now_settings, *(k for k in before_settings if k not in now_settings)]:  # the settings' order
-        old, new = before_settings.get(key), now_settings.get(key)
-        if old != new:
-            if key == "prompts":
-                return "other prompts (the prompt file's content differs)"
-            return f"--{key.replace('_', '-')} {old!r} there, {new!r} now"
-    before, now = previous.get("target") or {}, meta["target"]
-    if "files" not in before or "files" not in now:
-        return None if before == now else "another target"
-    changed = sorted(k for k in before.keys() | now.keys() if k != "files" and before.get(k) != now.get(k))
-    if changed:
-        return f"another target (its {changed[0]} differs)"
-    if before["files"].keys() != now["files"].keys():
-        return "another target (other weight files)"
-    for name, old in before["files"].items():
-        new = now["files"][name]
-        by_size_only = isinstance(old, str) and old.startswith("bytes:") and "," not in old
-        if old != new and not (by_size_only and new.split(",")[0] == old):
-            return f"another target (its {name} differs)"
-    return None
-
-
-def read_done(out: Path) -> set[str]:
-    """Ids already in OUT. A last line without its newline (an interrupted write) is cut off the file."""
-    if not out.exists():
-        return set()
-    data = out.read_bytes()
-    complete = data[: data.rfind(b"\n") + 1]
-    done: set[str] = set()
-    for line_no, line in enumerate(complete.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            rid = str(json.loads(line)["id"])
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
-            raise SelfDistillError(f"{out}:{line_no}: malformed record (delete the file to start over)") from None
-        if rid in done:
-            raise SelfDistillError(f"{out}:{line_no}: duplicate id {rid!r}")
-        done.add(rid)
-    if len(complete) < len(data):
-        print(f"{out}: dropping a truncated last line ({len(data) - len(complete)} bytes)", file=sys.stderr)
-        with open(out, "r+b") as f:
-            f.truncate(len(complete))
-    return done
-
-
-def part_path(out: Path, rank: int) -> Path:
-    return out.with_name(f"{out.name}.part{rank}")
-
-
-def part_files(out: Path) -> list[Path]:
-    """The part files of OUT (an OUT name with glob characters, e.g. `sd[v2].jsonl`, is matched literally)."""
-    return sorted(out.parent.glob(f"{glob.escape(out.name)}.part*")) if out.parent.is_dir() else []
-
-
-def merge_parts(out: Path, prompts: list[tuple[str, dict[str, Any]]]) -> int:
-    """Fold every process's part file into OUT, records in the order of `prompts` (the whole prompt file, so that a
-    run with a smaller --limit keeps the order, hence the sample ids, of one with a larger), through a temporary
-    file, an fsync and a rename; then delete the parts. Returns the number of records in OUT."""
-    by_id: dict[str, str] = {}
-    sources = [out, *part_files(out)]
-    for path in sources:
-        if path.exists():
-            read_done(path)  # validates, drops a torn last line
-            # records end at "\n" only: a JSON string may hold U+2028 and the like, which str.splitlines splits at
-            for raw in path.read_bytes().split(b"\n"):
-                if raw.strip():
-                    line = raw.decode("utf-8")
-                    by_id.setdefault(str(json.loads(line)["id"]), line)
-    order = [rid for rid, _ in prompts if rid in by_id] + sorted(set(by_id) - {rid for rid, _ in prompts})
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text("".join(by_id[rid] + "\n" for rid in order), encoding="utf-8")
-    durable_replace(tmp, out)  # on disk before the parts it replaces are deleted
-    for path in sources[1:]:
-        path.unlink()
-    return len(order)
 
 
 def start_vllm(args: argparse.Namespace, engine_args: dict[str, Any], state) -> VllmEngine:

@@ -54,17 +54,15 @@ import torch
 import yaml
 from tqdm import tqdm
 
+from data.generation import Generator, SelfDistillError
 from data.requests import Duplicates, english_problem, words
-from data.selfdistill import (
-    Generator,
-    SelfDistillError,
+from data.selfdistill import first_line, record_seed
+from data.selfdistill_parts import (
     check_new_tokens,
-    first_line,
     merge_parts,
     part_files,
     part_path,
     read_done,
-    record_seed,
     run_difference,
     target_identity,
 )

@@ -44,7 +44,7 @@ from eval.kernels import TreeOps, get_ops, register_tree_attention, tree_context
 from eval.proposers import DecodeState, Proposer
 from eval.reference import sample_from, target_probs
 from eval.trees import Tree, stack_trees
-from schema.recipe import EvalConfig, SamplingConfig
+from schema.evaluation import EvalConfig, SamplingConfig
 
 Kernels = Literal["triton", "reference"]
 

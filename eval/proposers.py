@@ -26,7 +26,7 @@ from eval.cost_trees import batch_should_stop, batch_tree_size
 from eval.heads import TwoStageProjection
 from eval.trees import NAMED_TREES, Tree, calibrated_tree, chain, dynamic_trees, medusa_tokens, medusa_tree
 from models.methods import Method
-from schema.recipe import EvalConfig
+from schema.evaluation import EvalConfig
 
 
 @dataclass

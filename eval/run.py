@@ -51,7 +51,8 @@ from models.methods import METHODS, Method
 from models.target import Target, TargetError, load_placed_target
 from rundir.checkpoints import latest_checkpoint, read_state
 from rundir.lock import lock_for_all
-from schema.recipe import EvalConfig, Recipe, RecipeError, dotted_settings
+from schema.evaluation import EvalConfig
+from schema.recipe import Recipe, RecipeError, dotted_settings
 
 CALIBRATION_SAMPLES = 64
 WARMUP_TOKENS = 4

@@ -3,7 +3,7 @@
     from schema.recipe import load_recipe, RecipeError
     recipe = load_recipe("recipes/tiny/eagle2.yaml", overrides=["train.lr=1e-3"])
 
-Files: `recipe.py` (the sections and the whole recipe's checks) and `parse.py` (bounded YAML reading, `key=value`
-overrides). It imports the drafters' declarations (`models.methods`, `models.configs`: no torch) and the run
-directories' checks (`rundir`), nothing else of ours.
+Files: `recipe.py` (the whole recipe and its cross-section checks), `sections.py` and `evaluation.py` (the sections,
+the size bounds), `parse.py` (bounded YAML reading, `key=value` overrides). It imports the drafters' declarations
+(`models.methods`, `models.configs`: no torch) and the run directories' checks (`rundir`), nothing else of ours.
 """

@@ -315,7 +315,7 @@ def test_cost_aware_static_trees_keep_the_best_paths_and_greedy_output(method):
     from models.configs import MedusaConfig
     from models.medusa import MedusaHeads
     from models.methods import METHODS
-    from schema.recipe import EvalConfig
+    from schema.evaluation import EvalConfig
 
     model = tiny_llama()
     torch.manual_seed(0)

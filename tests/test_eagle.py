@@ -408,7 +408,7 @@ def test_a_fused_eagle2_drafter_is_evaluated_at_depth_one_only():
     named by its index L is the same feature as -1, and drafts through the same path."""
     from eval.proposers import build_proposer
     from models.methods import METHODS
-    from schema.recipe import EvalConfig
+    from schema.evaluation import EvalConfig
 
     model = tiny_target()
     fused = drafter_for(model, feature_layers=[1, -1])

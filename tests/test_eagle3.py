@@ -169,7 +169,7 @@ def test_draft_vocabulary_offsets_membership_and_head_start(setup):
 
 
 def test_its_own_head_takes_the_head_learning_rate(setup):
-    from schema.recipe import TrainConfig
+    from schema.sections import TrainConfig
     from train.optim import param_groups
 
     drafter = drafter_for(setup[0])

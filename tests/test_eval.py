@@ -520,7 +520,7 @@ def test_the_lossless_check_goes_on_past_a_near_tie(monkeypatch):
     from eval import run as eval_run
     from eval.baselines import plain_generate
     from eval.decode import DecodeSettings
-    from schema.recipe import EvalConfig
+    from schema.evaluation import EvalConfig
 
     config = {"model_type": "llama", "vocab_size": 96, "hidden_size": 64, "intermediate_size": 128,
               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -649,7 +649,7 @@ def test_eval_reports_tau_by_context_length(tmp_path, target):
 
 def test_the_draft_window_is_the_exports_training_length_unless_set():
     from eval.run import draft_window
-    from schema.recipe import EvalConfig
+    from schema.evaluation import EvalConfig
 
     config = {"recipe": {"data": {"max_len": 384}}}
     assert draft_window(EvalConfig(), config) == 384

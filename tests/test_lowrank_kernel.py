@@ -179,7 +179,7 @@ def test_eval_two_stage_heads_screen_through_the_kernel_or_its_twin(rows, candid
 
     from eval.heads import two_stage_projections
     from models.lm_head import DraftHead, LowRankHead, factorize
-    from schema.recipe import EvalConfig
+    from schema.evaluation import EvalConfig
 
     g = torch.Generator().manual_seed(rows)
     d, vocab = 48, max(rows, 512)

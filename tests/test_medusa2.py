@@ -35,7 +35,8 @@ from models.medusa import MedusaConfig, MedusaHeads
 from models.medusa2 import Medusa2Config, Medusa2Model, load_medusa2
 from models.target import Target, load_target
 from rundir.checkpoints import latest_checkpoint
-from schema.recipe import RecipeError, TrainConfig, load_recipe
+from schema.recipe import RecipeError, load_recipe
+from schema.sections import TrainConfig
 from train.checkpoint import DRAFTER_FILE, METRICS_FILE
 from train.loop import TrainingError, _check_zero3_sharing
 from train.optim import build_optimizer

@@ -18,7 +18,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from data.chat import ChatTemplateError, DataError, normalize_messages, render_with_assistant_mask, render_with_turn_ids
 from data.prepare import format_masked, prepare_dataset, template_fingerprint, tokenize_record, vocab_fingerprint
-from schema.recipe import DataConfig
+from schema.sections import DataConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = Path(__file__).parent / "fixtures"

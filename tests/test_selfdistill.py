@@ -12,7 +12,7 @@ import pytest
 from tiny import accelerate_launch, save_chat_target
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from data import selfdistill
+from data import generation, selfdistill, selfdistill_parts
 from data.engines import EngineError, engine_devices
 from data.prepare import tokenize_record, vocab_fingerprint
 from data.selfdistill import SelfDistillError, main
@@ -262,9 +262,10 @@ def test_a_smaller_limit_keeps_the_order_and_a_line_separator_stays_in_its_recor
     ids = [r["id"] for r in read_records(out)]
     assert ids == [f"p{i}" for i in range(12)] and read_records(out)[4]["prompt"] == "# one\u2028two\n"
     assert [r["id"] for r in run(tiny_target, prompts, out, "--limit", "3", "--batch-size", "4")] == ids
-    selfdistill.part_path(out, 0).write_text(out.read_text(encoding="utf-8").split("\n")[4] + "\n", encoding="utf-8")
-    assert selfdistill.merge_parts(out, [(r["id"], r) for r in plain]) == 12  # the part's copy is a duplicate
-    assert [r["id"] for r in read_records(out)] == ids and not selfdistill.part_files(out)
+    fifth = out.read_text(encoding="utf-8").split("\n")[4]
+    selfdistill_parts.part_path(out, 0).write_text(fifth + "\n", encoding="utf-8")
+    assert selfdistill_parts.merge_parts(out, [(r["id"], r) for r in plain]) == 12  # the part's copy is a duplicate
+    assert [r["id"] for r in read_records(out)] == ids and not selfdistill_parts.part_files(out)
 
 
 # --engine vllm without vLLM: the CI suite has none (`make check-vllm-selfdistill` runs the real one). A stand-in
@@ -366,9 +367,9 @@ def test_vllm_engine_stops_where_the_hf_engine_does(tiny_target, tmp_path, fake_
     (target / "generation_config.json").unlink()  # then the model's config, as transformers loads it
     model = AutoModelForCausalLM.from_pretrained(target)
     tokenizer = AutoTokenizer.from_pretrained(target)
-    settings = selfdistill.GenerationSettings("x", 4, 0.0, 1.0, 0, "auto", 1)
-    assert selfdistill.Generator(model, tokenizer, settings).stop_ids == selfdistill.stop_token_ids(
-        selfdistill.target_eos(str(target)), tokenizer
+    settings = generation.GenerationSettings("x", 4, 0.0, 1.0, 0, "auto", 1)
+    assert generation.Generator(model, tokenizer, settings).stop_ids == generation.stop_token_ids(
+        generation.target_eos(str(target)), tokenizer
     )
 
 

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
-from schema.recipe import TrainConfig
+from schema.sections import TrainConfig
 
 
 def param_groups(model: nn.Module, cfg: TrainConfig) -> list[dict]:
