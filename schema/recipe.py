@@ -3,11 +3,11 @@
     recipe = load_recipe("recipes/tiny/eagle2.yaml", overrides=["train.lr=1e-3"])
 
 A recipe has seven sections: `target`, `data`, `drafter`, `train`, `eval`, `export`, `logging`.
-Every section is a dataclass below (the drafter section is the config class of the chosen method, from
-`models.methods.METHODS`; loading a recipe imports no torch). Unknown keys, wrong types and impossible values
-fail at load time with one line naming the key and the file (`RecipeError`); the checks that every field gets from
-its annotation, and the command-line overrides, are `schema.parse`'s. The sections are `schema.sections` and
-`schema.evaluation`; this module assembles and cross-checks them.
+Every section is a dataclass of `schema.sections` or `schema.evaluation` (the drafter section is the config class
+of the chosen method, from `models.methods.METHODS`; loading a recipe imports no torch); this module assembles and
+cross-checks them. Unknown keys, wrong types and impossible values fail at load time with one line naming the key
+and the file (`RecipeError`); the checks that every field gets from its annotation, and the command-line overrides,
+are `schema.parse`'s.
 """
 
 from __future__ import annotations
