@@ -160,14 +160,15 @@ def fed_back_reference(drafter, features, next_ids, n: int):
 
 
 def parallel_reference(drafter, features, ids, n: int):
-    """A P-EAGLE drafter's drafting (`eval.proposers.ParallelProposer`, evaluation's one forward per round) at the end
+    """A P-EAGLE drafter's drafting (`eval.static_proposers.ParallelProposer`, one forward per round) at the end
     of every prefix: for each t < n, a fresh proposer's forward over the real positions 0..t (the target's
     `features` (1, T, n_feat, d) in `cfg.feature_layers` order, the next tokens ids[1..t+1]) and its
     `parallel_tokens - 1` mask slots at positions t+1.. . Returns (n, parallel_tokens, K) logits over the draft
     vocabulary: row t's depth 0 is the last real position's, depth j mask slot j's."""
     import torch
 
-    from eval.proposers import DecodeState, ParallelProposer, VocabProjection
+    from eval.proposal import DecodeState, VocabProjection
+    from eval.static_proposers import ParallelProposer
     from eval.trees import chain
 
     vocab = VocabProjection.trained(drafter.lm_head, drafter.draft_ids, drafter.target_vocab_size)

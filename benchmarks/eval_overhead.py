@@ -20,7 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from eval.decode import DecodeSettings, clock, speculative_generate  # noqa: E402
-from eval.proposers import EagleProposer, MedusaProposer  # noqa: E402
+from eval.eagle_proposer import EagleProposer  # noqa: E402
+from eval.static_proposers import MedusaProposer  # noqa: E402
 from eval.trees import calibrated_tree, medusa_rank_acc  # noqa: E402
 from models.eagle import EagleConfig, EagleDrafter  # noqa: E402
 from models.medusa import MedusaConfig, MedusaHeads  # noqa: E402

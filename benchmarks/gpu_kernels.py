@@ -208,7 +208,8 @@ def check_spread_target(devices: list[str], kernels_list: tuple[str, ...]) -> No
     from eval.baselines import plain_generate, plain_generate_batch
     from eval.checks import ScriptedProposer, spread_layers
     from eval.decode import DecodeSettings, speculative_generate, speculative_generate_batch
-    from eval.proposers import EagleProposer, MedusaProposer
+    from eval.eagle_proposer import EagleProposer
+    from eval.static_proposers import MedusaProposer
     from eval.trees import chain
     from models.eagle import EagleConfig, EagleDrafter
     from models.medusa import MedusaConfig, MedusaHeads

@@ -12,7 +12,7 @@ and writes OUT/inputs.safetensors: the fused hidden states as speculators reads 
 `eagle_aux_hidden_state_layer_ids` order), the next tokens (`input_ids`, x_{t+1} at t), 0-based positions and our
 drafter's training-time-test logits for each unrolled step (`reference_<j>`, (1, T, K)). `--method peagle` trains
 recipes/tiny/peagle.yaml instead and writes our one-forward drafting at the end of every prefix 0..t
-(`parallel_reference`, (T-1, K, draft vocabulary): `eval.proposers.ParallelProposer` over the real positions 0..t
+(`parallel_reference`, (T-1, K, draft vocabulary): `eval.static_proposers.ParallelProposer` over the real positions 0..t
 and its K-1 mask slots).
 
 `consume` (the speculators environment, which pins transformers <= 5.19, hence its own virtual environment) imports

@@ -16,7 +16,7 @@ hidden states on it (EAGLE-3: the three fused ones in layer order; else the last
 on them (EAGLE-3: over the draft vocabulary; Medusa: each head's) and, for EAGLE, the next draft step fed back at
 the end of every prefix 0..t: our drafting path (`drafter.step` with its KV cache) fed its own output state at t
 and its own top-1 token (`fed_ids`, target ids) at position t+1 (`fed_reference`); for P-EAGLE instead our
-one-forward drafting at the end of every prefix 0..t (`eval.proposers.ParallelProposer`: the real positions 0..t,
+one-forward drafting at the end of every prefix 0..t (`eval.static_proposers.ParallelProposer`: the real positions 0..t,
 then its K-1 mask slots; `reference`, (T-1, K, draft vocabulary)). `--run DIR` exports a trained
 run, or a native export such as a shipped drafter (`recipes/smollm2/drafters/eagle3`), instead (its target must be
 a model directory).

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
-from eval.proposers import DecodeState, Proposer
+from eval.proposal import DecodeState, Proposer
 from eval.trees import Tree
 
 

@@ -18,7 +18,8 @@ import time
 import torch
 
 from eval.cost_trees import Costs
-from eval.proposers import DecodeState, StaticTreeProposer
+from eval.proposal import DecodeState
+from eval.static_proposers import StaticTreeProposer
 
 
 def _sync(device: torch.device) -> None:

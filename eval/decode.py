@@ -41,7 +41,7 @@ from transformers import DynamicCache
 
 from eval import EvalError
 from eval.kernels import TreeOps, get_ops, register_tree_attention, tree_context
-from eval.proposers import DecodeState, Proposer
+from eval.proposal import DecodeState, Proposer
 from eval.reference import sample_from, target_probs
 from eval.trees import Tree, stack_trees
 from schema.evaluation import EvalConfig, SamplingConfig

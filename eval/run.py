@@ -43,8 +43,10 @@ from eval.decode import DecodeSettings, GenerationResult, PositionCoins, sliding
 from eval.heads import FitData, shard_fit_data, two_stage_projections
 from eval.lookup import LookupProposer
 from eval.prompts import load_conversations, load_prompts, stop_token_ids
-from eval.proposers import Proposer, build_proposer, parallel_rank_accuracy
+from eval.proposal import Proposer
+from eval.proposers import build_proposer
 from eval.report import summarize, write_report
+from eval.static_proposers import parallel_rank_accuracy
 from models.io import ExportError, load_draft_vocab, load_drafter, read_config
 from models.medusa import MedusaHeads
 from models.methods import METHODS, Method

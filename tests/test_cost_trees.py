@@ -257,7 +257,7 @@ def test_cost_aware_eagle_trees_follow_the_costs_and_keep_greedy_output():
     from eval.baselines import plain_generate
     from eval.costs import measure_costs
     from eval.decode import DecodeSettings, speculative_generate
-    from eval.proposers import EagleProposer
+    from eval.eagle_proposer import EagleProposer
     from models.common import TargetParts
     from models.configs import EagleConfig
     from models.eagle import EagleDrafter

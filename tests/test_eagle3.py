@@ -24,7 +24,9 @@ from data.loader import BatchLoader
 from data.shards import FeatureDataset, frequent_loss_tokens
 from eval.baselines import plain_generate
 from eval.decode import DecodeSettings, speculative_generate
-from eval.proposers import DecodeState, EagleProposer, VocabProjection, build_proposer
+from eval.eagle_proposer import EagleProposer
+from eval.proposal import DecodeState, VocabProjection
+from eval.proposers import build_proposer
 from export import eagle3_layouts
 from export.eagle3_layouts import compare, drafter_logits, eagle3_inputs
 from export.gates import check as gate_check

@@ -14,8 +14,10 @@ from eval import reference
 from eval.baselines import plain_generate, plain_generate_batch, prompt_lookup_generate
 from eval.checks import PerRow, RowProposer, ScriptedProposer, spread_layers
 from eval.decode import DecodeSettings, round_stats, speculative_generate, speculative_generate_batch
+from eval.eagle_proposer import EagleProposer
 from eval.kernels import get_ops
-from eval.proposers import DecodeState, EagleProposer, MedusaProposer, VocabProjection
+from eval.proposal import DecodeState, VocabProjection
+from eval.static_proposers import MedusaProposer
 from eval.trees import MC_SIM_7B_63, Tree, chain, medusa_tree
 from models.eagle import EagleConfig, EagleDrafter
 from models.medusa import MedusaConfig, MedusaHeads

@@ -98,8 +98,8 @@ def test_two_stage_projection_drafts_among_the_candidates_and_keeps_greedy_outpu
 
     from eval.baselines import plain_generate
     from eval.decode import DecodeSettings
+    from eval.eagle_proposer import EagleProposer
     from eval.heads import TwoStageProjection
-    from eval.proposers import EagleProposer
     from models.common import TargetParts
     from models.configs import EagleConfig
     from models.eagle import EagleDrafter
@@ -239,8 +239,9 @@ def test_eagle3_two_stage_over_its_own_head_drafts_among_candidates_and_keeps_gr
 
     from eval.baselines import plain_generate
     from eval.decode import DecodeSettings
+    from eval.eagle_proposer import EagleProposer
     from eval.heads import TwoStageProjection
-    from eval.proposers import EagleProposer, VocabProjection
+    from eval.proposal import VocabProjection
 
     model = tiny_llama()
     drafter = _drafters(model)["eagle3"]
@@ -270,7 +271,7 @@ def test_medusa_two_stage_heads_draft_among_their_candidates_and_keep_greedy_out
     from eval.baselines import plain_generate
     from eval.decode import DecodeSettings
     from eval.heads import TwoStageProjection
-    from eval.proposers import MedusaProposer
+    from eval.static_proposers import MedusaProposer
     from eval.trees import medusa_tree
 
     model = tiny_llama()

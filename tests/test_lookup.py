@@ -16,8 +16,10 @@ from test_generate import BATCH_PROMPTS, _eagle, _medusa, one_thread, tiny_targe
 from eval.baselines import plain_generate
 from eval.cost_trees import Costs
 from eval.decode import DecodeSettings, speculative_generate, speculative_generate_batch
+from eval.eagle_proposer import EagleProposer
 from eval.lookup import LookupProposer, keep_best, merge, merged_ranking, ngram_continuation
-from eval.proposers import DecodeState, EagleProposer, MedusaProposer
+from eval.proposal import DecodeState
+from eval.static_proposers import MedusaProposer
 from eval.trees import Tree, medusa_tree
 
 

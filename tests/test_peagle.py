@@ -22,7 +22,9 @@ from data.loader import BatchLoader
 from data.shards import FeatureDataset
 from eval.baselines import plain_generate
 from eval.decode import DecodeSettings, speculative_generate, speculative_generate_batch
-from eval.proposers import DecodeState, ParallelProposer, VocabProjection, build_proposer, parallel_rank_accuracy
+from eval.proposal import DecodeState, VocabProjection
+from eval.proposers import build_proposer
+from eval.static_proposers import ParallelProposer, parallel_rank_accuracy
 from eval.trees import chain, medusa_tree
 from export.gates import check as gate_check
 from export.write import export, load_run
