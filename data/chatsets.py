@@ -47,8 +47,8 @@ from pathlib import Path
 from typing import Any
 
 from data.chat import DataError, turns_of
+from data.files import durable_replace
 from data.requests import Contamination, Duplicates, english_problem, words
-from data.shards import durable_replace
 
 ROOT = Path(__file__).resolve().parents[1]
 CHUNK = 1 << 20

@@ -47,6 +47,7 @@ from tqdm import tqdm
 
 from data.codecs import BASIS_FILE, FITTED_KEYS, Codec, PcaCodec, encoding_settings, make_codec
 from data.engines import EngineError, add_engine_options, engine_options
+from data.files import file_sha256, write_json_atomic
 from data.prepare import PreparedData, TokenSample, data_sources, prepare_dataset, template_fingerprint
 from data.shards import (
     HEADER_KEYS,
@@ -55,13 +56,11 @@ from data.shards import (
     build_manifest,
     check_header,
     check_shard_names,
-    file_sha256,
     format_version,
     read_json_file,
     shard_name,
     shard_problem,
     write_basis,
-    write_json_atomic,
     write_shard,
 )
 from models.target import Target, load_placed_target

@@ -16,7 +16,7 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from data.shards import write_json_atomic
+from data.files import write_json_atomic
 
 HELDOUT_FILE = "heldout.json"
 
@@ -27,7 +27,7 @@ class HeldoutError(ValueError):
 
 def write_heldout(output_dir: str | Path, sample_ids: Sequence[int | str]) -> Path:
     """Record the held-out samples' ids in `<output_dir>/heldout.json` (the directory is created); returns the file.
-    Written whole or not at all (`data.shards.write_json_atomic`); a resumed run rewrites the same content."""
+    Written whole or not at all (`data.files.write_json_atomic`); a resumed run rewrites the same content."""
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     ids = [i if isinstance(i, str) else int(i) for i in sample_ids]  # numpy / torch ints -> JSON numbers

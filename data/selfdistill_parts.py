@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from data.files import durable_replace
 from data.generation import SelfDistillError
-from data.shards import durable_replace
 
 IDENTITY_FILES = (
     "config.json",

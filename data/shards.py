@@ -26,11 +26,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-import mmap
-import os
 import threading
 from collections import OrderedDict
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +37,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from data.codecs import BASIS_FILE, ENCODINGS, PLAIN_DTYPES, Codec, PcaCodec, make_codec
+from data.files import durable_replace, file_sha256, write_json_atomic
 from models.common import share_safetensors
 
 FORMAT_VERSION = 1
@@ -66,16 +65,6 @@ class FeatureMismatchError(ValueError):
 
 def shard_name(index: int) -> str:
     return f"shard-{index:05d}.safetensors"
-
-
-def file_sha256(path: str | Path) -> str:
-    """Hex sha256 of a file, hashed over a memory map in one call: no copies into Python buffers (about 15% less
-    CPU than reading 8 MiB chunks), and hashlib releases the GIL meanwhile."""
-    with open(path, "rb") as f:
-        if os.fstat(f.fileno()).st_size == 0:  # an empty file cannot be mapped
-            return hashlib.sha256().hexdigest()
-        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as view:
-            return hashlib.sha256(view).hexdigest()
 
 
 def is_bare_name(name: Any) -> bool:
@@ -154,39 +143,6 @@ def shard_problem(
             f"a corrupted, edited or foreign {what}"
         )
     return None
-
-
-def durable_replace(tmp: str | Path, path: str | Path) -> None:
-    """Rename a fully written `tmp` to `path` so that neither a crash nor a power cut can leave `path` naming data
-    that is not on disk: the file's data is fsynced before the rename, the directory's entry after it."""
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    try:
-        fd = os.open(Path(path).parent, os.O_RDONLY)
-    except OSError:  # a platform that cannot open directories
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_json_atomic(path: str | Path, obj: Any) -> None:
-    """Write JSON to `path.tmp` and rename it, so readers never see a half-written file."""
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
-        f.write("\n")
-    durable_replace(tmp, path)
-
-
-def read_json_file(path: Path, what: str) -> Any:
-    """A JSON file this package wrote, or a FeatureMismatchError naming it (a torn or edited copy)."""
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise FeatureMismatchError(f"{path}: not a readable {what} ({exc.__class__.__name__}: {exc})") from None
 
 
 def write_shard(
@@ -394,6 +350,14 @@ class FeatureShardWriter:
         return manifest
 
 
+def read_json_file(path: Path, what: str) -> Any:
+    """A JSON file this package wrote, or a FeatureMismatchError naming it (a torn or edited copy)."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise FeatureMismatchError(f"{path}: not a readable {what} ({exc.__class__.__name__}: {exc})") from None
+
+
 def read_manifest(directory: str | Path) -> dict[str, Any]:
     path = Path(directory) / MANIFEST
     if not path.is_file():
@@ -521,58 +485,3 @@ class FeatureDataset:
     def split(self, heldout_fraction: float, seed: int = 0) -> tuple[list[int], list[int]]:
         """(train, heldout) positions, deterministic by sample id hash (see `split_by_id`)."""
         return split_by_id(self.sample_ids, heldout_fraction, seed)
-
-
-def loss_token_counts(
-    dataset: FeatureDataset | Sequence[dict], vocab_size: int | None = None, skip_ids: Collection[int | str] = ()
-) -> torch.Tensor:
-    """How often each token id is a loss token in a feature dataset's shards (or in token samples with `input_ids`
-    and `loss_mask`), leaving out the samples whose id is in `skip_ids` (a run's held-out samples): (vocab_size,)
-    int64, or as long as the largest id seen + 1 when `vocab_size` is None; ids >= vocab_size are refused."""
-    skip = set(skip_ids)
-    if isinstance(dataset, FeatureDataset):
-        where = str(dataset.directory)
-
-        def loss_ids():
-            for entry in dataset.shards:
-                with safe_open(str(dataset.directory / entry["file"]), framework="pt") as shard:
-                    scored = shard.get_tensor("loss_mask") > 0
-                    if skip and not skip.isdisjoint(entry["sample_ids"]):
-                        kept = torch.tensor([i not in skip for i in entry["sample_ids"]])
-                        scored &= kept.repeat_interleave(torch.tensor(entry["lengths"]))
-                    yield shard.get_tensor("input_ids").to(torch.int64)[scored]
-    else:
-        where = "the token samples"
-
-        def loss_ids():
-            for s in dataset:
-                if s.get("id") not in skip:
-                    yield torch.as_tensor(s["input_ids"]).to(torch.int64)[torch.as_tensor(s["loss_mask"]) > 0]
-
-    counts = torch.zeros(vocab_size or 0, dtype=torch.int64)
-    for ids in loss_ids():
-        if vocab_size is not None and len(ids) and int(ids.max()) >= vocab_size:
-            raise ValueError(f"vocab_size={vocab_size}: {where} has loss token id {int(ids.max())}")
-        new = torch.bincount(ids)
-        if len(new) > len(counts):
-            counts = torch.nn.functional.pad(counts, (0, len(new) - len(counts)))
-        counts[: len(new)] += new
-    return counts
-
-
-def frequent_loss_tokens(
-    dataset: FeatureDataset | Sequence[dict], size: int, skip_ids: Collection[int | str] = ()
-) -> torch.Tensor:
-    """The `size` most frequent loss tokens of a feature dataset's shards (or of token samples with `input_ids` and
-    `loss_mask`, as online training reads them), the samples with ids in `skip_ids` left out, most frequent first
-    (ties: lower id first): (<= size,) int64. Training's `train.loss_vocab` and `drafter.draft_vocab` and
-    evaluation's `eval.draft_vocab` all use it, leaving out the run's held-out samples, so the same size gives the
-    same tokens."""
-    return most_frequent(loss_token_counts(dataset, skip_ids=skip_ids), size)
-
-
-def most_frequent(counts: torch.Tensor, size: int) -> torch.Tensor:
-    """The `size` most frequent token ids of `counts` (`loss_token_counts`), most frequent first (ties: lower id
-    first), never one that was not seen: (<= size,) int64."""
-    seen = int((counts > 0).sum())
-    return counts.argsort(descending=True, stable=True)[: min(size, seen)]

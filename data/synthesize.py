@@ -54,6 +54,7 @@ import torch
 import yaml
 from tqdm import tqdm
 
+from data.files import durable_replace
 from data.generation import Generator, SelfDistillError
 from data.requests import Duplicates, english_problem, words
 from data.selfdistill import first_line, record_seed
@@ -66,7 +67,6 @@ from data.selfdistill_parts import (
     run_difference,
     target_identity,
 )
-from data.shards import durable_replace
 from rundir.lock import lock_for_all
 from schema.parse import safe_load, yaml_problem
 

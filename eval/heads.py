@@ -23,7 +23,7 @@ The factors (`models.lm_head`: one per draft head, fitted to what it reads) come
 export.write` stored them (`lm_head/<head>.safetensors`: the recipe asks for the two-stage head and the run has
 feature shards). Else evaluation computes them at start-up (with a log line) from the feature shards, or, for a drafter
 that adapts the target (Medusa-2) or a run without shards, from the verifying target's hidden states over the
-calibration samples (`eval.run.fit_data`).
+calibration samples (`eval.calibration.fit_data`).
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ from pathlib import Path
 
 import torch
 
-from data.shards import FeatureDataset, loss_token_counts
+from data.shards import FeatureDataset
+from data.vocab_counts import loss_token_counts
 from eval import EvalError
 from models.lm_head import FACTORS_DIR, DraftHead, LowRankHead, compute_factors, fit_samples
 

@@ -67,7 +67,8 @@ from torch import nn
 from data.chat import DataError
 from data.heldout import HeldoutError, read_heldout
 from data.prepare import prepare_dataset
-from data.shards import FeatureDataset, FeatureMismatchError, loss_token_counts, most_frequent
+from data.shards import FeatureDataset, FeatureMismatchError
+from data.vocab_counts import loss_token_counts, most_frequent
 from export import eagle3_layouts
 from export.gates import EAGLE_PT, FASTERDECODING_HEADS, GATES, MEDUSA_PT, MEDUSA_SAFETENSORS
 from export.gates import check as gate_check

@@ -69,7 +69,7 @@ def feature_layers(num_layers: int) -> list[int]:
 
 
 def coverage_size(counts, coverage: float) -> int:
-    """The fewest most-frequent tokens whose counts (`data.shards.loss_token_counts`) reach `coverage` of the total."""
+    """The fewest most-frequent tokens whose counts (`data.vocab_counts.loss_token_counts`) reach `coverage` of all."""
     import torch
 
     ordered = torch.sort(counts, descending=True).values
@@ -262,7 +262,8 @@ def size_draft_vocab(recipe_path: Path, coverage: float, overrides: list[str]) -
     tokens covering `coverage` of them, rewriting the number in the recipe file, unless its training has started
     (its checkpoints keep the vocabulary they were made with). Returns what it did, or None when nothing changed."""
     from data.prepare import prepare_dataset
-    from data.shards import loss_token_counts, split_by_id
+    from data.shards import split_by_id
+    from data.vocab_counts import loss_token_counts
     from models.methods import METHODS
     from models.target import load_tokenizer
     from rundir.checkpoints import list_checkpoints

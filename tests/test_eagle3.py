@@ -21,7 +21,8 @@ from tiny import tiny_llama as tiny_target
 from data.extract import main as extract_main
 from data.heldout import read_heldout
 from data.loader import BatchLoader
-from data.shards import FeatureDataset, frequent_loss_tokens
+from data.shards import FeatureDataset
+from data.vocab_counts import frequent_loss_tokens
 from eval.baselines import plain_generate
 from eval.decode import DecodeSettings, speculative_generate
 from eval.eagle_proposer import EagleProposer

@@ -19,13 +19,14 @@ from tiny import accelerate_launch, tiny_llama
 from data.extract import main as extract_main
 from data.heldout import HeldoutError, read_heldout, write_heldout
 from data.prepare import prepare_dataset
-from data.shards import FeatureDataset, frequent_loss_tokens, loss_token_counts
+from data.shards import FeatureDataset
+from data.vocab_counts import frequent_loss_tokens, loss_token_counts
 from eval import EvalError
 from eval.__main__ import main
+from eval.calibration import calibration_samples, calibration_sequences, draft_vocabulary, medusa_rank_accuracy
 from eval.checks import near_tie
 from eval.prompts import load_prompts, prompt_token_ids
 from eval.report import lossless_mark, plot, summarize, to_markdown, write_report
-from eval.run import calibration_samples, calibration_sequences, draft_vocabulary, medusa_rank_accuracy
 from models.eagle import EagleConfig, EagleDrafter
 from models.io import FORMAT, FORMAT_VERSION, save_draft_vocab, save_native
 from models.medusa import MedusaConfig, MedusaHeads
@@ -648,7 +649,7 @@ def test_eval_reports_tau_by_context_length(tmp_path, target):
 
 
 def test_the_draft_window_is_the_exports_training_length_unless_set():
-    from eval.run import draft_window
+    from eval.calibration import draft_window
     from schema.evaluation import EvalConfig
 
     config = {"recipe": {"data": {"max_len": 384}}}

@@ -20,9 +20,10 @@ from safetensors.torch import load_file, save_file
 from data.extract import main as extract_main
 from data.heldout import read_heldout
 from data.loader import BatchLoader
-from data.shards import FeatureDataset, frequent_loss_tokens
+from data.shards import FeatureDataset
+from data.vocab_counts import frequent_loss_tokens
 from eval import EvalError
-from eval.run import draft_vocabulary
+from eval.calibration import draft_vocabulary
 from export.write import ENGINE_WEIGHTS, MEDUSA_PT, MEDUSA_WEIGHTS, export, legacy_rope, load_run, medusa_names
 from export.write import main as export_main
 from models.io import (

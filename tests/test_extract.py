@@ -23,8 +23,9 @@ from accelerate.state import AcceleratorState, GradientState
 from tiny import accelerate_launch
 
 from data.extract import STOP_AFTER_ENV, ExtractError, length_batches, main, plan_shards
+from data.files import file_sha256
 from data.prepare import prepare_dataset
-from data.shards import MANIFEST, FeatureDataset, FeatureMismatchError, file_sha256
+from data.shards import MANIFEST, FeatureDataset, FeatureMismatchError
 from models.target import load_target
 from schema.recipe import RecipeError, load_recipe
 from train.__main__ import main as train_main

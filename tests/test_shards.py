@@ -12,7 +12,8 @@ import torch
 from safetensors.torch import load_file
 
 from data import codecs, shards
-from data.shards import FeatureDataset, FeatureMismatchError, FeatureShardWriter, file_sha256, split_by_id
+from data.files import file_sha256
+from data.shards import FeatureDataset, FeatureMismatchError, FeatureShardWriter, split_by_id
 
 D, LAYERS = 16, [0, -1]
 HEADER = {

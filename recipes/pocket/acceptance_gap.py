@@ -26,9 +26,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 from data.shards import FeatureDataset  # noqa: E402
 from eval.baselines import plain_generate  # noqa: E402
+from eval.calibration import heldout_positions  # noqa: E402
 from eval.decode import DecodeSettings  # noqa: E402
 from eval.prompts import load_prompts, stop_token_ids  # noqa: E402
-from eval.run import heldout_positions  # noqa: E402
 from models.io import load_drafter  # noqa: E402
 from models.target import load_target  # noqa: E402
 from schema.recipe import load_recipe  # noqa: E402
