@@ -27,7 +27,8 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.eval_overhead import pocket_benchmark, random_proposers  # noqa: E402
 from eval.baselines import plain_generate, plain_generate_batch  # noqa: E402
 from eval.checks import PerRow, ScriptedProposer  # noqa: E402
-from eval.decode import DecodeSettings, clock, speculative_generate, speculative_generate_batch  # noqa: E402
+from eval.decode import DecodeSettings, speculative_generate, speculative_generate_batch  # noqa: E402
+from eval.target_runner import clock  # noqa: E402
 
 GOAL = 1.5
 

@@ -19,9 +19,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from eval.decode import DecodeSettings, clock, speculative_generate  # noqa: E402
+from eval.decode import DecodeSettings, speculative_generate  # noqa: E402
 from eval.eagle_proposer import EagleProposer  # noqa: E402
 from eval.static_proposers import MedusaProposer  # noqa: E402
+from eval.target_runner import clock  # noqa: E402
 from eval.trees import calibrated_tree, medusa_rank_acc  # noqa: E402
 from models.eagle import EagleConfig, EagleDrafter  # noqa: E402
 from models.medusa import MedusaConfig, MedusaHeads  # noqa: E402
@@ -80,7 +81,7 @@ def random_proposers(target: Target, device: str) -> dict[str, EagleProposer | M
 
 
 def timed(fn, total: list[float], device: str):
-    """`fn` that adds its own run time (device work included: `eval.decode.clock`) to total[0]."""
+    """`fn` that adds its own run time (device work included: `eval.target_runner.clock`) to total[0]."""
 
     def wrapper(*args, **kwargs):
         start = clock(device)

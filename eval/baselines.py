@@ -6,9 +6,10 @@
 
 Plain decoding has one path at every batch size: left-padded batched decoding with the model's own attention and a
 2D padding mask, as batched HF generation does it, one target forward per token. It shares none of the speculative
-loop's target-side code (`eval.decode.TargetRunner`: prefill, tree masks, tree kernels, KV commits), so the greedy
-losslessness check does not test that code against itself; only the settings / result types, the input check, the
-clock and two KV-cache utilities (the model's cache argument name, dropping finished rows) come from `eval.decode`.
+loop's target-side code (`eval.target_runner.TargetRunner`: prefill, tree masks, tree kernels, KV commits), so the
+greedy losslessness check does not test that code against itself; only the settings / result types and the input
+check (`eval.decode`), the clock and two KV-cache utilities (the model's cache argument name, dropping finished rows:
+`eval.target_runner`) are shared.
 Sampled rows draw from `eval.reference.target_probs`, the processed target distribution that sampled verification
 follows.
 """
@@ -22,16 +23,8 @@ import torch
 from transformers import DynamicCache, GenerationConfig
 from transformers.cache_utils import DynamicLayer
 
-from eval.decode import (
-    DecodeSettings,
-    GenerationResult,
-    PositionCoins,
-    cache_arg,
-    check_prompts,
-    clock,
-    sample_next,
-    select_cache_rows,
-)
+from eval.decode import DecodeSettings, GenerationResult, PositionCoins, check_prompts, sample_next
+from eval.target_runner import cache_arg, clock, select_cache_rows
 
 PROMPT_LOOKUP_TOKENS = 10
 """Prompt lookup's `prompt_lookup_num_tokens`: the n-gram draft length (transformers' suggested value)."""

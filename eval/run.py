@@ -47,7 +47,7 @@ from eval.calibration import (
 )
 from eval.checks import BOUNDARY_TOLERANCE, near_boundary, near_tie, tie_margin
 from eval.costs import measure_costs
-from eval.decode import DecodeSettings, GenerationResult, PositionCoins, sliding_window, speculative_generate_batch
+from eval.decode import DecodeSettings, GenerationResult, PositionCoins, speculative_generate_batch
 from eval.heads import two_stage_projections
 from eval.lookup import LookupProposer
 from eval.prompts import load_conversations, load_prompts, stop_token_ids
@@ -55,6 +55,7 @@ from eval.proposal import Proposer
 from eval.proposers import build_proposer
 from eval.report import summarize, write_report
 from eval.static_proposers import parallel_rank_accuracy
+from eval.target_runner import sliding_window
 from models.io import ExportError, load_drafter, read_config
 from models.methods import METHODS
 from models.target import Target, TargetError, load_placed_target
