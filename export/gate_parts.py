@@ -1,24 +1,25 @@
 """What every load gate builds its consumer from: the fixed input's size and seed, the result a gate returns,
 parameters and config fields read with the consumer's fallbacks, and Llama's RMSNorm and RoPE as transformers-4
-computes them.
+computes them; the files engine exports hold, and reading them as a loader does (`read_pt`: tensors only).
 
     p = Params(tensors, "model.safetensors", device, notes)   # p.get(name, shape): the consumer's tensor, or its init
     theta = config_value(config, "rope_theta", 10000.0, notes)  # a missing field: the consumer's default, noted
     cos, sin = rope_cos_sin(config, head_dim, positions, notes)
 
-`export.gates` (the EAGLE-1/2 and Medusa consumers, and the table of every gate) and `export.eagle3_layouts` (the
-EAGLE-3 consumers) build on these; neither imports the other's gates through here.
+The consumers (`export.eagle_gates`, `export.medusa_gates`, `export.eagle3_gates`) build on these; `export.gates`
+holds the table of every gate.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from models.io import ExportError
+from models.io import ExportError, read_safetensors
 
 GATE_BATCH, GATE_LEN, GATE_SEED = 2, 12, 1234
 ROW_OFFSET = 1000
@@ -132,3 +133,42 @@ def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+MEDUSA_PT = "medusa_lm_head.pt"
+
+
+EAGLE_PT = "pytorch_model.bin"
+
+
+MEDUSA_SAFETENSORS = "medusa_lm_head.safetensors"
+
+
+ENGINE_WEIGHTS = "model.safetensors"
+
+
+FASTERDECODING_HEADS = 5
+"""FasterDecoding Medusa's legacy loader builds this many heads whatever `medusa_num_heads` says."""
+
+
+def same_tensors(out_dir: Path, safetensors_name: str, pt_name: str, fmt: str) -> dict[str, torch.Tensor]:
+    """An export's safetensors file and its `.pt` copy (for loaders that read only that) hold the same tensors;
+    returns them (each file read once)."""
+    a, b = read_safetensors(out_dir / safetensors_name), read_pt(out_dir / pt_name)
+    if a.keys() != b.keys() or any(not torch.equal(a[k], b[k]) for k in a):
+        raise ExportError(f"{fmt} load gate: {safetensors_name} and {pt_name} hold different tensors")
+    return b
+
+
+def read_pt(path: Path) -> dict[str, torch.Tensor]:
+    """A `.pt` state dict as `torch.load(path, weights_only=True)` reads it: tensors only, never arbitrary pickle."""
+    if not path.is_file():
+        raise ExportError(f"{path}: no such file")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # pickle's, torch's or an OSError
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ExportError(f"{path}: not loadable with torch.load(weights_only=True) ({first})") from None
+    if not isinstance(state, dict) or not all(isinstance(k, str) and torch.is_tensor(v) for k, v in state.items()):
+        raise ExportError(f"{path}: expected a dict of named tensors, got {type(state).__name__}")
+    return state

@@ -40,21 +40,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from export import eagle3_layouts
-from export.gates import (
-    MEDUSA_PT,
-    MEDUSA_SAFETENSORS,
-    SAFEAILAB,
-    compute_dtype,
-    eagle_consumer_logits,
-    eagle_inputs,
-    medusa_fd_logits,
-    medusa_hidden,
-    read_json,
-    read_pt,
-    rope_hints,
-    tolerance,
-)
+from export import eagle3_gates
+from export.eagle_gates import SAFEAILAB, eagle_consumer_logits, eagle_inputs, rope_hints
+from export.gate_parts import MEDUSA_PT, MEDUSA_SAFETENSORS, read_pt
+from export.gates import compute_dtype, read_json, tolerance
+from export.medusa_gates import medusa_fd_logits, medusa_hidden
 from models.configs import Eagle3Config, EagleConfig, MedusaConfig
 from models.io import (
     FORMAT,
@@ -199,7 +189,7 @@ def import_eagle(src: Path, config: dict, tensors: dict, weights: Path, target: 
 def import_eagle3(config: dict, tensors: dict[str, torch.Tensor], weights: Path, target, speculators: bool):
     """A SafeAILab / SGLang EAGLE-3 checkpoint (`midlayer.*`; aux ids from `eagle_config` in SGLang's numbering, else
     the consumers' default low/mid/high) or a speculators one (`layers.0.*`, its flags) -> (Eagle3Drafter, reader)."""
-    reader = eagle3_layouts.SPECULATORS if speculators else eagle3_layouts.SGLANG
+    reader = eagle3_gates.SPECULATORS if speculators else eagle3_gates.SGLANG
     where = weights.parent / "config.json"
     layer = config.get("transformer_layer_config") if speculators else config
     if not isinstance(layer, dict):
@@ -284,7 +274,7 @@ def check_layer_fields(layer: dict, tc, where: Path) -> None:
         raise ExportError(f"{where}: {'; '.join(hints)}")
 
 
-def check_aux_ids(ids, num_layers: int, reader: eagle3_layouts.Eagle3Reader, where: Path) -> None:
+def check_aux_ids(ids, num_layers: int, reader: eagle3_gates.Eagle3Reader, where: Path) -> None:
     """eagle_aux_hidden_state_layer_ids: distinct integers the engine can capture (vLLM / speculators: inputs of
     layers 0..L-1; SGLang / SafeAILab: outputs of layers 0..L-2, the last one's reaching HF only after the norm)."""
     if not isinstance(ids, list) or any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
@@ -379,7 +369,7 @@ def import_checkpoint(src: str | Path, fmt: str, target: Target, out: str | Path
     with directory_lock(out, "import", key="--out", beside=True), staged_directory(out) as tmp:
         save_native(tmp, drafter, target, {"imported_from": str(src.resolve()), "format": fmt})
         if reader is not None:  # EAGLE-3: the layout's reader on the source, the reloaded native drafter
-            result = eagle3_layouts.compare(config, tensors, reader, target, load_drafter(tmp, target))
+            result = eagle3_gates.compare(config, tensors, reader, target, load_drafter(tmp, target))
             diff = (result.consumer - result.reference).abs().max().item()
             if not diff <= tolerance(result.reference, compute_dtype(drafter, target)):
                 raise ExportError(

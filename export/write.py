@@ -70,7 +70,8 @@ from data.prepare import prepare_dataset
 from data.shards import FeatureDataset, FeatureMismatchError
 from data.vocab_counts import loss_token_counts, most_frequent
 from export import eagle3_layouts
-from export.gates import EAGLE_PT, FASTERDECODING_HEADS, GATES, MEDUSA_PT, MEDUSA_SAFETENSORS
+from export.gate_parts import EAGLE_PT, FASTERDECODING_HEADS, MEDUSA_PT, MEDUSA_SAFETENSORS
+from export.gates import GATES
 from export.gates import check as gate_check
 from models.io import (
     CONFIG_FILE,

@@ -29,7 +29,7 @@ from eval.eagle_proposer import EagleProposer
 from eval.proposal import DecodeState, VocabProjection
 from eval.proposers import build_proposer
 from export import eagle3_layouts
-from export.eagle3_layouts import compare, drafter_logits, eagle3_inputs
+from export.eagle3_gates import compare, drafter_logits, eagle3_inputs
 from export.gates import check as gate_check
 from export.imports import import_eagle3
 from export.imports import main as imports_main

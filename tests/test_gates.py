@@ -17,8 +17,8 @@ from safetensors.torch import load_file, save_file
 from tiny import perturbed
 
 from export import write as export_mod
-from export.gate_parts import rope_cos_sin
-from export.gates import EAGLE_PT, GATES, MEDUSA_PT, check
+from export.gate_parts import EAGLE_PT, MEDUSA_PT, rope_cos_sin
+from export.gates import GATES, check
 from models.configs import EagleConfig, MedusaConfig
 from models.eagle import EagleDrafter
 from models.io import EXPORT_MARKER, ExportError

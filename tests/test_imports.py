@@ -19,8 +19,10 @@ from safetensors.torch import load_file, save_file
 from tiny import perturbed
 
 from export import write as export_mod
-from export.gates import MEDUSA_PT, MEDUSA_SAFETENSORS, eagle_inputs, medusa_hidden
+from export.eagle_gates import eagle_inputs
+from export.gate_parts import MEDUSA_PT, MEDUSA_SAFETENSORS
 from export.imports import import_checkpoint, main, resolve_target
+from export.medusa_gates import medusa_hidden
 from models.configs import EagleConfig, MedusaConfig
 from models.eagle import EagleDrafter
 from models.io import EXPORT_MARKER, ExportError, load_drafter, save_native
