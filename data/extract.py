@@ -41,7 +41,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -68,6 +67,7 @@ from rundir.lock import DirectoryLocked, lock_for_all
 
 if TYPE_CHECKING:  # schema.recipe pulls in every drafter; extraction needs none of them
     from schema.sections import DataConfig
+from data.extract_plan import fit_positions, length_batches, plan_sha256, plan_shards
 
 STOP_AFTER_ENV = "SPECDRAFT_EXTRACT_STOP_AFTER_SHARDS"
 """Test hook: every process exits (code 3) once each has written this many shards, as if killed."""
@@ -89,44 +89,6 @@ def feature_identity(target: Target, data: DataConfig) -> dict[str, Any]:
         "max_len": data.max_len,
         "sources": data_sources(data),
     }
-
-
-def plan_shards(samples: list[TokenSample], shard_tokens: int) -> list[list[int]]:
-    """Positions into `samples` per shard: sorted by (length, id), cut at the first boundary >= shard_tokens."""
-    order = sorted(range(len(samples)), key=lambda i: (len(samples[i]["input_ids"]), samples[i]["id"]))
-    plan: list[list[int]] = [[]]
-    tokens = 0
-    for i in order:
-        plan[-1].append(i)
-        tokens += len(samples[i]["input_ids"])
-        if tokens >= shard_tokens:
-            plan.append([])
-            tokens = 0
-    return [shard for shard in plan if shard]
-
-
-def plan_sha256(samples: list[TokenSample], plan: list[list[int]]) -> str:
-    """Fingerprint of the plan and the token data: a resumed run must extract exactly the same thing."""
-    digest = hashlib.sha256()
-    for shard in plan:
-        for i in shard:
-            s = samples[i]
-            digest.update(np.array([s["id"], len(s["input_ids"])], dtype=np.int64).tobytes())
-            digest.update(np.array(s["input_ids"], dtype=np.int64).tobytes())
-            digest.update(np.array(s["loss_mask"], dtype=np.uint8).tobytes())
-        digest.update(b"|")
-    return digest.hexdigest()[:16]
-
-
-def length_batches(lengths: list[int], batch_tokens: int) -> list[tuple[int, int]]:
-    """[start, end) batches over ascending `lengths`, each padded to its longest sample within batch_tokens."""
-    batches, start = [], 0
-    for i in range(len(lengths)):
-        if i > start and (i - start + 1) * lengths[i] > batch_tokens:
-            batches.append((start, i))
-            start = i
-    batches.append((start, len(lengths)))
-    return batches
 
 
 class ExtractError(ValueError):
@@ -198,15 +160,6 @@ def extract_shard(
     input_ids = torch.tensor([t for s in samples for t in s["input_ids"]], dtype=torch.int32)
     loss_mask = torch.tensor([m for s in samples for m in s["loss_mask"]], dtype=torch.uint8)
     return input_ids, loss_mask, parts
-
-
-def fit_positions(samples: list[TokenSample], plan: list[list[int]], fit_tokens: int) -> list[int]:
-    """Positions into `samples` that a pca basis is fitted on: every k-th sample of the plan's (length-sorted) order,
-    k chosen so that they hold about `fit_tokens` tokens (all samples when the data holds fewer)."""
-    order = [i for shard in plan for i in shard]
-    total = sum(len(samples[i]["input_ids"]) for i in order)
-    every = max(1, total // max(fit_tokens, 1))
-    return order[::every]
 
 
 def fit_basis(

@@ -22,7 +22,8 @@ import yaml
 from accelerate.state import AcceleratorState, GradientState
 from tiny import accelerate_launch
 
-from data.extract import STOP_AFTER_ENV, ExtractError, length_batches, main, plan_shards
+from data.extract import STOP_AFTER_ENV, ExtractError, main
+from data.extract_plan import length_batches, plan_shards
 from data.files import file_sha256
 from data.prepare import prepare_dataset
 from data.shards import MANIFEST, FeatureDataset, FeatureMismatchError

@@ -96,3 +96,14 @@ def test_no_getattr_probing_of_drafters_or_configs(where):
             if len(call.args) == 3 and OURS.search(ast.unparse(call.args[0])):
                 wrong.append(f"{path.relative_to(ROOT)}:{call.lineno}: {ast.unparse(call)}")
     assert not wrong, "getattr probes of our objects:\n" + "\n".join(wrong)
+
+
+MAX_LINES = 500
+
+
+def test_no_source_file_over_500_lines():
+    """A module a reader takes in whole: past 500 lines a file holds more than one concern, and is split by them."""
+    long = [
+        f"{p.relative_to(ROOT)}: {n}" for p in sources(*PACKAGES) if (n := len(p.read_text().splitlines())) > MAX_LINES
+    ]
+    assert not long, f"source files over {MAX_LINES} lines:\n" + "\n".join(long)
