@@ -1,6 +1,7 @@
 """The load gates of EAGLE-3 and P-EAGLE exports: one functional EAGLE-3 drafter parameterised by each consumer's
 reading rules (`Eagle3Reader`: vLLM, the speculators package, SGLang; P-EAGLE's mask slots), which reloads an export
-from its files as that consumer does and must give the trained drafter's draft logits. `export.gates` lists them."""
+from its files as that consumer does and must give the trained drafter's draft logits. Methods name them in their
+`models.methods` entries."""
 
 from __future__ import annotations
 
@@ -254,15 +255,15 @@ def eagle3_inputs(drafter: nn.Module, num_layers: int, vocab: int):
 
 
 @torch.no_grad()
-def drafter_logits(drafter: nn.Module, hidden, next_ids, positions, token, pos) -> torch.Tensor:
-    """The trained drafter on the gate's input, the same two steps (a P-EAGLE drafter: its one forward over the
-    positions and its `parallel_tokens - 1` mask slots), mapped to the target vocabulary."""
+def drafter_logits(drafter: nn.Module, hidden, next_ids, positions, token, pos, parallel: bool = False) -> torch.Tensor:
+    """The trained drafter on the gate's input, the same two steps (`parallel`, a P-EAGLE drafter: its one forward
+    over the positions and its `parallel_tokens - 1` mask slots), mapped to the target vocabulary."""
     dev = next(drafter.parameters()).device
     L = hidden.shape[2] - 1
     index = [hf_index(layer, L) for layer in drafter.cfg.feature_layers]
     feats = hidden[:, :, index].flatten(2).to(dev)
     cache = drafter.new_cache()
-    if drafter.cfg.method == "peagle":
+    if parallel:
         B, slots = next_ids.shape[0], drafter.cfg.parallel_tokens - 1
         feats = torch.cat([feats, drafter.mask_hidden.to(feats.dtype).expand(B, slots, -1)], dim=1)
         ids = torch.cat([next_ids.to(dev), torch.full((B, slots), drafter.cfg.mask_token_id, device=dev)], dim=1)
@@ -298,7 +299,7 @@ def compare(config: dict, tensors: dict, reader: Eagle3Reader, target, drafter: 
     )
     notes: list[str] = []
     consumer = eagle3_consumer_logits(config, tensors, reader, target, hidden, next_ids, positions, (token, pos), notes)
-    reference = drafter_logits(drafter, hidden, next_ids, positions, token, pos)
+    reference = drafter_logits(drafter, hidden, next_ids, positions, token, pos, reader.parallel)
     return finite_pairs(consumer, reference, notes)
 
 
@@ -319,8 +320,18 @@ def sglang_eagle3_gate(out_dir: Path, recipe, target, drafter: nn.Module) -> Gat
     return eagle3_gate(out_dir, target, drafter, SGLANG)
 
 
-def native_eagle3_gate(out_dir: Path, recipe, target, drafter: nn.Module) -> GateResult:
-    """`models.io.load_drafter` (eval's strict loader), then the same two draft steps over the target vocabulary."""
+def _native(out_dir: Path, target, drafter: nn.Module, parallel: bool) -> GateResult:
+    """`models.io.load_drafter` (eval's strict loader), then the same draft steps over the target vocabulary."""
     reloaded = load_drafter(out_dir, target)
     inputs = eagle3_inputs(drafter, target.config.num_hidden_layers, target.config.vocab_size)
-    return finite_pairs(drafter_logits(reloaded, *inputs), drafter_logits(drafter, *inputs), [])
+    return finite_pairs(drafter_logits(reloaded, *inputs, parallel), drafter_logits(drafter, *inputs, parallel), [])
+
+
+def native_eagle3_gate(out_dir: Path, recipe, target, drafter: nn.Module) -> GateResult:
+    """A native EAGLE-3 export, strictly reloaded: its two draft steps."""
+    return _native(out_dir, target, drafter, parallel=False)
+
+
+def native_peagle_gate(out_dir: Path, recipe, target, drafter: nn.Module) -> GateResult:
+    """A native P-EAGLE export, strictly reloaded: its one forward with its mask slots."""
+    return _native(out_dir, target, drafter, parallel=True)

@@ -130,6 +130,16 @@ def _tensors(drafter: nn.Module, layer_prefix: str) -> dict[str, torch.Tensor]:
 
 
 def write_speculators(out: Path, recipe, target, drafter: nn.Module, include_target_weights: bool) -> None:
+    """An EAGLE-3 drafter in the speculators layout (vLLM's `eagle3`)."""
+    _write_speculators(out, recipe, target, drafter, parallel=False)
+
+
+def write_speculators_peagle(out: Path, recipe, target, drafter: nn.Module, include_target_weights: bool) -> None:
+    """A P-EAGLE drafter in the speculators layout (vLLM's `peagle`: `mask_token_id`, `mask_hidden`)."""
+    _write_speculators(out, recipe, target, drafter, parallel=True)
+
+
+def _write_speculators(out: Path, recipe, target, drafter: nn.Module, parallel: bool) -> None:
     cfg, tc = drafter.cfg, target.config
     if len(cfg.feature_layers) != ENGINE_FUSED:
         raise ExportError(
@@ -139,7 +149,6 @@ def write_speculators(out: Path, recipe, target, drafter: nn.Module, include_tar
     tensors = _tensors(drafter, "layers.0.")
     ids = in_layer_order(tensors, aux_layer_ids(cfg.feature_layers, tc.num_hidden_layers, "vllm"))
     tensors["embed_tokens.weight"] = drafter.embed_tokens.weight  # exact copy: the package has no other source
-    parallel = cfg.method == "peagle"
     if parallel:  # speculators' PEagleDraftModel parameter shape, (1, 1, n_feat·d): its loader refuses (n_feat·d,)
         tensors["mask_hidden"] = tensors["mask_hidden"].reshape(1, 1, -1)  # vLLM reads any shape (view(1, -1))
     write_safetensors(tensors, out / WEIGHTS)

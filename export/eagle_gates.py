@@ -29,7 +29,7 @@ from export.gate_parts import (
     rope_cos_sin,
     same_tensors,
 )
-from models.io import ExportError, read_json, read_safetensors
+from models.io import ExportError, load_drafter, read_json, read_safetensors
 
 
 @dataclass(frozen=True)
@@ -245,3 +245,18 @@ def safeailab_gate(out_dir: Path, recipe, target, drafter: nn.Module) -> GateRes
 
 def sglang_gate(out_dir: Path, recipe, target, drafter: nn.Module) -> GateResult:
     return eagle_gate(out_dir, target, drafter, SGLANG)
+
+
+def vllm_eagle_gate(out_dir: Path, recipe, target, drafter: nn.Module) -> GateResult:
+    """vLLM's `EagleLlamaForCausalLM` reading the SafeAILab layout (`--format vllm` of an EAGLE-1/2 drafter)."""
+    return eagle_gate(out_dir, target, drafter, VLLM_EAGLE)
+
+
+def native_eagle_gate(out_dir: Path, recipe, target, drafter: nn.Module) -> GateResult:
+    """`models.io.load_drafter` (what eval runs: strict names, shapes and frozen tensors), then the same draft
+    logits on the gate's input."""
+    reloaded = load_drafter(out_dir, target)
+    batch, _, _ = eagle_inputs(drafter, target.config.vocab_size, target.config.hidden_size)
+    return GateResult(
+        reloaded.logits(reloaded.predict_features(batch)).float(), drafter.logits(drafter.predict_features(batch))
+    )

@@ -29,14 +29,13 @@ All EAGLE layouts: `layers.{i}.*` for `num_hidden_layers` layers, layer 0 withou
 logits through the target's lm_head; RoPE from `rope_theta` (default 10000) and `rope_scaling` (default, linear and
 llama3 are reproduced; another type is refused by the gate rather than guessed).
 
-`native`: `models.io.load_drafter` (eval's strict loader), then the same logits for EAGLE-2 and Medusa drafters.
+`native`: `models.io.load_drafter` (eval's strict loader), then the same logits (each method's own native gate).
 
-`GATES`, at the end, lists every gate by layout; the consumers live in `export.eagle_gates` (EAGLE-1/2),
-`export.medusa_gates` and `export.eagle3_gates` (EAGLE-3, P-EAGLE); what all build on (the gate input, `GateResult`,
-`Params`, RoPE, the files' names) is `export.gate_parts`. Adding a gate for a new format: write
-`def gate(out_dir, recipe, target, drafter) -> GateResult` and add it to `GATES` ("format-name", or
-"format/method" for a method-specific layout); `export.write` runs `check` on every engine format, so one missing
-from the table is refused.
+No table here: each method declares, per format, the writer and the gate (`models.methods.Layout`), and `gate(fmt,
+method)` finds it; the consumers live in `export.eagle_gates` (EAGLE-1/2), `export.medusa_gates` and
+`export.eagle3_gates` (EAGLE-3, P-EAGLE); what all build on (the gate input, `GateResult`, `Params`, RoPE, the files'
+names) is `export.gate_parts`. A new format for a method: write `def gate(out_dir, recipe, target, drafter) ->
+GateResult` and a writer, and name both in the method's `formats`; `export.write` runs `check` on every export.
 The functional consumers (`eagle_consumer_logits`, `medusa_fd_logits`, `vllm_medusa_logits`) take a config dict and
 a tensor dict, so `export.imports` verifies imported checkpoints with the same code.
 """
@@ -50,21 +49,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from export import eagle3_gates
-from export.eagle_gates import (
-    VLLM_EAGLE,
-    eagle_gate,
-    eagle_inputs,
-    safeailab_gate,
-    sglang_gate,
-)
 from export.gate_parts import (
-    ENGINE_WEIGHTS,
     GateResult,
 )
-from export.medusa_gates import medusa_gate, medusa_hidden, vllm_medusa_logits
-from models.io import ExportError, load_drafter, read_json, read_safetensors
-from models.methods import METHODS
+from models.io import ExportError, load_drafter
+from models.methods import METHODS, resolve
 
 Gate = Callable[[Path, Any, Any, nn.Module], GateResult]
 """A load gate: (export directory, recipe, target, trained drafter) -> the consumer's and the drafter's logits."""
@@ -90,13 +79,12 @@ def compute_dtype(drafter: nn.Module, target) -> torch.dtype:
 
 def check(fmt: str, out_dir: str | Path, recipe, target, drafter: nn.Module) -> float:
     """Run `fmt`'s gate on the export at `out_dir`; return the max abs logit difference, or raise ExportError."""
-    if fmt not in GATES:
-        raise ExportError(f"export.format: {fmt} has no load gate (export.gates.GATES has {', '.join(sorted(GATES))})")
+    run_gate = gate(fmt, drafter.cfg.method)
     was_training = drafter.training
     drafter.eval()
     try:
         with torch.no_grad():
-            result = GATES[fmt](Path(out_dir), recipe, target, drafter)
+            result = run_gate(Path(out_dir), recipe, target, drafter)
     finally:
         drafter.train(was_training)
     why = "; ".join(result.notes) if result.notes else "no field fell back on a default: check the tensors' values"
@@ -116,48 +104,16 @@ def check(fmt: str, out_dir: str | Path, recipe, target, drafter: nn.Module) -> 
     return diff
 
 
-def vllm_gate(out_dir: Path, recipe, target, drafter: nn.Module) -> GateResult:
-    if METHODS[drafter.cfg.method].proposer == "eagle":  # EAGLE-1/2 drafters go out in the SafeAILab layout
-        return eagle_gate(out_dir, target, drafter, VLLM_EAGLE)
-    config = read_json(out_dir / "config.json")
-    tensors = read_safetensors(out_dir / ENGINE_WEIGHTS)
-    hidden = medusa_hidden(drafter, target.config.hidden_size)
-    notes: list[str] = []
-    consumer = vllm_medusa_logits(config, tensors, ENGINE_WEIGHTS, hidden, notes)
-    return GateResult(consumer, drafter.head_logits(hidden).float(), notes)
-
-
-def native_gate(out_dir: Path, recipe, target, drafter: nn.Module) -> GateResult:
-    """`models.io.load_drafter` (what eval runs: strict names, shapes and frozen tensors), then the same draft
-    logits for EAGLE-2 drafters and Medusa heads (what their method declares: `models.methods`); a method with its
-    own gate registers `native/<method>` (EAGLE-3: `export.eagle3_gates`), others get the strict reload only."""
-    reloaded = load_drafter(out_dir, target)
-    method = METHODS[drafter.cfg.method]
-    if method.proposer == "eagle" and not method.own_vocab:
-        batch, _, _ = eagle_inputs(drafter, target.config.vocab_size, target.config.hidden_size)
-        return GateResult(
-            reloaded.logits(reloaded.predict_features(batch)).float(), drafter.logits(drafter.predict_features(batch))
-        )
-    if method.proposer == "medusa":
-        hidden = medusa_hidden(drafter, target.config.hidden_size)
-        return GateResult(reloaded.head_logits(hidden).float(), drafter.head_logits(hidden).float())
+def reload_gate(out_dir: Path, recipe, target, drafter: nn.Module) -> GateResult:
+    """`models.io.load_drafter` only (strict names, shapes, frozen tensors): for a method with no logit comparison of
+    its own (Medusa-2, whose heads and adapter `export_extra` writes beside)."""
+    load_drafter(out_dir, target)
     return GateResult(torch.zeros(0), torch.zeros(0), ["no logit comparison for this method: strict reload only"])
 
 
-# --------------------------------------------------------------------------------------------
-# Every load gate, by export layout: a format, or "<format>/<method>" for a method-specific layout (`export.write`)
-
-GATES: dict[str, Gate] = {
-    "native": native_gate,
-    "medusa": medusa_gate,
-    "eagle": safeailab_gate,
-    "sglang": sglang_gate,
-    "vllm": vllm_gate,
-    "native/eagle3": eagle3_gates.native_eagle3_gate,
-    "speculators/eagle3": eagle3_gates.speculators_gate,
-    "vllm/eagle3": eagle3_gates.speculators_gate,  # vLLM reads the speculators layout natively
-    "sglang/eagle3": eagle3_gates.sglang_eagle3_gate,
-    "native/peagle": eagle3_gates.native_eagle3_gate,  # the same comparison: one forward with its mask slots
-    "speculators/peagle": eagle3_gates.peagle_gate,
-    "vllm/peagle": eagle3_gates.peagle_gate,
-}
+def gate(fmt: str, method: str) -> Gate:
+    """The load gate of `method`'s drafters in format `fmt`, as its `models.methods` entry declares."""
+    formats = METHODS[method].formats
+    if fmt not in formats:
+        raise ExportError(f"export.format: {fmt} is not a format of {method} drafters (theirs: {', '.join(formats)})")
+    return resolve(formats[fmt].gate)

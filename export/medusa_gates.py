@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from export.gate_parts import (
+    ENGINE_WEIGHTS,
     FASTERDECODING_HEADS,
     GATE_BATCH,
     GATE_LEN,
@@ -22,7 +23,7 @@ from export.gate_parts import (
     config_value,
     same_tensors,
 )
-from models.io import ExportError, read_json
+from models.io import ExportError, load_drafter, read_json, read_safetensors
 
 
 def medusa_hidden(drafter: nn.Module, d: int) -> torch.Tensor:
@@ -105,3 +106,21 @@ def vllm_medusa_logits(
             x = x + F.silu(F.linear(x, w, b))
         out.append(F.linear(x, p.get(f"lm_heads.{0 if shared else h}.weight", (vocab, d))))
     return torch.stack(out)
+
+
+def vllm_medusa_gate(out_dir: Path, recipe, target, drafter: nn.Module) -> GateResult:
+    """vLLM's `MedusaModel` reading `--format vllm` of Medusa heads."""
+    config = read_json(out_dir / "config.json")
+    tensors = read_safetensors(out_dir / ENGINE_WEIGHTS)
+    hidden = medusa_hidden(drafter, target.config.hidden_size)
+    notes: list[str] = []
+    consumer = vllm_medusa_logits(config, tensors, ENGINE_WEIGHTS, hidden, notes)
+    return GateResult(consumer, drafter.head_logits(hidden).float(), notes)
+
+
+def native_medusa_gate(out_dir: Path, recipe, target, drafter: nn.Module) -> GateResult:
+    """`models.io.load_drafter` (what eval runs: strict names, shapes and frozen tensors), then the same heads' logits
+    on the gate's input."""
+    reloaded = load_drafter(out_dir, target)
+    hidden = medusa_hidden(drafter, target.config.hidden_size)
+    return GateResult(reloaded.head_logits(hidden).float(), drafter.head_logits(hidden).float())

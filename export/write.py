@@ -43,7 +43,8 @@ Engine formats, each a `config.json` + safetensors file:
   with `fc_bias: false`, since vLLM's EAGLE fc has no bias and it drops an `fc.bias` without a word.
 - `speculators`, and `sglang` / `vllm` for `eagle3` drafters: the EAGLE-3 layouts of `export.eagle3_layouts` (own
   LM head, `d2t` / `t2d`, each engine's auxiliary layer ids, the EAGLE-3.1 flags where the consumer reads them).
-Every engine export passes its load gate (`export.gates`) before it is renamed into place: a re-implementation of
+Which writer and which gate a format has for a method is that method's entry in `models.methods` (its `formats`).
+Every export passes its load gate (`export.gates`) before it is renamed into place: a re-implementation of
 the consumer's loading code (config fields and their defaults, tensor names, strictness) reloads it from the
 directory and must give the trained drafter's draft logits, else the export fails naming the field.
 The export is written under `<out>.tmp` and renamed once complete (a failed export leaves nothing behind; an
@@ -69,9 +70,7 @@ from data.heldout import HeldoutError, read_heldout
 from data.prepare import prepare_dataset
 from data.shards import FeatureDataset, FeatureMismatchError
 from data.vocab_counts import loss_token_counts, most_frequent
-from export import eagle3_layouts
 from export.gate_parts import EAGLE_PT, FASTERDECODING_HEADS, MEDUSA_PT, MEDUSA_SAFETENSORS
-from export.gates import GATES
 from export.gates import check as gate_check
 from models.io import (
     CONFIG_FILE,
@@ -91,7 +90,7 @@ from models.io import (
 from models.io import FORMAT as NATIVE_FORMAT
 from models.lm_head import fit_samples, save_factors
 from models.medusa import MedusaHeads
-from models.methods import METHODS
+from models.methods import METHODS, resolve
 from models.target import Target, TargetError, load_target
 from rundir.checkpoints import CheckpointError, latest_checkpoint, read_state
 from rundir.lock import DirectoryLocked, NotADirectory, directory_lock
@@ -197,7 +196,9 @@ def write_pt(tensors: dict[str, torch.Tensor], path: Path) -> None:
     tmp.replace(path)
 
 
-def write_vllm_medusa(out: Path, recipe: Recipe, target: Target, drafter: nn.Module) -> None:
+def write_vllm_medusa(
+    out: Path, recipe: Recipe, target: Target, drafter: nn.Module, include_target_weights: bool = False
+) -> None:
     """vLLM's `MedusaModel`: our tensor names (`blocks.{h}.layers.{l}.weight|bias`, `lm_heads.{h}.weight`) and a
     `model_type: medusa` config. vLLM builds the blocks without bias unless `medusa_fc_bias` is set, so it is always
     written; shared-lm_head heads export one `lm_heads.0.weight` (the target's) with `original_lm_head: true`."""
@@ -223,19 +224,19 @@ def write_vllm_medusa(out: Path, recipe: Recipe, target: Target, drafter: nn.Mod
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
-def write_vllm(out: Path, recipe: Recipe, target: Target, drafter: nn.Module, include_target_weights: bool) -> None:
-    """vLLM: Medusa heads in its `MedusaModel` layout; EAGLE-1/2 drafters in the SafeAILab layout, which vLLM's
-    `method: eagle` reads (vLLM wraps the Llama config itself). vLLM builds that drafter's fc without a bias and
-    skips weights it has no parameter for, so drafters trained with an fc bias are refused, not exported wrong."""
-    if METHODS[recipe.drafter.method].proposer == "eagle":
-        check_eagle_layout(drafter.cfg)  # first what no EAGLE-1/2 layout holds, then what vLLM's cannot
-        if drafter.cfg.fc_bias:
-            raise ExportError(
-                "export.format: vllm builds the EAGLE fc without bias and would silently drop fc.bias; train with "
-                "drafter.fc_bias=false, or export --format eagle / sglang (which keep the bias)"
-            )
-        return _write_eagle(out, target, drafter, include_target_weights, "vllm")
-    write_vllm_medusa(out, recipe, target, drafter)
+def write_vllm_eagle(
+    out: Path, recipe: Recipe, target: Target, drafter: nn.Module, include_target_weights: bool
+) -> None:
+    """vLLM: an EAGLE-1/2 drafter in the SafeAILab layout, which vLLM's `method: eagle` reads (vLLM wraps the Llama
+    config itself). vLLM builds that drafter's fc without a bias and skips weights it has no parameter for, so
+    drafters trained with an fc bias are refused, not exported wrong."""
+    check_eagle_layout(drafter.cfg)  # first what no EAGLE-1/2 layout holds, then what vLLM's cannot
+    if drafter.cfg.fc_bias:
+        raise ExportError(
+            "export.format: vllm builds the EAGLE fc without bias and would silently drop fc.bias; train with "
+            "drafter.fc_bias=false, or export --format eagle / sglang (which keep the bias)"
+        )
+    _write_eagle(out, target, drafter, include_target_weights, "vllm")
 
 
 def check_eagle_layout(cfg) -> None:
@@ -318,16 +319,8 @@ def write_sglang(out: Path, recipe: Recipe, target: Target, drafter: nn.Module, 
     _write_eagle(out, target, drafter, include_target_weights, "sglang")
 
 
-ENGINE_FORMATS = {"medusa": write_medusa, "eagle": write_eagle, "sglang": write_sglang, "vllm": write_vllm}
-# Method-specific layouts of a format; their gates are `export.gates.GATES["<format>/<method>"]`.
-METHOD_LAYOUTS = {
-    ("eagle3", "speculators"): eagle3_layouts.write_speculators,
-    ("eagle3", "vllm"): eagle3_layouts.write_speculators,  # vLLM reads the speculators layout natively
-    ("eagle3", "sglang"): eagle3_layouts.write_sglang_eagle3,
-    ("peagle", "speculators"): eagle3_layouts.write_speculators,  # vLLM's `peagle` speculators type
-    ("peagle", "vllm"): eagle3_layouts.write_speculators,
-}
-FORMATS = ("native", *ENGINE_FORMATS, "speculators")
+FORMATS = tuple(dict.fromkeys(fmt for method in METHODS.values() for fmt in method.formats))
+"""Every format some method declares (`models.methods`: each method's formats, with their writers and gates)."""
 
 
 def is_native_export(path: str | Path) -> bool:
@@ -386,19 +379,15 @@ def export(
     # one export at a time into `out` (a lock file beside it: `out` itself is replaced whole), renamed into place
     # once complete: a failed export leaves nothing
     with directory_lock(out, "export", key="--out", beside=True), staged_directory(out) as tmp:
-        if (method.name, fmt) in METHOD_LAYOUTS:
-            METHOD_LAYOUTS[method.name, fmt](tmp, recipe, target, drafter, include_target_weights)
-            gate_check(f"{fmt}/{method.name}", tmp, recipe, target, drafter)
-        elif fmt in ENGINE_FORMATS:
-            ENGINE_FORMATS[fmt](tmp, recipe, target, drafter, include_target_weights)
-            gate_check(fmt, tmp, recipe, target, drafter)  # reloaded as its consumer does, before the rename
+        writer = method.formats[fmt].writer
+        if writer is not None:
+            resolve(writer)(tmp, recipe, target, drafter, include_target_weights)
         else:
             merge = recipe.export.merge_lora if merge_lora is None else merge_lora
             ckpt = checkpoint if checkpoint is not None else latest_checkpoint(run_dir)
             steps = read_state(ckpt)["step"] if ckpt is not None else None  # for evaluation's staleness check
             write_native(tmp, recipe, target, drafter, include_target_weights, merge, run_dir, steps)
-            native = f"native/{method.name}"  # strict reload (load_drafter), same logits
-            gate_check(native if native in GATES else "native", tmp, recipe, target, drafter)
+        gate_check(fmt, tmp, recipe, target, drafter)  # reloaded as its consumer does, before the rename
     return out
 
 

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from models.methods import METHODS
+
 _EXPONENT_FLOAT = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+")
 
 
@@ -297,9 +299,10 @@ class TrainConfig:
 
 @dataclass
 class ExportConfig:
-    format: Literal["native", "eagle", "sglang", "medusa", "vllm", "speculators"] = "native"
-    """Engine layouts (export/write.py; EAGLE-3: export/eagle3_layouts.py). `speculators` holds `eagle3` drafters only:
-    its layer attends over [embedding | fused features], which specdraft's EAGLE-2 drafter is not."""
+    format: str = "native"
+    """`native`, or an engine layout that some method declares (`models.methods`: native, eagle, sglang, medusa, vllm,
+    speculators); whether it holds the recipe's drafter is the method's `formats` (`speculators` holds `eagle3` and
+    `peagle` drafters only: its layer attends over [embedding | fused features], which EAGLE-2's is not)."""
     out: str | None = None
     """Where the recipe's own `format` goes; defaults to <train.output_dir>/export (native) or
     <train.output_dir>/export-<format> (engine layouts)."""
@@ -311,7 +314,10 @@ class ExportConfig:
     """Drafters with LoRA adapters (Medusa-2): also write the target with the adapters merged in (`merged/`)."""
 
     def validate(self, err) -> None:
-        """Nothing beyond the fields' types (whether `format` holds the drafter: `export.write` checks)."""
+        """`format` is one some method declares (whether it holds this recipe's drafter: `export.write` checks)."""
+        known = list(dict.fromkeys(fmt for method in METHODS.values() for fmt in method.formats))
+        if self.format not in known:
+            err("export.format", f"must be one of {', '.join(known)}, got {self.format!r}")
 
 
 @dataclass

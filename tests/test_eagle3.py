@@ -512,7 +512,7 @@ def test_gates_catch_what_a_consumer_reads_wrong(fmt, edit, why, run, tmp_path):
     broken(out, edit)
     recipe, target, drafter = load_run(run)
     with pytest.raises(ExportError, match=why):
-        gate_check(f"{fmt}/eagle3", out, recipe, target, drafter)
+        gate_check(fmt, out, recipe, target, drafter)
 
 
 def test_speculators_export_of_a_bf16_target_names_the_trained_dtype(features, tmp_path, at_root):
@@ -526,10 +526,10 @@ def test_speculators_export_of_a_bf16_target_names_the_trained_dtype(features, t
     assert config["dtype"] == "float32"
     assert tensors["embed_tokens.weight"].dtype == torch.bfloat16 and tensors["fc.weight"].dtype == torch.float32
     recipe, target, drafter = load_run(tmp_path / "run")
-    assert gate_check("speculators/eagle3", out, recipe, target, drafter) <= 1e-4 * 100
+    assert gate_check("speculators", out, recipe, target, drafter) <= 1e-4 * 100
     broken(out, lambda c, t: c.pop("dtype"))
     with pytest.raises(ExportError, match="every tensor is loaded in embed_tokens.weight's bfloat16"):
-        gate_check("speculators/eagle3", out, recipe, target, drafter)
+        gate_check("speculators", out, recipe, target, drafter)
 
 
 def test_sglang_refuses_what_its_eagle3_layer_cannot_hold(features, tmp_path, at_root):

@@ -125,7 +125,7 @@ def test_the_negative_case_is_an_export_our_gate_refuses_on_its_logits(
     recipe, target, drafter = eagle3_parts
     (export := tmp_path / "export").mkdir()
     writer(export, recipe, target, drafter, False)
-    gate_check(f"{fmt}/eagle3", export, recipe, target, drafter)  # the written export passes
+    gate_check(fmt, export, recipe, target, drafter)  # the written export passes
     edited = tmp_path / "edited"
     assert copy_with_edited_aux_ids(export, edited, TINY["num_hidden_layers"], engine) == (before, after)
     written, changed = (json.loads((d / "config.json").read_text()) for d in (export, edited))
@@ -135,7 +135,7 @@ def test_the_negative_case_is_an_export_our_gate_refuses_on_its_logits(
     assert changed == written  # nothing else edited
     assert sorted(p.name for p in edited.iterdir()) == sorted(p.name for p in export.iterdir())
     with pytest.raises(ExportError, match="differ by"):
-        gate_check(f"{fmt}/eagle3", edited, recipe, target, drafter)
+        gate_check(fmt, edited, recipe, target, drafter)
 
 
 def test_cached_causal_attention_is_causal_attention_over_the_prefix_and_the_new_token():

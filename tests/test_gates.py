@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import ast
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -18,11 +19,12 @@ from tiny import perturbed
 
 from export import write as export_mod
 from export.gate_parts import EAGLE_PT, MEDUSA_PT, rope_cos_sin
-from export.gates import GATES, check
+from export.gates import check, gate
 from models.configs import EagleConfig, MedusaConfig
 from models.eagle import EagleDrafter
 from models.io import EXPORT_MARKER, ExportError
 from models.medusa import MedusaHeads
+from models.methods import METHODS, resolve
 from models.target import load_target
 from schema.recipe import load_recipe
 
@@ -87,11 +89,10 @@ def medusa(target, **cfg) -> MedusaHeads:
 
 def write(fmt: str, out: Path, recipe, target, drafter, include_target_weights: bool = False) -> Path:
     out.mkdir()
-    writer = {"eagle": export_mod.write_eagle, "sglang": export_mod.write_sglang, "vllm": export_mod.write_vllm}
-    if fmt == "medusa":
+    if fmt == "medusa":  # past the writer's refusal of heads FasterDecoding cannot hold: the gate is under test
         export_mod.write_medusa_files(out, recipe, target, drafter)
-    else:
-        writer[fmt](out, recipe, target, drafter, include_target_weights)
+    else:  # the writer the drafter's method declares for the format
+        resolve(METHODS[drafter.cfg.method].formats[fmt].writer)(out, recipe, target, drafter, include_target_weights)
     return out
 
 
@@ -102,29 +103,27 @@ def one_line_error(match: str, *args) -> str:
     return str(err.value)
 
 
-def test_every_engine_format_has_a_gate():
-    assert set(export_mod.ENGINE_FORMATS) <= set(GATES)
+def test_every_format_of_every_method_has_a_writer_and_a_gate():
+    """The export registries are the methods' declarations (`models.methods`): every format a method declares
+    resolves to its gate and, but for native (the project's own writer), to its writer; `export.write.FORMATS` is
+    their union and the recipe schema knows each."""
+    for method in METHODS.values():
+        assert method.formats["native"].writer is None, method.name
+        for fmt, layout in method.formats.items():
+            assert callable(resolve(layout.gate)) and gate(fmt, method.name) is resolve(layout.gate)
+            assert fmt == "native" or callable(resolve(layout.writer)), (method.name, fmt)
+            assert load_recipe(ROOT / "recipes/tiny/eagle2.yaml", [f"export.format={fmt}"]).export.format == fmt
+    assert set(export_mod.FORMATS) == {fmt for method in METHODS.values() for fmt in method.formats}
 
 
-def test_the_gates_are_one_literal_table():
-    """`export.gates.GATES` is one dict literal that names every gate, EAGLE-3's included, like export's tables of
-    writers; no module adds gates to it as it is imported (which left EAGLE-3's out of a process that had not imported
-    `export.eagle3_layouts`)."""
-    writes = []
-    for path in sorted((ROOT / "export").glob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
-            targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
-            for target in targets:
-                if isinstance(target, ast.Subscript) and "GATES" in ast.unparse(target.value):
-                    writes.append(f"{path.name}: {ast.unparse(node)}")
-                if isinstance(target, ast.Name) and target.id == "GATES":
-                    assert path.name == "gates.py" and isinstance(node.value, ast.Dict), ast.unparse(node)
-                    assert all(isinstance(k, ast.Constant) for k in node.value.keys)
-                    table = [k.value for k in node.value.keys]
-    assert not writes, writes
-    layouts = {*export_mod.ENGINE_FORMATS, "native", *(f"{fmt}/{method}" for method, fmt in export_mod.METHOD_LAYOUTS)}
-    own_native = {"native/eagle3", "native/peagle"}  # methods whose native export has a gate of its own
-    assert sorted(table) == sorted(GATES) == sorted(layouts | own_native)
+def test_export_never_asks_which_method_it_has():
+    """Nothing in export/ compares a method's name or kind: what a method's export is, its entry declares (a
+    comparison such as `cfg.method == "peagle"` or `method.proposer == "eagle"` is a table that escaped it)."""
+    asks = re.compile(r"\.method\b|\.proposer\b|\.own_vocab\b|['\"](" + "|".join(METHODS) + r")['\"]")
+    wrong = [f"{path.name}:{node.lineno}: {ast.unparse(node)}" for path in sorted((ROOT / "export").glob("*.py"))
+             for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Compare)
+             and asks.search(ast.unparse(node))]  # fmt: skip
+    assert not wrong, "\n".join(wrong)
 
 
 @pytest.mark.parametrize(
@@ -307,7 +306,7 @@ def test_vllm_drops_an_fc_bias(targets, recipe, tmp_path):
     drafter = eagle(target, fc_bias=True)
     out = tmp_path / "v"
     out.mkdir()
-    export_mod.write_eagle(out, recipe, target, drafter, False)  # what `write_vllm` refuses to do
+    export_mod.write_eagle(out, recipe, target, drafter, False)  # what `write_vllm_eagle` refuses to do
     msg = one_line_error("^vllm load gate", "vllm", out, recipe, target, drafter)
     assert "fc.bias in model.safetensors is dropped" in msg
 
@@ -381,17 +380,19 @@ def test_a_failing_gate_leaves_nothing(targets, recipe, tmp_path, monkeypatch):
     run_recipe = load_recipe(ROOT / "recipes/tiny/eagle2.yaml", ["drafter.fc_norm=false", "drafter.post_norm=false"])
     monkeypatch.setattr(export_mod, "load_run", lambda run_dir, checkpoint=None: (run_recipe, target, drafter))
 
+    original = export_mod.write_sglang
+
     def broken(out, *args):
-        export_mod.write_sglang(out, *args)
+        original(out, *args)
         tensors = load_file(str(out / "model.safetensors"))
         del tensors["fc.bias"]
         save_file(tensors, str(out / "model.safetensors"))
 
-    monkeypatch.setitem(export_mod.ENGINE_FORMATS, "sglang", broken)
+    monkeypatch.setattr(export_mod, "write_sglang", broken)  # the method's writer, as its entry names it
     with pytest.raises(ExportError, match="^sglang load gate: .*fc.bias missing"):
         export_mod.export(tmp_path / "run", tmp_path / "out", fmt="sglang")
     assert not list(tmp_path.iterdir())
-    monkeypatch.setitem(export_mod.ENGINE_FORMATS, "sglang", export_mod.write_sglang)
+    monkeypatch.setattr(export_mod, "write_sglang", original)
     out = export_mod.export(tmp_path / "run", tmp_path / "out", fmt="sglang")
     assert sorted(p.name for p in out.iterdir()) == [EXPORT_MARKER, "config.json", "model.safetensors"]
 
@@ -450,6 +451,9 @@ def test_a_gate_without_logits_only_reloads(targets, recipes, tmp_path, monkeypa
 
     target = targets["plain"]
     drafter = eagle(target)
-    monkeypatch.setitem(gates.GATES, "bare", lambda *a: gates.GateResult(torch.zeros(0), torch.zeros(0)))
-    assert check("bare", tmp_path, recipes["eagle"], target, drafter) == 0.0
-    one_line_error("^export.format: nope has no load gate", "nope", tmp_path, recipes["eagle"], target, drafter)
+    bare = lambda *a: gates.GateResult(torch.zeros(0), torch.zeros(0))  # noqa: E731
+    monkeypatch.setattr(gates, "gate", lambda fmt, method: bare)
+    assert check("native", tmp_path, recipes["eagle"], target, drafter) == 0.0
+    monkeypatch.undo()
+    msg = "^export.format: nope is not a format of eagle2 drafters"
+    one_line_error(msg, "nope", tmp_path, recipes["eagle"], target, drafter)

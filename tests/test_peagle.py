@@ -382,7 +382,7 @@ def test_the_gate_catches_what_vllm_would_read_wrong(edit, why, run, tmp_path):
     save_file(tensors, str(out / "model.safetensors"))
     recipe, target, drafter = load_run(run)
     with pytest.raises(ExportError, match=why):
-        gate_check("speculators/peagle", out, recipe, target, drafter)
+        gate_check("speculators", out, recipe, target, drafter)
 
 
 def test_fused_layers_out_of_order_export_their_mask_hidden_in_layer_order(features, tmp_path, at_root):

@@ -724,6 +724,6 @@ def test_a_device_map_that_training_cannot_use_is_refused(features, tmp_path):
     placed = f"target.device_map={json.dumps(cut_map(layers))}"
     overrides = [*on_path, placed, f"data.features_dir={features}", f"train.output_dir={tmp_path / 'b'}", *QUIET]
     medusa2 = load_recipe(ROOT / "recipes/tiny/medusa2.yaml", overrides)
-    with pytest.raises(TrainingError, match="Medusa-2 trains the target's own layers"):
+    with pytest.raises(TrainingError, match="medusa2 trains the target's own layers"):
         build_target(medusa2, accelerator)
     reset_accelerate()

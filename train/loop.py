@@ -57,10 +57,11 @@ def build_target(recipe: Recipe, accelerator: Accelerator) -> Target:
     is registered (`zero.Init`), so the target is loaded with it unregistered.
     """
     placed = recipe.target.device_map is not None
-    if placed and recipe.drafter.method == "medusa2":
+    if placed and METHODS[recipe.drafter.method].adapts_target:
         raise TrainingError(
-            f"{recipe.source}: target.device_map: Medusa-2 trains the target's own layers (LoRA), which a device map "
-            "leaves to accelerate's hooks; train it with the target whole on each device (DeepSpeed/FSDP shard it)"
+            f"{recipe.source}: target.device_map: {recipe.drafter.method} trains the target's own layers (LoRA), which "
+            "a device map leaves to accelerate's hooks; train it with the target whole on each device (DeepSpeed/FSDP "
+            "shard it)"
         )
     plugin = accelerator.state.deepspeed_plugin
     if plugin is not None:
