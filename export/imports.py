@@ -43,7 +43,7 @@ from torch import nn
 from export import eagle3_gates
 from export.eagle_gates import SAFEAILAB, eagle_consumer_logits, eagle_inputs, rope_hints
 from export.gate_parts import MEDUSA_PT, MEDUSA_SAFETENSORS, read_pt
-from export.gates import compute_dtype, read_json, tolerance
+from export.gates import compute_dtype, tolerance
 from export.medusa_gates import medusa_fd_logits, medusa_hidden
 from models.configs import Eagle3Config, EagleConfig, MedusaConfig
 from models.io import (
@@ -52,6 +52,7 @@ from models.io import (
     check_export_dir,
     legacy_rope,
     load_drafter,
+    read_json,
     read_safetensors,
     save_native,
     staged_directory,
