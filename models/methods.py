@@ -18,7 +18,8 @@ A method declares:
   and imported only when an export runs; `native` has the project's own writer and a gate of the method's;
 - `step_dependent`: its loss depends on the optimizer step (the loop calls `set_step(step)` before each step);
   `adapts_target`: it trains the target's own layers (LoRA; training refuses a split target), and evaluation
-  verifies with `drafter.adapt_target(target)` (a LoRA-merged target) and drafts with what that returns; `export_extra`: the native export calls `drafter.export_extra(out, target, merge_lora=...)`;
+  verifies with `drafter.adapt_target(target)` (a LoRA-merged target) and drafts with what that returns;
+  `export_extra`: the native export calls `drafter.export_extra(out, target, merge_lora=...)`;
   `own_vocab`: it drafts over its own trained draft vocabulary (`drafter.draft_vocab` tokens): training picks the
   data's most frequent loss tokens and calls `drafter.set_draft_vocab(ids, init_head=True)`, and evaluation maps its
   logits to target ids with `drafter.draft_ids`.
