@@ -49,9 +49,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from export.gate_parts import (
-    GateResult,
-)
+from export.gate_parts import GateResult
 from models.io import ExportError, load_drafter
 from models.methods import METHODS, resolve
 

@@ -90,7 +90,7 @@ from models.io import (
 from models.io import FORMAT as NATIVE_FORMAT
 from models.lm_head import fit_samples, save_factors
 from models.medusa import MedusaHeads
-from models.methods import METHODS, resolve
+from models.methods import FORMATS, METHODS, resolve
 from models.target import Target, TargetError, load_target
 from rundir.checkpoints import CheckpointError, latest_checkpoint, read_state
 from rundir.lock import DirectoryLocked, NotADirectory, directory_lock
@@ -317,10 +317,6 @@ def write_eagle(out: Path, recipe: Recipe, target: Target, drafter: nn.Module, i
 
 def write_sglang(out: Path, recipe: Recipe, target: Target, drafter: nn.Module, include_target_weights: bool) -> None:
     _write_eagle(out, target, drafter, include_target_weights, "sglang")
-
-
-FORMATS = tuple(dict.fromkeys(fmt for method in METHODS.values() for fmt in method.formats))
-"""Every format some method declares (`models.methods`: each method's formats, with their writers and gates)."""
 
 
 def is_native_export(path: str | Path) -> bool:

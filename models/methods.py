@@ -120,3 +120,6 @@ METHODS: dict[str, Method] = {
                adapts_target=True, export_extra=True),
     )
 }  # fmt: skip
+
+FORMATS: tuple[str, ...] = tuple(dict.fromkeys(fmt for method in METHODS.values() for fmt in method.formats))
+"""Every export format some method declares, native first: what `export.format` and `python -m export` accept."""

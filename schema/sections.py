@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from models.methods import METHODS
+from models.methods import FORMATS
 
 _EXPONENT_FLOAT = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+")
 
@@ -315,9 +315,8 @@ class ExportConfig:
 
     def validate(self, err) -> None:
         """`format` is one some method declares (whether it holds this recipe's drafter: `export.write` checks)."""
-        known = list(dict.fromkeys(fmt for method in METHODS.values() for fmt in method.formats))
-        if self.format not in known:
-            err("export.format", f"must be one of {', '.join(known)}, got {self.format!r}")
+        if self.format not in FORMATS:
+            err("export.format", f"must be one of {', '.join(FORMATS)}, got {self.format!r}")
 
 
 @dataclass

@@ -105,7 +105,7 @@ def one_line_error(match: str, *args) -> str:
 
 def test_every_format_of_every_method_has_a_writer_and_a_gate():
     """The export registries are the methods' declarations (`models.methods`): every format a method declares
-    resolves to its gate and, but for native (the project's own writer), to its writer; `export.write.FORMATS` is
+    resolves to its gate and, but for native (the project's own writer), to its writer; `models.methods.FORMATS` is
     their union and the recipe schema knows each."""
     for method in METHODS.values():
         assert method.formats["native"].writer is None, method.name
