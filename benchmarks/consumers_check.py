@@ -139,7 +139,7 @@ def fed_back_reference(drafter, features, next_ids, n: int):
     drafts its second token. Returns (tokens (n,), logits (n, V): over the draft vocabulary for EAGLE-3)."""
     import torch
 
-    from models.eagle import DraftCache
+    from methods.eagle2.model import DraftCache
 
     T = next_ids.shape[1]
     positions = torch.arange(T)[None]

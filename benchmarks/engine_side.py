@@ -17,7 +17,7 @@ import torch.nn.functional as F
 AUX_IDS = "eagle_aux_hidden_state_layer_ids"
 CAPTURED = {"vllm": (0, 1), "sglang": (0, 2)}
 """engine -> (lowest id, L - highest id) it captures of an L-layer target: vLLM id i = the input of decoder layer i
-(0..L-1), SGLang id i = the output of decoder layer i (0..L-2); `export.eagle3_layouts.aux_layer_ids` has the same."""
+(0..L-1), SGLang id i = the output of decoder layer i (0..L-2); `methods.eagle3.layouts.aux_layer_ids` has the same."""
 
 
 class CachedCausalAttention:

@@ -24,8 +24,8 @@ from eval.eagle_proposer import EagleProposer  # noqa: E402
 from eval.static_proposers import MedusaProposer  # noqa: E402
 from eval.target_runner import clock  # noqa: E402
 from eval.trees import calibrated_tree, medusa_rank_acc  # noqa: E402
-from models.eagle import EagleConfig, EagleDrafter  # noqa: E402
-from models.medusa import MedusaConfig, MedusaHeads  # noqa: E402
+from methods.eagle2.model import EagleConfig, EagleDrafter  # noqa: E402
+from methods.medusa1.model import MedusaConfig, MedusaHeads  # noqa: E402
 from models.target import Target, load_target  # noqa: E402
 
 POCKET_SHAPE = {

@@ -211,8 +211,8 @@ def check_spread_target(devices: list[str], kernels_list: tuple[str, ...]) -> No
     from eval.eagle_proposer import EagleProposer
     from eval.static_proposers import MedusaProposer
     from eval.trees import chain
-    from models.eagle import EagleConfig, EagleDrafter
-    from models.medusa import MedusaConfig, MedusaHeads
+    from methods.eagle2.model import EagleConfig, EagleDrafter
+    from methods.medusa1.model import MedusaConfig, MedusaHeads
     from models.target import load_target
 
     config = {

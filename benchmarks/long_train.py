@@ -72,8 +72,8 @@ def one_step(length: int, rows: int, ttt_steps: int, draft_vocab: int) -> dict:
     """Build the drafter, run one optimizer step on `rows` packed rows of `length` tokens; peak RSS in GB."""
     import torch
 
-    from models.configs import Eagle3Config
-    from models.eagle3 import Eagle3Drafter
+    from methods.eagle3.config import Eagle3Config
+    from methods.eagle3.model import Eagle3Drafter
     from models.target import load_target
 
     torch.manual_seed(0)

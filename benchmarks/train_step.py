@@ -43,7 +43,7 @@ from accelerate.utils import set_seed
 from data.extract import main as extract_main
 from data.loader import BatchLoader
 from data.shards import FeatureDataset
-from models.methods import METHODS
+from methods import METHODS
 from models.target import load_target
 from schema.recipe import load_recipe
 from train import loop

@@ -4,7 +4,7 @@
     from eval.decode import speculative_generate, DecodeSettings
     from eval.baselines import plain_generate
 
-Files: `trees.py` (tree shapes; the named Medusa trees are data in `models/named_trees.py`), `kernels/` (Triton)
+Files: `trees.py` (tree shapes; the named Medusa trees are data in `methods/named_trees.py`), `kernels/` (Triton)
 and `reference.py` (its PyTorch twins), `proposers.py` (drafters as the loop uses them), `heads.py` (the two-stage
 draft head), `decode.py` (the speculative loop), `baselines.py` (plain decoding and prompt lookup), `run.py` (prompts,
 drafter, batches, report), `report.py`, `checks.py` (losslessness judges and stub drafters), `__main__.py` (the

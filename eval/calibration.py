@@ -16,9 +16,8 @@ from data.shards import FeatureDataset, split_by_id
 from data.vocab_counts import frequent_loss_tokens, loss_token_counts
 from eval import EvalError
 from eval.heads import FitData, shard_fit_data
+from methods import Method
 from models.io import load_draft_vocab, read_config
-from models.medusa import MedusaHeads
-from models.methods import Method
 from models.target import Target
 from schema.evaluation import EvalConfig
 from schema.recipe import Recipe
@@ -28,7 +27,7 @@ CALIBRATION_SAMPLES = 64
 
 @torch.inference_mode()
 def medusa_rank_accuracy(
-    heads: MedusaHeads, sequences: Iterable[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], top_k: int
+    heads: torch.nn.Module, sequences: Iterable[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], top_k: int
 ) -> torch.Tensor:
     """(K, top_k) measured P(head k's rank-r token is right), teacher-forced: the calibration of a Medusa static
     tree. `sequences` yields (last hidden states (T, d), token ids (T,), scored (T,) bool: the tokens that count as
@@ -177,3 +176,9 @@ def draft_vocabulary(recipe: Recipe, drafter_dir: str, size: int) -> torch.Tenso
             f"{features}); ask for at most {len(vocab)}, or 0 for the whole vocabulary"
         )
     return vocab
+
+
+def medusa_calibration(heads: torch.nn.Module, target: Target, samples, top_k: int) -> torch.Tensor:
+    """Medusa heads' per-depth rank accuracy on calibration samples ((ids, scored) pairs), from the target's last
+    hidden states."""
+    return medusa_rank_accuracy(heads, calibration_sequences(target, samples), top_k)

@@ -9,7 +9,15 @@ import torch
 
 from eval.cost_trees import batch_should_stop, batch_tree_size
 from eval.heads import TwoStageProjection
-from eval.proposal import DecodeState, RankFn, VocabProjection, check_draft_vocab
+from eval.proposal import (
+    DecodeState,
+    Proposer,
+    RankFn,
+    VocabProjection,
+    check_draft_vocab,
+    own_projection,
+    vocab_suffix,
+)
 from eval.trees import Tree, dynamic_trees
 
 
@@ -35,7 +43,7 @@ class EagleProposer:
     ):
         """`draft_vocab`: token ids whose rows of the drafter's lm_head it drafts from, or a ready projection (a
         drafter's own trained head, the two-stage head); None: the whole vocabulary. `window`: the drafter attends
-        to fewer than this many positions back (`models.eagle.windowed`); None: the whole context."""
+        to fewer than this many positions back (`methods.eagle2.model.windowed`); None: the whole context."""
         self.drafter, self.window = drafter, window
         self.feature_layers = list(drafter.cfg.feature_layers)
         self.depth, self.top_k, self.total_tokens = depth, top_k, total_tokens
@@ -185,3 +193,34 @@ class EagleProposer:
         self.lengths = [self.lengths[r] for r in rows]
         self.committed = max(self.lengths, default=0)
         self.cache.crop(self.committed)
+
+
+def build_eagle_proposer(
+    method, drafter: torch.nn.Module, ev, calibrate, draft_vocab=None, window=None
+) -> tuple[Proposer, str]:
+    """EAGLE-2 / EAGLE-3 drafting (`eval.tree`: auto, dynamic, chain, cost), through the drafter's own draft vocabulary
+    when `method.own_vocab`; see `eval.proposers.build_proposer` for the arguments."""
+    two_stage, suffix = vocab_suffix(draft_vocab)
+    vocab = draft_vocab
+    if not method.own_vocab and not drafter.drafts_on_own_features() and ev.tree_depth > 1:
+        raise ValueError(
+            f"eval.tree_depth: {ev.tree_depth} with an eagle2 drafter fusing feature layers "
+            f"{drafter.cfg.feature_layers}: it is trained for the first draft step only, and its later steps would "
+            "read its own output, which training never showed it; evaluate it with eval.tree_depth=1, or train "
+            "method eagle3 (training-time test)"
+        )
+    if two_stage:
+        (vocab,) = vocab  # an EAGLE drafter drafts through one head
+    if method.own_vocab:  # its own head over its draft vocabulary (sorted ids), or the N most frequent of them
+        vocab = own_projection(drafter, vocab, two_stage)
+        suffix = f", own draft vocab {len(drafter.d2t)}{suffix}"
+    suffix += "" if window is None else f", window {window}"
+    if ev.tree == "chain":
+        return EagleProposer(
+            drafter, ev.tree_depth, 1, ev.tree_depth + 1, vocab, window
+        ), f"chain d{ev.tree_depth}{suffix}"
+    k, n = ev.tree_top_k, ev.tree_total_tokens
+    proposer = EagleProposer(drafter, ev.tree_depth, k, n, vocab, window)
+    if ev.tree == "cost":  # the caller measures `proposer.costs` on the machine before decoding
+        return proposer, f"cost-aware d{ev.tree_depth} k{k} n{n}{suffix}"
+    return proposer, f"dynamic d{ev.tree_depth} k{k} n{n}{suffix}"

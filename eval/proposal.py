@@ -48,6 +48,8 @@ class Proposer(Protocol):
 
     feature_layers: list[int]
     """Target hidden-state indices (HF convention) the proposer reads from `DecodeState.new_hidden`."""
+    window: int | None
+    """The drafter attends to fewer than this many positions back; None: the whole context, or no attention."""
 
     def reset(self, batch_size: int) -> None:
         """Forget previous prompts: the next round drafts for `batch_size` new rows."""
@@ -143,3 +145,10 @@ def own_projection(
             raise ValueError(f"eval.draft_vocab: {len(vocab)} tokens, not all among its own {len(own)} draft tokens")
         rows = torch.searchsorted(own, vocab.to(own.device))
     return VocabProjection.trained(drafter.lm_head, own, drafter.target_vocab_size, rows)
+
+
+def vocab_suffix(draft_vocab) -> tuple[bool, str]:
+    """(whether `draft_vocab` is a two-stage projection list, its part of a tree's description)."""
+    if draft_vocab is not None and not isinstance(draft_vocab, torch.Tensor):
+        return True, f", two-stage head r{draft_vocab[0].head.a.shape[1]} c{draft_vocab[0].head.candidates}"
+    return False, "" if draft_vocab is None else f", draft vocab {len(draft_vocab)}"

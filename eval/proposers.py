@@ -19,15 +19,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from eval.eagle_proposer import EagleProposer
 from eval.heads import TwoStageProjection
-from eval.proposal import Proposer, own_projection
-from eval.static_proposers import (
-    MedusaProposer,
-    ParallelProposer,
-    static_tree,
-)
-from models.methods import Method
+from eval.proposal import Proposer
+from methods import Method, resolve
 from schema.evaluation import EvalConfig
 
 # --------------------------------------------------------------------------------------------
@@ -49,40 +43,4 @@ def build_proposer(
     holds the two-stage projection of each of the drafter's draft heads (`eval.heads.two_stage_projections`);
     `window` limits an EAGLE drafter's attention to that many positions back (Medusa heads have no attention).
     """
-    tree, vocab = ev.tree, draft_vocab
-    two_stage = vocab is not None and not isinstance(vocab, torch.Tensor)
-    if two_stage:
-        suffix = f", two-stage head r{vocab[0].head.a.shape[1]} c{vocab[0].head.candidates}"
-    else:
-        suffix = "" if vocab is None else f", draft vocab {len(vocab)}"
-    if method.proposer == "eagle":  # trees: auto, dynamic, chain
-        if not method.own_vocab and not drafter.drafts_on_own_features() and ev.tree_depth > 1:
-            raise ValueError(
-                f"eval.tree_depth: {ev.tree_depth} with an eagle2 drafter fusing feature layers "
-                f"{drafter.cfg.feature_layers}: it is trained for the first draft step only, and its later steps would "
-                "read its own output, which training never showed it; evaluate it with eval.tree_depth=1, or train "
-                "method eagle3 (training-time test)"
-            )
-        if two_stage:
-            (vocab,) = vocab  # an EAGLE drafter drafts through one head
-        if method.own_vocab:  # its own head over its draft vocabulary (sorted ids), or the N most frequent of them
-            vocab = own_projection(drafter, vocab, two_stage)
-            suffix = f", own draft vocab {len(drafter.d2t)}{suffix}"
-        suffix += "" if window is None else f", window {window}"
-        if tree == "chain":
-            proposer = EagleProposer(drafter, ev.tree_depth, 1, ev.tree_depth + 1, vocab, window)
-            return proposer, f"chain d{ev.tree_depth}{suffix}"
-        k, n = ev.tree_top_k, ev.tree_total_tokens
-        proposer = EagleProposer(drafter, ev.tree_depth, k, n, vocab, window)
-        if tree == "cost":  # the caller measures `proposer.costs` on the machine before decoding
-            return proposer, f"cost-aware d{ev.tree_depth} k{k} n{n}{suffix}"
-        return proposer, f"dynamic d{ev.tree_depth} k{k} n{n}{suffix}"
-    if method.proposer == "parallel":  # P-EAGLE: auto, calibrated, chain and the named trees, up to K deep
-        if two_stage:
-            (vocab,) = vocab  # one head: its own
-        vocab = own_projection(drafter, vocab, two_stage)
-        suffix = f", own draft vocab {len(drafter.d2t)}{suffix}" + ("" if window is None else f", window {window}")
-        static, desc = static_tree(ev, drafter.cfg.parallel_tokens, calibrate)
-        return ParallelProposer(drafter, static, vocab, window, ev.tree_total_tokens), f"{desc}{suffix}"
-    static, desc = static_tree(ev, drafter.cfg.num_heads, calibrate)  # Medusa heads
-    return MedusaProposer(drafter, static, vocab, ev.tree_total_tokens), f"{desc}{suffix}"
+    return resolve(method.proposer)(method, drafter, ev, calibrate, draft_vocab, window)

@@ -39,11 +39,9 @@ from eval.baselines import PROMPT_LOOKUP_TOKENS, plain_generate, plain_generate_
 from eval.calibration import (
     CALIBRATION_SAMPLES,
     calibration_samples,
-    calibration_sequences,
     draft_vocabulary,
     draft_window,
     fit_data,
-    medusa_rank_accuracy,
 )
 from eval.checks import BOUNDARY_TOLERANCE, near_boundary, near_tie, tie_margin
 from eval.costs import measure_costs
@@ -54,10 +52,9 @@ from eval.prompts import load_conversations, load_prompts, stop_token_ids
 from eval.proposal import Proposer
 from eval.proposers import build_proposer
 from eval.report import summarize, write_report
-from eval.static_proposers import parallel_rank_accuracy
 from eval.target_runner import sliding_window
+from methods import METHODS, resolve
 from models.io import ExportError, load_drafter, read_config
-from models.methods import METHODS
 from models.target import Target, TargetError, load_placed_target
 from rundir.checkpoints import latest_checkpoint, read_state
 from rundir.lock import lock_for_all
@@ -357,12 +354,7 @@ def _run(recipe: Recipe, state) -> dict[str, Any] | None:
         """Every process measures the same data, so every process builds the same tree."""
         samples, desc = calibration_samples(recipe, target.tokenizer, CALIBRATION_SAMPLES)
         calibration.append(desc)
-        if method.proposer == "parallel":  # P-EAGLE: its depths' accuracy, from the target's stored layers
-            layers = list(drafter.stored_layers)
-            features = ((target.hidden_states(ids[None].to(target.device), layers=layers)[0], ids, scored)
-                        for ids, scored in samples)  # fmt: skip
-            return parallel_rank_accuracy(drafter, features, top_k)
-        return medusa_rank_accuracy(drafter, calibration_sequences(target, samples), top_k)
+        return resolve(method.calibration)(drafter, target, samples, top_k)
 
     draft_vocab = None
     if ev.draft_vocab:
@@ -386,6 +378,7 @@ def _run(recipe: Recipe, state) -> dict[str, Any] | None:
         print(
             f"eval: cost-aware tree: verify ms by size {{{points}}}, draft step {proposer.costs.draft_cost * 1e3:.1f}"
         )
+    window = proposer.window  # what the drafter attends to, before prompt lookup wraps it
     lookup = None
     if ev.lookup_tokens:  # prompt-lookup candidates merged into the drafter's trees
         proposer = lookup = LookupProposer(proposer, ev.lookup_tokens, ev.lookup_ngram, ev.tree_total_tokens)
@@ -431,7 +424,7 @@ def _run(recipe: Recipe, state) -> dict[str, Any] | None:
         "prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS,
         "tree_calibration": calibration[0] if calibration else None,
         "context_source": ev.context_source if any(ev.context_lengths) else None,
-        "draft_window": reach if method.proposer in ("eagle", "parallel") else None,
+        "draft_window": window,
         "lookup": None,
     }
     if lookup is not None:

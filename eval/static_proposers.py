@@ -12,7 +12,15 @@ import torch
 
 from eval.cost_trees import batch_tree_size
 from eval.heads import TwoStageProjection
-from eval.proposal import DecodeState, RankFn, VocabProjection, check_draft_vocab
+from eval.proposal import (
+    DecodeState,
+    Proposer,
+    RankFn,
+    VocabProjection,
+    check_draft_vocab,
+    own_projection,
+    vocab_suffix,
+)
 from eval.trees import NAMED_TREES, Tree, calibrated_tree, chain, medusa_tokens, medusa_tree
 from schema.evaluation import EvalConfig
 
@@ -31,6 +39,7 @@ class StaticTreeProposer:
         self.tree = tree
         self.top_k = int(tree.head_rank.max()) + 1
         self.costs = None  # eval.cost_trees.Costs: prune the tree each round instead of drafting it whole
+        self.window: int | None = None  # heads attend to nothing; ParallelProposer sets its drafter's
         self.total_tokens = total_tokens or tree.num_nodes
 
     def depth_topk(self, states: Sequence[DecodeState]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -267,3 +276,37 @@ def parallel_rank_accuracy(
             hits[k] += (top.cpu() == ids[pos + k + 2, None].cpu()).sum(0).float()
             counts[k] += pos.numel()
     return hits / counts.clamp(min=1)[:, None]
+
+
+def build_medusa_proposer(
+    method, drafter: torch.nn.Module, ev: EvalConfig, calibrate, draft_vocab=None, window=None
+) -> tuple[Proposer, str]:
+    """Medusa heads' static tree (`eval.tree`: auto, calibrated, chain, the named trees, cost); heads have no
+    attention, so no window. See `eval.proposers.build_proposer` for the arguments."""
+    _, suffix = vocab_suffix(draft_vocab)
+    static, desc = static_tree(ev, drafter.cfg.num_heads, calibrate)
+    return MedusaProposer(drafter, static, draft_vocab, ev.tree_total_tokens), f"{desc}{suffix}"
+
+
+def build_parallel_proposer(
+    method, drafter: torch.nn.Module, ev: EvalConfig, calibrate, draft_vocab=None, window=None
+) -> tuple[Proposer, str]:
+    """P-EAGLE's static tree over the depths of one forward (`eval.tree`: auto, calibrated, chain, the named trees,
+    cost, up to `parallel_tokens` deep), through its own draft vocabulary."""
+    two_stage, suffix = vocab_suffix(draft_vocab)
+    vocab = draft_vocab
+    if two_stage:
+        (vocab,) = vocab  # one head: its own
+    vocab = own_projection(drafter, vocab, two_stage)
+    suffix = f", own draft vocab {len(drafter.d2t)}{suffix}" + ("" if window is None else f", window {window}")
+    static, desc = static_tree(ev, drafter.cfg.parallel_tokens, calibrate)
+    return ParallelProposer(drafter, static, vocab, window, ev.tree_total_tokens), f"{desc}{suffix}"
+
+
+def parallel_calibration(drafter: torch.nn.Module, target, samples, top_k: int) -> torch.Tensor:
+    """P-EAGLE's per-depth rank accuracy on calibration samples ((ids, scored) pairs), from the target's hidden states
+    at the drafter's stored layers."""
+    layers = list(drafter.stored_layers)
+    features = ((target.hidden_states(ids[None].to(target.device), layers=layers)[0], ids, scored)
+                for ids, scored in samples)  # fmt: skip
+    return parallel_rank_accuracy(drafter, features, top_k)

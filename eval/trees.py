@@ -23,7 +23,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from models.named_trees import CALIBRATED_63, MC_SIM_7B_63, NAMED_TREES
+from methods.named_trees import CALIBRATED_63, MC_SIM_7B_63, NAMED_TREES
 
 __all__ = [
     "CALIBRATED_63",

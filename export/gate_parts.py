@@ -6,7 +6,7 @@ computes them; the files engine exports hold, and reading them as a loader does 
     theta = config_value(config, "rope_theta", 10000.0, notes)  # a missing field: the consumer's default, noted
     cos, sin = rope_cos_sin(config, head_dim, positions, notes)
 
-The consumers (`export.eagle_gates`, `export.medusa_gates`, `export.eagle3_gates`) build on these; `export.gates`
+The consumers (`methods.eagle2.gates`, `methods.medusa1.gates`, `methods.eagle3.gates`) build on these; `export.gates`
 holds the table of every gate.
 """
 

@@ -31,9 +31,9 @@ llama3 are reproduced; another type is refused by the gate rather than guessed).
 
 `native`: `models.io.load_drafter` (eval's strict loader), then the same logits (each method's own native gate).
 
-No table here: each method declares, per format, the writer and the gate (`models.methods.Layout`), and `gate(fmt,
-method)` finds it; the consumers live in `export.eagle_gates` (EAGLE-1/2), `export.medusa_gates` and
-`export.eagle3_gates` (EAGLE-3, P-EAGLE); what all build on (the gate input, `GateResult`, `Params`, RoPE, the files'
+No table here: each method declares, per format, the writer and the gate (`methods.Layout`), and `gate(fmt,
+method)` finds it; the consumers live in `methods.eagle2.gates` (EAGLE-1/2), `methods.medusa1.gates` and
+`methods.eagle3.gates` (EAGLE-3, P-EAGLE); what all build on (the gate input, `GateResult`, `Params`, RoPE, the files'
 names) is `export.gate_parts`. A new format for a method: write `def gate(out_dir, recipe, target, drafter) ->
 GateResult` and a writer, and name both in the method's `formats`; `export.write` runs `check` on every export.
 The functional consumers (`eagle_consumer_logits`, `medusa_fd_logits`, `vllm_medusa_logits`) take a config dict and
@@ -50,8 +50,8 @@ import torch
 from torch import nn
 
 from export.gate_parts import GateResult
+from methods import METHODS, resolve
 from models.io import ExportError, load_drafter
-from models.methods import METHODS, resolve
 
 Gate = Callable[[Path, Any, Any, nn.Module], GateResult]
 """A load gate: (export directory, recipe, target, trained drafter) -> the consumer's and the drafter's logits."""
@@ -110,7 +110,7 @@ def reload_gate(out_dir: Path, recipe, target, drafter: nn.Module) -> GateResult
 
 
 def gate(fmt: str, method: str) -> Gate:
-    """The load gate of `method`'s drafters in format `fmt`, as its `models.methods` entry declares."""
+    """The load gate of `method`'s drafters in format `fmt`, as its `methods` entry declares."""
     formats = METHODS[method].formats
     if fmt not in formats:
         raise ExportError(f"export.format: {fmt} is not a format of {method} drafters (theirs: {', '.join(formats)})")

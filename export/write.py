@@ -41,9 +41,9 @@ Engine formats, each a `config.json` + safetensors file:
 - `vllm`: Medusa heads as vLLM's `MedusaModel` (`model_type: medusa`, `blocks.{h}.layers.{l}.*`,
   `lm_heads.{h}.weight`, `medusa_fc_bias: true`); EAGLE-1/2 drafters as `eagle` (vLLM reads that layout), only
   with `fc_bias: false`, since vLLM's EAGLE fc has no bias and it drops an `fc.bias` without a word.
-- `speculators`, and `sglang` / `vllm` for `eagle3` drafters: the EAGLE-3 layouts of `export.eagle3_layouts` (own
+- `speculators`, and `sglang` / `vllm` for `eagle3` drafters: the EAGLE-3 layouts of `methods.eagle3.layouts` (own
   LM head, `d2t` / `t2d`, each engine's auxiliary layer ids, the EAGLE-3.1 flags where the consumer reads them).
-Which writer and which gate a format has for a method is that method's entry in `models.methods` (its `formats`).
+Which writer and which gate a format has for a method is that method's entry in `methods` (its `formats`).
 Every export passes its load gate (`export.gates`) before it is renamed into place: a re-implementation of
 the consumer's loading code (config fields and their defaults, tensor names, strictness) reloads it from the
 directory and must give the trained drafter's draft logits, else the export fails naming the field.
@@ -70,14 +70,13 @@ from data.heldout import HeldoutError, read_heldout
 from data.prepare import prepare_dataset
 from data.shards import FeatureDataset, FeatureMismatchError
 from data.vocab_counts import loss_token_counts, most_frequent
-from export.gate_parts import EAGLE_PT, FASTERDECODING_HEADS, MEDUSA_PT, MEDUSA_SAFETENSORS
 from export.gates import check as gate_check
+from methods import FORMATS, METHODS, resolve
 from models.io import (
     CONFIG_FILE,
     DRAFT_VOCAB_FILE,
     ExportError,
     check_export_dir,
-    legacy_rope,
     load_draft_vocab,
     load_drafter,
     read_config,
@@ -85,22 +84,17 @@ from models.io import (
     save_draft_vocab,
     save_native,
     staged_directory,
-    write_safetensors,
 )
 from models.io import FORMAT as NATIVE_FORMAT
 from models.lm_head import fit_samples, save_factors
-from models.medusa import MedusaHeads
-from models.methods import FORMATS, METHODS, resolve
 from models.target import Target, TargetError, load_target
 from rundir.checkpoints import CheckpointError, latest_checkpoint, read_state
 from rundir.lock import DirectoryLocked, NotADirectory, directory_lock
 from schema.recipe import Recipe, RecipeError, load_recipe, recipe_from_dict
 from train.checkpoint import DRAFTER_FILE, RECIPE_FILE
 
-MEDUSA_WEIGHTS = MEDUSA_SAFETENSORS
-ENGINE_WEIGHTS = "model.safetensors"
 # Target config keys that describe the loading call, not the architecture (left out of engine configs).
-_VOLATILE = {"_name_or_path", "transformers_version", "dtype", "torch_dtype", "_attn_implementation_autoset"}
+VOLATILE_CONFIG_KEYS = {"_name_or_path", "transformers_version", "dtype", "torch_dtype", "_attn_implementation_autoset"}
 
 
 def load_run(run_dir: str | Path, checkpoint: str | Path | None = None) -> tuple[Recipe, Target, nn.Module]:
@@ -137,186 +131,6 @@ def load_run(run_dir: str | Path, checkpoint: str | Path | None = None) -> tuple
 
 # --------------------------------------------------------------------------------------------
 # Engine formats
-
-
-def medusa_names(drafter: MedusaHeads) -> dict[str, str]:
-    """Our MedusaHeads tensor names -> FasterDecoding Medusa names (head h, block l, projection L)."""
-    K, L = drafter.cfg.num_heads, drafter.cfg.num_layers
-    names = {}
-    for h in range(K):
-        for l in range(L):
-            names[f"blocks.{h}.layers.{l}.weight"] = f"{h}.{l}.linear.weight"
-            names[f"blocks.{h}.layers.{l}.bias"] = f"{h}.{l}.linear.bias"
-        names[f"lm_heads.{h}.weight"] = f"{h}.{L}.weight"
-    return names
-
-
-def check_fasterdecoding(drafter: MedusaHeads) -> None:
-    """Refuse heads FasterDecoding's legacy loader cannot hold (it builds 5 heads of one shared ResBlock each)."""
-    if drafter.cfg.num_heads != FASTERDECODING_HEADS:
-        raise ExportError(
-            f"drafter.num_heads: FasterDecoding Medusa's loader builds {FASTERDECODING_HEADS} heads whatever "
-            f"medusa_num_heads says and loads with strict=False, so {drafter.cfg.num_heads} trained heads would run "
-            f"beside random ones; train with drafter.num_heads={FASTERDECODING_HEADS}, or export --format vllm"
-        )
-    if drafter.cfg.num_layers != 1:
-        raise ExportError(
-            f"drafter.num_layers: FasterDecoding Medusa shares one ResBlock across a head's layers "
-            f"([ResBlock] * medusa_num_layers), so {drafter.cfg.num_layers} trained layers would load as the last one "
-            "repeated; train with drafter.num_layers=1, or export --format vllm"
-        )
-
-
-def write_medusa(out: Path, recipe: Recipe, target: Target, drafter: nn.Module, include_target_weights: bool) -> None:
-    check_fasterdecoding(drafter)
-    write_medusa_files(out, recipe, target, drafter)
-
-
-def write_medusa_files(out: Path, recipe: Recipe, target: Target, drafter: MedusaHeads) -> None:
-    """The FasterDecoding files, unchecked (`write_medusa` refuses what its loader cannot hold first)."""
-    state = drafter.state_dict()
-    shared = drafter.lm_head.weight if drafter.lm_heads is None else None  # share_lm_head: every head gets a copy
-    tensors = {theirs: state.get(ours, shared) for ours, theirs in medusa_names(drafter).items()}
-    write_safetensors(tensors, out / MEDUSA_WEIGHTS)
-    write_pt(tensors, out / MEDUSA_PT)
-    config = {
-        "medusa_num_heads": drafter.cfg.num_heads,
-        "medusa_num_layers": drafter.cfg.num_layers,
-        "base_model_name_or_path": recipe.target.path or target.name,
-    }
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-
-
-def write_pt(tensors: dict[str, torch.Tensor], path: Path) -> None:
-    """A plain dict of tensors through `torch.save` (each its own contiguous CPU copy, no module or other object),
-    so `torch.load(path, weights_only=True)` reads it; written through a temporary file and a rename."""
-    plain = {name: t.detach().cpu().contiguous().clone() for name, t in tensors.items()}
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(plain, tmp)
-    tmp.replace(path)
-
-
-def write_vllm_medusa(
-    out: Path, recipe: Recipe, target: Target, drafter: nn.Module, include_target_weights: bool = False
-) -> None:
-    """vLLM's `MedusaModel`: our tensor names (`blocks.{h}.layers.{l}.weight|bias`, `lm_heads.{h}.weight`) and a
-    `model_type: medusa` config. vLLM builds the blocks without bias unless `medusa_fc_bias` is set, so it is always
-    written; shared-lm_head heads export one `lm_heads.0.weight` (the target's) with `original_lm_head: true`."""
-    state = drafter.state_dict()
-    tensors = {k: v for k, v in state.items() if k.startswith(("blocks.", "lm_heads."))}
-    shared = drafter.lm_heads is None
-    if shared:
-        tensors["lm_heads.0.weight"] = drafter.lm_head.weight
-    write_safetensors(tensors, out / ENGINE_WEIGHTS)
-    vocab = target.config.vocab_size
-    config = {
-        "model_type": "medusa",
-        "architectures": ["MedusaModel"],
-        "hidden_size": target.config.hidden_size,
-        "vocab_size": vocab,
-        "truncated_vocab_size": vocab,
-        "num_heads": drafter.cfg.num_heads,
-        "num_hidden_layers": drafter.cfg.num_layers,
-        "medusa_fc_bias": True,
-        "original_lm_head": shared,
-        "base_model_name_or_path": recipe.target.path or target.name,
-    }
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-
-
-def write_vllm_eagle(
-    out: Path, recipe: Recipe, target: Target, drafter: nn.Module, include_target_weights: bool
-) -> None:
-    """vLLM: an EAGLE-1/2 drafter in the SafeAILab layout, which vLLM's `method: eagle` reads (vLLM wraps the Llama
-    config itself). vLLM builds that drafter's fc without a bias and skips weights it has no parameter for, so
-    drafters trained with an fc bias are refused, not exported wrong."""
-    check_eagle_layout(drafter.cfg)  # first what no EAGLE-1/2 layout holds, then what vLLM's cannot
-    if drafter.cfg.fc_bias:
-        raise ExportError(
-            "export.format: vllm builds the EAGLE fc without bias and would silently drop fc.bias; train with "
-            "drafter.fc_bias=false, or export --format eagle / sglang (which keep the bias)"
-        )
-    _write_eagle(out, target, drafter, include_target_weights, "vllm")
-
-
-def check_eagle_layout(cfg) -> None:
-    """Refuse an EAGLE drafter that no EAGLE-1/2 layout (`eagle`, `sglang`, `vllm`) can hold."""
-    if cfg.fc_norm or cfg.post_norm or cfg.feature_layers != [-1]:
-        raise ExportError(
-            "export.format: the EAGLE-1/2 layout has no FC-Norm, post-norm or feature fusion; train with "
-            "drafter.fc_norm=false drafter.post_norm=false drafter.feature_layers=[-1], or export --format native"
-        )
-
-
-def _write_eagle(out: Path, target: Target, drafter: nn.Module, include_target_weights: bool, fmt: str) -> None:
-    """The EAGLE-1/2 layout for `fmt`: "eagle" (SafeAILab), "vllm" (which reads SafeAILab's layout through
-    transformers' config) or "sglang"."""
-    cfg = drafter.cfg
-    check_eagle_layout(cfg)
-    tensors = dict(drafter.trainable_state_dict())
-    if include_target_weights:  # engines then use this copy instead of the target's embedding
-        tensors["embed_tokens.weight"] = drafter.embed_tokens.weight
-    sglang = fmt == "sglang"
-    if sglang and "fc.bias" not in tensors:  # SGLang's fc always has a bias: load zeros, not its initial values
-        tensors["fc.bias"] = torch.zeros(tensors["fc.weight"].shape[0], dtype=tensors["fc.weight"].dtype)
-    write_safetensors(tensors, out / ENGINE_WEIGHTS)
-    if fmt == "eagle":  # SafeAILab's PyPI release (eagle-llm 1.2.1) reads only this file
-        write_pt(tensors, out / EAGLE_PT)
-    config = {k: v for k, v in target.config.to_dict().items() if k not in _VOLATILE | _BIAS_KEYS}
-    # the drafter's layers have no attention or MLP biases, whatever the target's have
-    arch = SGLANG_EAGLE if sglang else SAFEAILAB_EAGLE
-    config.update(architectures=[arch], num_hidden_layers=cfg.num_layers, tie_word_embeddings=False)
-    config.update(attention_bias=False, mlp_bias=False)
-    # the drafter's own layers: a SiLU MLP and full causal attention, whatever the target's layers have (a copied
-    # per-layer `layer_types` list of the target's length is refused by transformers, so by vLLM and SGLang)
-    config["hidden_act"] = "silu"
-    config.pop("hidden_activation", None)
-    if "layer_types" in config:
-        config["layer_types"] = ["full_attention"] * cfg.num_layers
-    if "sliding_window" in config:
-        config.update(sliding_window=None, use_sliding_window=False)
-    config.update(legacy_rope(config))
-    if fmt == "eagle":
-        safeailab_rope(config)
-        if config.get("rope_theta", 10000.0) != 10000.0:
-            print(
-                f"note: rope_theta {config['rope_theta']}: SafeAILab's current code reads it; its PyPI release "
-                "(eagle-llm 1.2.1) builds RoPE on base 10000 whatever the config says and drafts wrong logits",
-                file=sys.stderr,
-            )
-    if not sglang:  # SafeAILab reads `bias` as the fc's; SGLang's Llama layers would read it as attention biases
-        config["bias"] = cfg.fc_bias
-    (out / "config.json").write_text(json.dumps(config, indent=2, default=str) + "\n")
-
-
-SGLANG_EAGLE = "LlamaForCausalLMEagle"
-SAFEAILAB_EAGLE = "LlamaForCausalLM"
-_BIAS_KEYS = {"bias", "qkv_bias"}
-
-
-def safeailab_rope(config: dict) -> None:
-    """Rewrite `rope_scaling` the one way SafeAILab's EConfig accepts ({"type", "factor"}, linear or dynamic), or
-    refuse what it cannot build: any other scaling, or scaling on a base other than 10000 (it ignores rope_theta
-    when scaling)."""
-    scaling = config.get("rope_scaling")
-    if not scaling:
-        return
-    kind, theta = scaling["type"], config.get("rope_theta", 10000.0)
-    if kind not in ("linear", "dynamic") or theta != 10000.0:
-        why = f"RoPE type {kind!r}" if kind not in ("linear", "dynamic") else f"scaled RoPE on rope_theta {theta}"
-        raise ExportError(
-            f"export.format: SafeAILab EAGLE-1/2 builds linear or dynamic RoPE scaling on base 10000 only, the target "
-            f"has {why}; export --format vllm or sglang"
-        )
-    config["rope_scaling"] = {"type": kind, "factor": float(scaling["factor"])}
-
-
-def write_eagle(out: Path, recipe: Recipe, target: Target, drafter: nn.Module, include_target_weights: bool) -> None:
-    _write_eagle(out, target, drafter, include_target_weights, "eagle")
-
-
-def write_sglang(out: Path, recipe: Recipe, target: Target, drafter: nn.Module, include_target_weights: bool) -> None:
-    _write_eagle(out, target, drafter, include_target_weights, "sglang")
 
 
 def is_native_export(path: str | Path) -> bool:
@@ -481,3 +295,12 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def write_pt(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """A plain dict of tensors through `torch.save` (each its own contiguous CPU copy, no module or other object),
+    so `torch.load(path, weights_only=True)` reads it; written through a temporary file and a rename."""
+    plain = {name: t.detach().cpu().contiguous().clone() for name, t in tensors.items()}
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(plain, tmp)
+    tmp.replace(path)

@@ -1,5 +1,5 @@
-"""Drafter methods and the frozen target.
-
-`models.methods.METHODS` maps a recipe's `drafter.method` to its declaration (config, module, inputs, trees,
-export formats, ...); `models.configs` holds the method configs without importing torch.
+"""The frozen target and what every drafter builds on: the target's parts a drafter borrows (`target`, `common`),
+its lm_head and low-rank heads (`lm_head`), the losses of drafters with their own head (`losses`), the native export's
+files (`io`), memory accounting (`memory`), typed recipe sections (`typed`) and the packaged models (`fetch`). The
+drafters themselves are in `methods/<name>/`.
 """

@@ -8,7 +8,7 @@ A native export is a directory with
   drafter's batches carry), `recipe` (the resolved training recipe, informational);
 - `model.safetensors`: the trained drafter tensors under their module names; with
   `include_target_weights` also the frozen target tensors the drafter borrows (embedding, lm_head).
-Weights are never pickled. Loading rebuilds the module from its method's declaration (`models.methods`) and
+Weights are never pickled. Loading rebuilds the module from its method's declaration (`methods`) and
 requires the file to hold exactly its trainable tensors; frozen tensors found in the file must equal the target's.
 """
 
@@ -27,8 +27,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from methods import METHODS
 from models.common import borrowed_state_dict, share_safetensors
-from models.methods import METHODS
 from models.target import Target, tokenizer_identity
 from models.typed import build_dataclass
 

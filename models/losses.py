@@ -26,7 +26,7 @@ from typing import get_args
 
 import torch
 
-from models.configs import DraftLoss
+from methods.limits import DraftLoss
 
 LOSSES: tuple[str, ...] = get_args(DraftLoss)
 

@@ -264,7 +264,7 @@ def size_draft_vocab(recipe_path: Path, coverage: float, overrides: list[str]) -
     from data.prepare import prepare_dataset
     from data.shards import split_by_id
     from data.vocab_counts import loss_token_counts
-    from models.methods import METHODS
+    from methods import METHODS
     from models.target import load_tokenizer
     from rundir.checkpoints import list_checkpoints
     from schema.recipe import load_recipe

@@ -5,5 +5,5 @@
 
 Files: `recipe.py` (the whole recipe and its cross-section checks), `sections.py` and `evaluation.py` (the sections,
 the size bounds), `parse.py` (bounded YAML reading, `key=value` overrides). It imports the drafters' declarations
-(`models.methods`, `models.configs`: no torch) and the run directories' checks (`rundir`), nothing else of ours.
+(`methods`: the entries and their configs, no torch) and the run directories' checks (`rundir`), nothing else of ours.
 """

@@ -44,7 +44,7 @@ class EvalConfig(SamplingConfig):
     max_prompts: int | None = None
     tree: Literal["auto", "chain", "mc_sim_7b_63", "calibrated63", "calibrated", "dynamic", "cost"] = "auto"
     """Tree shape; `auto` = EAGLE's dynamic tree or Medusa's calibrated one; `mc_sim_7b_63` is Medusa's published
-    tree, `calibrated63` this project's 63-node tree (`models/named_trees.py`); `cost` = a tree whose size each round
+    tree, `calibrated63` this project's 63-node tree (`methods/named_trees.py`); `cost` = a tree whose size each round
     maximises expected tokens per second under verify / draft costs measured at start-up (`eval/cost_trees.py`), at
     most `tree_total_tokens`: EAGLE's dynamic tree, or for Medusa and P-EAGLE the most probable of every rank path
     `tree_top_k` wide and `tree_depth` deep."""

@@ -4,7 +4,7 @@
 
 A recipe has seven sections: `target`, `data`, `drafter`, `train`, `eval`, `export`, `logging`.
 Every section is a dataclass of `schema.sections` or `schema.evaluation` (the drafter section is the config class
-of the chosen method, from `models.methods.METHODS`; loading a recipe imports no torch); this module assembles and
+of the chosen method, from `methods.METHODS`; loading a recipe imports no torch); this module assembles and
 cross-checks them. Unknown keys, wrong types and impossible values fail at load time with one line naming the key
 and the file (`RecipeError`); the checks that every field gets from its annotation, and the command-line overrides,
 are `schema.parse`'s.
@@ -24,7 +24,7 @@ from typing import Any
 
 import yaml
 
-from models.methods import METHODS
+from methods import METHODS
 from models.typed import build_dataclass
 from rundir.lock import NotADirectory, check_output_path
 from schema.evaluation import EvalConfig
@@ -45,7 +45,7 @@ class Recipe:
     target: TargetConfig
     data: DataConfig
     drafter: Any
-    """The method's config dataclass (`models.methods.METHODS[method].config`); has a `method` field."""
+    """The method's config dataclass (`methods.METHODS[method].config`); has a `method` field."""
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
@@ -170,7 +170,7 @@ def _check_sizes(recipe: Recipe, err) -> None:
 
 def _check_cross_section(recipe: Recipe, err) -> None:
     """Constraints that span sections: sizes (`_check_sizes`), layers in range, drafter needs vs stored features,
-    what the method declares (`models.methods`: the trees it drafts, online-only training), then the method's own
+    what the method declares (`methods`: the trees it drafts, online-only training), then the method's own
     limits."""
     _check_sizes(recipe, err)
     n_layers = recipe.target.num_layers

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from models.methods import FORMATS
+from methods import FORMATS
 
 _EXPONENT_FLOAT = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+")
 
@@ -18,7 +18,7 @@ _EXPONENT_FLOAT = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+")
 # readable without loading it (`TargetConfig.size`): token counts (data.max_len, eval.max_new_tokens, eval tree sizes,
 # eval.context_lengths) within its max_position_embeddings, vocabulary sizes (train.loss_vocab, eval.draft_vocab,
 # eval.tree_top_k, eval.head_candidates, the drafter's) within its vocab_size, the drafter's layers within its
-# layers (`models.configs`). And always within these, sane beyond any recipe here (10-100x the largest):
+# layers (`methods.limits`). And always within these, sane beyond any recipe here (10-100x the largest):
 MAX_TOKENS = 1 << 20
 """Any one sequence: data.max_len, eval.max_new_tokens, each of eval.context_lengths."""
 
@@ -300,7 +300,7 @@ class TrainConfig:
 @dataclass
 class ExportConfig:
     format: str = "native"
-    """`native`, or an engine layout that some method declares (`models.methods`: native, eagle, sglang, medusa, vllm,
+    """`native`, or an engine layout that some method declares (`methods`: native, eagle, sglang, medusa, vllm,
     speculators); whether it holds the recipe's drafter is the method's `formats` (`speculators` holds `eagle3` and
     `peagle` drafters only: its layer attends over [embedding | fused features], which EAGLE-2's is not)."""
     out: str | None = None

@@ -258,9 +258,9 @@ def test_cost_aware_eagle_trees_follow_the_costs_and_keep_greedy_output():
     from eval.costs import measure_costs
     from eval.decode import DecodeSettings, speculative_generate
     from eval.eagle_proposer import EagleProposer
+    from methods.eagle2.config import EagleConfig
+    from methods.eagle2.model import EagleDrafter
     from models.common import TargetParts
-    from models.configs import EagleConfig
-    from models.eagle import EagleDrafter
 
     model = tiny_llama()
     torch.manual_seed(0)
@@ -311,10 +311,10 @@ def test_cost_aware_static_trees_keep_the_best_paths_and_greedy_output(method):
     from eval.costs import measure_costs
     from eval.decode import DecodeSettings, speculative_generate
     from eval.proposers import build_proposer
+    from methods import METHODS
+    from methods.medusa1.config import MedusaConfig
+    from methods.medusa1.model import MedusaHeads
     from models.common import TargetParts
-    from models.configs import MedusaConfig
-    from models.medusa import MedusaHeads
-    from models.methods import METHODS
     from schema.evaluation import EvalConfig
 
     model = tiny_llama()

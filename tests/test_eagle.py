@@ -17,8 +17,8 @@ from tiny import tiny_llama as tiny_target
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
+from methods.eagle2.model import EagleConfig, EagleDrafter
 from models.common import DraftBatch, TargetParts
-from models.eagle import EagleConfig, EagleDrafter
 from schema.recipe import RecipeError, build_dataclass, recipe_from_dict
 
 torch.set_num_threads(1)
@@ -407,7 +407,7 @@ def test_a_fused_eagle2_drafter_is_evaluated_at_depth_one_only():
     output f̂ directly, an input training never shows it, so evaluation refuses deeper trees. The last hidden state
     named by its index L is the same feature as -1, and drafts through the same path."""
     from eval.proposers import build_proposer
-    from models.methods import METHODS
+    from methods import METHODS
     from schema.evaluation import EvalConfig
 
     model = tiny_target()

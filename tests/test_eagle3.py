@@ -28,17 +28,17 @@ from eval.decode import DecodeSettings, speculative_generate
 from eval.eagle_proposer import EagleProposer
 from eval.proposal import DecodeState, VocabProjection
 from eval.proposers import build_proposer
-from export import eagle3_layouts
-from export.eagle3_gates import compare, drafter_logits, eagle3_inputs
 from export.gates import check as gate_check
-from export.imports import import_eagle3
 from export.imports import main as imports_main
 from export.write import export, load_run
+from methods import METHODS
+from methods.eagle3 import layouts as eagle3_layouts
+from methods.eagle3.config import Eagle3Config
+from methods.eagle3.gates import compare, drafter_logits, eagle3_inputs
+from methods.eagle3.imports import import_eagle3
+from methods.eagle3.model import Eagle3Drafter
 from models.common import DraftBatch, TargetParts
-from models.configs import Eagle3Config
-from models.eagle3 import Eagle3Drafter
 from models.io import ExportError, load_draft_vocab, load_drafter
-from models.methods import METHODS
 from models.target import load_target
 from rundir.checkpoints import latest_checkpoint
 from schema.recipe import load_recipe, recipe_from_dict
@@ -671,7 +671,7 @@ def test_draft_vocab_warning_only_below_the_threshold():
 def test_unrolled_attention_in_blocks_gives_the_same_outputs_and_gradients(setup, monkeypatch):
     """`ttt_attention` computed in blocks of 3 queries (several blocks, checkpointed) equals one block over the whole
     packed batch: outputs and every trained tensor's gradient."""
-    from models import eagle3
+    from methods.eagle3 import model as eagle3
 
     model, _, _, packed = setup
     results = []
@@ -693,7 +693,7 @@ def test_unrolled_attention_in_blocks_gives_the_same_outputs_and_gradients(setup
 def test_unrolled_attention_memory_grows_linearly_with_length(monkeypatch):
     """The memory autograd keeps for the backward pass of `ttt_attention` (checkpointed blocks: their inputs, views
     of the whole keys) doubles when the sequence doubles; dense attention scores would quadruple."""
-    from models.eagle3 import ttt_attention
+    from methods.eagle3.model import ttt_attention
 
     def saved_bytes(T: int) -> int:
         storages = {}  # block inputs are views of the whole keys: count each storage once
@@ -753,7 +753,7 @@ def test_windowed_drafting_stays_lossless(setup, window):
 
 
 def test_the_targets_distribution_in_row_chunks_gives_the_same_loss(setup, monkeypatch):
-    from models import eagle3
+    from methods.eagle3 import model as eagle3
 
     model, _, _, packed = setup
     drafter = drafter_for(model)

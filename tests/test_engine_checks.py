@@ -28,13 +28,15 @@ from benchmarks.engine_side import (
     edit_aux_ids,
     shifted_aux_ids,
 )
-from export import eagle3_layouts
 from export.gates import check as gate_check
-from models.configs import Eagle3Config, EagleConfig, PeagleConfig
-from models.eagle import EagleDrafter
-from models.eagle3 import Eagle3Drafter
+from methods.eagle2.config import EagleConfig
+from methods.eagle2.model import EagleDrafter
+from methods.eagle3 import layouts as eagle3_layouts
+from methods.eagle3.config import Eagle3Config
+from methods.eagle3.model import Eagle3Drafter
+from methods.peagle.config import PeagleConfig
+from methods.peagle.model import PeagleDrafter
 from models.io import ExportError
-from models.peagle import PeagleDrafter
 from models.target import load_target
 from schema.recipe import load_recipe
 
@@ -79,7 +81,7 @@ def test_ids_filling_every_captured_layer_cannot_be_shifted():
 @pytest.mark.parametrize("engine", ["vllm", "sglang"])
 def test_the_edit_s_ranges_are_what_the_export_writes(engine):
     """`engine_side.CAPTURED` (the checks run in the engines' environments and cannot import the project) holds the
-    id ranges `export.eagle3_layouts.aux_layer_ids` writes: the lowest and highest ids pass, one beyond each is
+    id ranges `methods.eagle3.layouts.aux_layer_ids` writes: the lowest and highest ids pass, one beyond each is
     refused."""
     L = TINY["num_hidden_layers"]
     lo, below_top = CAPTURED[engine]

@@ -27,10 +27,10 @@ from eval.calibration import calibration_samples, calibration_sequences, draft_v
 from eval.checks import near_tie
 from eval.prompts import load_prompts, prompt_token_ids
 from eval.report import lossless_mark, plot, summarize, to_markdown, write_report
-from models.eagle import EagleConfig, EagleDrafter
+from methods.eagle2.model import EagleConfig, EagleDrafter
+from methods.medusa1.model import MedusaConfig, MedusaHeads
+from methods.medusa2.model import Medusa2Config, Medusa2Model
 from models.io import FORMAT, FORMAT_VERSION, save_draft_vocab, save_native
-from models.medusa import MedusaConfig, MedusaHeads
-from models.medusa2 import Medusa2Config, Medusa2Model
 from models.target import load_target
 from schema.recipe import load_recipe
 

@@ -24,19 +24,23 @@ from data.shards import FeatureDataset
 from data.vocab_counts import frequent_loss_tokens
 from eval import EvalError
 from eval.calibration import draft_vocabulary
-from export.write import ENGINE_WEIGHTS, MEDUSA_PT, MEDUSA_WEIGHTS, export, legacy_rope, load_run, medusa_names
+from export.gate_parts import ENGINE_WEIGHTS, MEDUSA_PT
+from export.gate_parts import MEDUSA_SAFETENSORS as MEDUSA_WEIGHTS
+from export.write import export, load_run
 from export.write import main as export_main
+from methods import METHODS
+from methods.medusa1.layouts import medusa_names
 from models.io import (
     CONFIG_FILE,
     EXPORT_MARKER,
     WEIGHTS_FILE,
     ExportError,
+    legacy_rope,
     load_draft_vocab,
     load_drafter,
     read_config,
     save_native,
 )
-from models.methods import METHODS
 from models.target import load_target
 from schema.recipe import load_recipe
 from train.loop import train

@@ -20,11 +20,14 @@ from tiny import perturbed
 from export import write as export_mod
 from export.gate_parts import EAGLE_PT, MEDUSA_PT, rope_cos_sin
 from export.gates import check, gate
-from models.configs import EagleConfig, MedusaConfig
-from models.eagle import EagleDrafter
+from methods import METHODS, resolve
+from methods.eagle2 import layouts as eagle_layouts
+from methods.eagle2.config import EagleConfig
+from methods.eagle2.model import EagleDrafter
+from methods.medusa1 import layouts as medusa_layouts
+from methods.medusa1.config import MedusaConfig
+from methods.medusa1.model import MedusaHeads
 from models.io import EXPORT_MARKER, ExportError
-from models.medusa import MedusaHeads
-from models.methods import METHODS, resolve
 from models.target import load_target
 from schema.recipe import load_recipe
 
@@ -90,7 +93,7 @@ def medusa(target, **cfg) -> MedusaHeads:
 def write(fmt: str, out: Path, recipe, target, drafter, include_target_weights: bool = False) -> Path:
     out.mkdir()
     if fmt == "medusa":  # past the writer's refusal of heads FasterDecoding cannot hold: the gate is under test
-        export_mod.write_medusa_files(out, recipe, target, drafter)
+        medusa_layouts.write_medusa_files(out, recipe, target, drafter)
     else:  # the writer the drafter's method declares for the format
         resolve(METHODS[drafter.cfg.method].formats[fmt].writer)(out, recipe, target, drafter, include_target_weights)
     return out
@@ -104,8 +107,8 @@ def one_line_error(match: str, *args) -> str:
 
 
 def test_every_format_of_every_method_has_a_writer_and_a_gate():
-    """The export registries are the methods' declarations (`models.methods`): every format a method declares
-    resolves to its gate and, but for native (the project's own writer), to its writer; `models.methods.FORMATS` is
+    """The export registries are the methods' declarations (`methods`): every format a method declares
+    resolves to its gate and, but for native (the project's own writer), to its writer; `methods.FORMATS` is
     their union and the recipe schema knows each."""
     for method in METHODS.values():
         assert method.formats["native"].writer is None, method.name
@@ -221,7 +224,7 @@ def test_safeailab_loads_scaling_in_its_two_key_form_only(targets, recipe, tmp_p
     drafter = eagle(target)
     out = tmp_path / "theta"
     out.mkdir()
-    export_mod._write_eagle(out, target, drafter, False, "vllm")  # SafeAILab's layout without its RoPE rules
+    eagle_layouts._write_eagle(out, target, drafter, False, "vllm")  # SafeAILab's layout without its RoPE rules
     export_mod.write_pt(load_file(str(out / "model.safetensors")), out / EAGLE_PT)
     config = json.loads((out / "config.json").read_text())
     config["rope_scaling"] = {"type": "linear", "factor": 4.0}
@@ -306,7 +309,7 @@ def test_vllm_drops_an_fc_bias(targets, recipe, tmp_path):
     drafter = eagle(target, fc_bias=True)
     out = tmp_path / "v"
     out.mkdir()
-    export_mod.write_eagle(out, recipe, target, drafter, False)  # what `write_vllm_eagle` refuses to do
+    eagle_layouts.write_eagle(out, recipe, target, drafter, False)  # what `write_vllm_eagle` refuses to do
     msg = one_line_error("^vllm load gate", "vllm", out, recipe, target, drafter)
     assert "fc.bias in model.safetensors is dropped" in msg
 
@@ -380,7 +383,7 @@ def test_a_failing_gate_leaves_nothing(targets, recipe, tmp_path, monkeypatch):
     run_recipe = load_recipe(ROOT / "recipes/tiny/eagle2.yaml", ["drafter.fc_norm=false", "drafter.post_norm=false"])
     monkeypatch.setattr(export_mod, "load_run", lambda run_dir, checkpoint=None: (run_recipe, target, drafter))
 
-    original = export_mod.write_sglang
+    original = eagle_layouts.write_sglang
 
     def broken(out, *args):
         original(out, *args)
@@ -388,11 +391,11 @@ def test_a_failing_gate_leaves_nothing(targets, recipe, tmp_path, monkeypatch):
         del tensors["fc.bias"]
         save_file(tensors, str(out / "model.safetensors"))
 
-    monkeypatch.setattr(export_mod, "write_sglang", broken)  # the method's writer, as its entry names it
+    monkeypatch.setattr(eagle_layouts, "write_sglang", broken)  # the method's writer, as its entry names it
     with pytest.raises(ExportError, match="^sglang load gate: .*fc.bias missing"):
         export_mod.export(tmp_path / "run", tmp_path / "out", fmt="sglang")
     assert not list(tmp_path.iterdir())
-    monkeypatch.setattr(export_mod, "write_sglang", original)
+    monkeypatch.setattr(eagle_layouts, "write_sglang", original)
     out = export_mod.export(tmp_path / "run", tmp_path / "out", fmt="sglang")
     assert sorted(p.name for p in out.iterdir()) == [EXPORT_MARKER, "config.json", "model.safetensors"]
 

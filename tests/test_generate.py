@@ -19,8 +19,8 @@ from eval.kernels import get_ops
 from eval.proposal import DecodeState, VocabProjection
 from eval.static_proposers import MedusaProposer
 from eval.trees import MC_SIM_7B_63, Tree, chain, medusa_tree
-from models.eagle import EagleConfig, EagleDrafter
-from models.medusa import MedusaConfig, MedusaHeads
+from methods.eagle2.model import EagleConfig, EagleDrafter
+from methods.medusa1.model import MedusaConfig, MedusaHeads
 from models.target import load_target
 
 TINY = {

@@ -19,14 +19,15 @@ from safetensors.torch import load_file, save_file
 from tiny import perturbed
 
 from export import write as export_mod
-from export.eagle_gates import eagle_inputs
 from export.gate_parts import MEDUSA_PT, MEDUSA_SAFETENSORS
 from export.imports import import_checkpoint, main, resolve_target
-from export.medusa_gates import medusa_hidden
-from models.configs import EagleConfig, MedusaConfig
-from models.eagle import EagleDrafter
+from methods.eagle2.config import EagleConfig
+from methods.eagle2.gates import eagle_inputs
+from methods.eagle2.model import EagleDrafter
+from methods.medusa1.config import MedusaConfig
+from methods.medusa1.gates import medusa_hidden
+from methods.medusa1.model import MedusaHeads
 from models.io import EXPORT_MARKER, ExportError, load_drafter, save_native
-from models.medusa import MedusaHeads
 from schema.recipe import load_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -252,17 +253,17 @@ def test_medusa_heads_come_from_the_file_not_the_config(medusa_src, target, tmp_
 def test_an_import_that_computes_other_logits_leaves_nothing(medusa_src, target, tmp_path, monkeypatch):
     """The last safety net: the reloaded native drafter against the consumer's reading of the source. A mapping bug
     (here: one head's projection scaled after the mapping) fails the import and writes nothing."""
-    from export import imports
+    from methods.medusa1 import imports
 
     mapped = imports.import_medusa
 
     def buggy(*args):
-        drafter = mapped(*args)
+        drafter, check = mapped(*args)
         with torch.no_grad():
             drafter.lm_heads[2].weight.mul_(1.01)
-        return drafter
+        return drafter, check
 
-    monkeypatch.setattr(imports, "import_medusa", buggy)
+    monkeypatch.setattr(imports, "import_medusa", buggy)  # the importer the medusa1 entry names
     with pytest.raises(ExportError, match=r"medusa_lm_head\.\S+: the imported drafter's draft logits differ"):
         import_checkpoint(medusa_src, "medusa", target, tmp_path / "native")
     assert not (tmp_path / "native").exists() and not (tmp_path / "native.tmp").exists()

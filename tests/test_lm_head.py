@@ -100,9 +100,9 @@ def test_two_stage_projection_drafts_among_the_candidates_and_keeps_greedy_outpu
     from eval.decode import DecodeSettings
     from eval.eagle_proposer import EagleProposer
     from eval.heads import TwoStageProjection
+    from methods.eagle2.config import EagleConfig
+    from methods.eagle2.model import EagleDrafter
     from models.common import TargetParts
-    from models.configs import EagleConfig
-    from models.eagle import EagleDrafter
 
     model = tiny_llama()
     torch.manual_seed(0)
@@ -161,11 +161,13 @@ def _drafters(model):
     the EAGLE drafters' stored layers are [0, 1, -1], so the last hidden state is not the first slot."""
     from tiny import perturbed
 
+    from methods.eagle2.config import EagleConfig
+    from methods.eagle2.model import EagleDrafter
+    from methods.eagle3.config import Eagle3Config
+    from methods.eagle3.model import Eagle3Drafter
+    from methods.medusa1.config import MedusaConfig
+    from methods.medusa1.model import MedusaHeads
     from models.common import TargetParts
-    from models.configs import Eagle3Config, EagleConfig, MedusaConfig
-    from models.eagle import EagleDrafter
-    from models.eagle3 import Eagle3Drafter
-    from models.medusa import MedusaHeads
 
     def parts(layers):
         return TargetParts(model.config, model.model.embed_tokens, model.lm_head, layers)

@@ -13,8 +13,8 @@ from tiny import make_batch, make_samples, sample_hidden, trainable_names
 from tiny import tiny_llama as tiny_target
 from transformers import LlamaForCausalLM
 
+from methods.medusa1.model import MedusaConfig, MedusaHeads
 from models.common import TargetParts
-from models.medusa import MedusaConfig, MedusaHeads
 from schema.recipe import RecipeError, build_dataclass
 
 torch.set_num_threads(1)

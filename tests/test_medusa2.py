@@ -28,11 +28,11 @@ from transformers.models.llama.modeling_llama import LlamaMLP
 
 from data.heldout import read_heldout
 from data.prepare import prepare_dataset
+from methods.eagle2.model import EagleConfig, EagleDrafter
+from methods.medusa1.model import MedusaConfig, MedusaHeads
+from methods.medusa2.model import Medusa2Config, Medusa2Model, load_medusa2
 from models.common import DraftBatch, TargetParts
-from models.eagle import EagleConfig, EagleDrafter
 from models.io import ExportError, load_draft_vocab, load_drafter, place_on_target, save_native
-from models.medusa import MedusaConfig, MedusaHeads
-from models.medusa2 import Medusa2Config, Medusa2Model, load_medusa2
 from models.target import Target, load_target
 from rundir.checkpoints import latest_checkpoint
 from schema.recipe import RecipeError, load_recipe

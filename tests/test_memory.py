@@ -9,9 +9,9 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from methods.eagle3.config import Eagle3Config
+from methods.eagle3.model import Eagle3Drafter
 from models.common import TargetParts
-from models.configs import Eagle3Config
-from models.eagle3 import Eagle3Drafter
 from models.memory import eagle3_trainable, estimate, main, shape_of, target_params
 
 SMALL = {"hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 9, "num_attention_heads": 4}

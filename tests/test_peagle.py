@@ -28,11 +28,11 @@ from eval.static_proposers import ParallelProposer, parallel_rank_accuracy
 from eval.trees import chain, medusa_tree
 from export.gates import check as gate_check
 from export.write import export, load_run
+from methods import METHODS
+from methods.peagle.config import PeagleConfig
+from methods.peagle.model import PeagleDrafter
 from models.common import TargetParts
-from models.configs import PeagleConfig
 from models.io import ExportError, load_drafter
-from models.methods import METHODS
-from models.peagle import PeagleDrafter
 from rundir.checkpoints import latest_checkpoint
 from schema.recipe import load_recipe, recipe_from_dict
 from train.checkpoint import DRAFTER_FILE, METRICS_FILE

@@ -13,7 +13,7 @@ import pytest
 import yaml
 from accelerate.commands.config.config_args import load_config_from_file
 
-from models.methods import METHODS
+from methods import METHODS
 from schema.recipe import RecipeError, load_recipe
 from train.__main__ import main as train_main
 

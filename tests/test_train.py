@@ -25,7 +25,7 @@ from data.extract import main as extract_main
 from data.loader import BatchLoader
 from data.prepare import prepare_dataset
 from data.shards import FeatureDataset
-from models.methods import METHODS
+from methods import METHODS
 from models.target import load_target
 from rundir.checkpoints import latest_checkpoint, list_checkpoints
 from schema.recipe import load_recipe

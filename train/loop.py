@@ -35,9 +35,9 @@ from data.loader import BatchLoader
 from data.prepare import prepare_dataset
 from data.shards import FeatureDataset, FeatureMismatchError, split_by_id
 from data.vocab_counts import frequent_loss_tokens
+from methods import METHODS
 from models.common import DraftBatch, packed_additive_mask
 from models.io import DRAFT_VOCAB_FILE, ExportError, load_draft_vocab, save_draft_vocab
-from models.methods import METHODS
 from models.target import Target, load_placed_target
 from rundir.lock import DirectoryLocked, NotADirectory, acquire_for_all, release
 from schema.recipe import Recipe

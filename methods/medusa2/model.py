@@ -22,6 +22,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
 
+from methods.medusa1.model import MedusaHeads
+from methods.medusa2.config import Medusa2Config, stage1_form
 from models.common import (
     DraftBatch,
     DrafterInputError,
@@ -31,8 +33,6 @@ from models.common import (
     packed_additive_mask,
     shifted_valid,
 )
-from models.configs import Medusa2Config, stage1_form
-from models.medusa import MedusaHeads
 
 ADAPTER_DIR, HEADS_DIR, MERGED_DIR = "adapter", "heads", "merged"
 
@@ -41,7 +41,7 @@ class Medusa2Model(nn.Module):
     """Medusa-2 (Cai et al., 2024, "Medusa: Simple LLM Inference Acceleration Framework with Multiple
     Decoding Heads", §2.3.2) with the backbone fine-tuned through LoRA (Hu et al., 2021).
 
-    Medusa-1 heads (models/medusa.py) sit on the last hidden state of the target, whose decoder now carries
+    Medusa-1 heads (methods/medusa1/model.py) sit on the last hidden state of the target, whose decoder now carries
     trainable LoRA adapters; heads and adapters train together on
     `loss = L_base + α(step)·head_loss_coef·Σ_k λ_k CE_k`, all sums over loss tokens divided by their number.
     L_base keeps the backbone a good next-token model: CE on the next token, or under self-distillation

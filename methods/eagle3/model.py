@@ -5,7 +5,7 @@ trained draft vocabulary, trained by training-time test.
 
 Training: `Eagle3Drafter(cfg, target)` then `drafter.set_draft_vocab(token_ids, init_head=True)` (the training
 loop passes the data's most frequent loss tokens), then `drafter(batch)` returns the unrolled loss. Drafting:
-the same `new_cache()` / `step(...)` interface as `models.eagle.EagleDrafter`; its logits cover the draft
+the same `new_cache()` / `step(...)` interface as `methods.eagle2.model.EagleDrafter`; its logits cover the draft
 vocabulary (`draft_ids` maps them to target ids).
 """
 
@@ -17,6 +17,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from methods.eagle2.model import MLP, Attention, DraftCache, RMSNorm, logit_positions, step_mask, windowed
+from methods.eagle3.config import Eagle3Config
 from models.common import (
     DraftBatch,
     DrafterOutput,
@@ -26,8 +28,6 @@ from models.common import (
     segment_ids,
     shifted_valid,
 )
-from models.configs import Eagle3Config
-from models.eagle import MLP, Attention, DraftCache, RMSNorm, logit_positions, step_mask, windowed
 from models.lm_head import FACTORS_NAME, DraftHead, unbiased_weight
 from models.losses import distribution_loss
 

@@ -1,7 +1,7 @@
 """The load gates of EAGLE-3 and P-EAGLE exports: one functional EAGLE-3 drafter parameterised by each consumer's
 reading rules (`Eagle3Reader`: vLLM, the speculators package, SGLang; P-EAGLE's mask slots), which reloads an export
 from its files as that consumer does and must give the trained drafter's draft logits. Methods name them in their
-`models.methods` entries."""
+`methods` entries."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from export.eagle3_layouts import ENGINE_FUSED, WEIGHTS, hf_index
 from export.gate_parts import (
     GATE_BATCH,
     GATE_LEN,
@@ -26,6 +25,7 @@ from export.gate_parts import (
     config_value,
     rope_cos_sin,
 )
+from methods.eagle3.layouts import ENGINE_FUSED, WEIGHTS, hf_index
 from models.io import ExportError, load_drafter, read_json, read_safetensors
 
 
@@ -303,11 +303,6 @@ def compare(config: dict, tensors: dict, reader: Eagle3Reader, target, drafter: 
     return finite_pairs(consumer, reference, notes)
 
 
-def peagle_gate(out_dir: Path, recipe, target, drafter: nn.Module) -> GateResult:
-    """vLLM's reading of a P-EAGLE speculators export (`speculators_model_type: peagle`, parallel drafting)."""
-    return eagle3_gate(out_dir, target, drafter, VLLM_PEAGLE)
-
-
 def speculators_gate(out_dir: Path, recipe, target, drafter: nn.Module) -> GateResult:
     """The speculators package's Eagle3DraftModel and vLLM's reading of the same files must both agree."""
     vllm = eagle3_gate(out_dir, target, drafter, VLLM_SPECULATORS)
@@ -330,8 +325,3 @@ def _native(out_dir: Path, target, drafter: nn.Module, parallel: bool) -> GateRe
 def native_eagle3_gate(out_dir: Path, recipe, target, drafter: nn.Module) -> GateResult:
     """A native EAGLE-3 export, strictly reloaded: its two draft steps."""
     return _native(out_dir, target, drafter, parallel=False)
-
-
-def native_peagle_gate(out_dir: Path, recipe, target, drafter: nn.Module) -> GateResult:
-    """A native P-EAGLE export, strictly reloaded: its one forward with its mask slots."""
-    return _native(out_dir, target, drafter, parallel=True)

@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from methods.medusa1.config import MedusaConfig
 from models.common import DraftBatch, DrafterOutput, FrozenRef, TargetParts, num_loss_tokens, shifted_valid
-from models.configs import MedusaConfig
 from models.lm_head import FACTORS_NAME, DraftHead, unbiased_weight
 
 

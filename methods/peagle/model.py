@@ -2,7 +2,7 @@
 
     python -m train recipes/tiny/peagle.yaml      # trains PeagleDrafter from feature shards (layers 1, 2, 3, -1)
 
-Training: as `models.eagle3.Eagle3Drafter` (draft vocabulary, `drafter(batch)` returns the unrolled loss), with
+Training: as `methods.eagle3.model.Eagle3Drafter` (draft vocabulary, `drafter(batch)` returns the unrolled loss), with
 `parallel_tokens` unrolled steps whose steps 1.. read the mask slot's inputs. Drafting (`eval.proposers`'
 `ParallelProposer`): one `step(...)` over the new real positions followed by `parallel_tokens - 1` mask slots, whose
 `inputs` are `mask_hidden` and whose tokens are `cfg.mask_token_id`; the final-norm output of the last real position
@@ -14,9 +14,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from methods.eagle3.model import Eagle3Drafter
+from methods.peagle.config import PeagleConfig
 from models.common import TargetParts
-from models.configs import PeagleConfig
-from models.eagle3 import Eagle3Drafter
 
 
 class PeagleDrafter(Eagle3Drafter):

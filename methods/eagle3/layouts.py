@@ -134,11 +134,6 @@ def write_speculators(out: Path, recipe, target, drafter: nn.Module, include_tar
     _write_speculators(out, recipe, target, drafter, parallel=False)
 
 
-def write_speculators_peagle(out: Path, recipe, target, drafter: nn.Module, include_target_weights: bool) -> None:
-    """A P-EAGLE drafter in the speculators layout (vLLM's `peagle`: `mask_token_id`, `mask_hidden`)."""
-    _write_speculators(out, recipe, target, drafter, parallel=True)
-
-
 def _write_speculators(out: Path, recipe, target, drafter: nn.Module, parallel: bool) -> None:
     cfg, tc = drafter.cfg, target.config
     if len(cfg.feature_layers) != ENGINE_FUSED:

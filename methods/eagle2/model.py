@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from methods.eagle2.config import EagleConfig
 from models.common import (
     DraftBatch,
     DrafterOutput,
@@ -25,7 +26,6 @@ from models.common import (
     packed_causal_mask,
     shifted_valid,
 )
-from models.configs import EagleConfig
 from models.lm_head import FACTORS_NAME, DraftHead, unbiased_weight
 
 # ------------------------------------------------------------------------------------------------
