@@ -93,6 +93,7 @@ def test_method_parts_are_loaded_by_path():
     assert not wrong, "imports of a method's parts (name them by path in its entry):\n" + "\n".join(wrong)
 
 
+@pytest.mark.slow
 def test_the_registry_imports_no_torch():
     """The recipe schema loads every method's entry: that must not import torch (a recipe check runs in a second)."""
     out = subprocess.run([sys.executable, "-c", "import sys, methods, schema.recipe; print('torch' in sys.modules)"],
