@@ -15,7 +15,7 @@ import importlib
 
 from methods.method import EAGLE_TREES, STATIC_TREES, Layout, Method, resolve
 
-NAMES = ("eagle2", "eagle3", "peagle", "medusa1", "medusa2")
+NAMES = ("eagle2", "eagle3", "peagle", "medusa1", "medusa2", "dflash")
 """The method folders, in the order listings show them: a new method adds its folder's name here."""
 
 METHODS: dict[str, Method] = {name: importlib.import_module(f"methods.{name}").METHOD for name in NAMES}
