@@ -77,6 +77,9 @@ check-speculators: install
 	$(BIN)/python benchmarks/speculators_check.py prepare runs/speculators-check-peagle-fcnorm drafter.fc_norm=true \
 		drafter.norm_before_residual=true --method peagle
 	$(SPEC_VENV)/bin/python benchmarks/speculators_check.py consume runs/speculators-check-peagle-fcnorm
+	rm -rf runs/dflash-check
+	$(BIN)/python -m methods.dflash.check_speculators prepare runs/dflash-check
+	$(SPEC_VENV)/bin/python methods/dflash/check_speculators.py consume runs/dflash-check
 
 # Another project's trainer: speculators' own pipeline (prepare-data, `speculators train` with its Trainer, CPU patches
 # applied at runtime) trains a tiny EAGLE-3 drafter, and `export.imports --format speculators` imports it; the imported

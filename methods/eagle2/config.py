@@ -1,4 +1,4 @@
-"""config."""
+"""EAGLE-2's recipe section (`drafter`, `method: eagle2`): plain fields, no torch."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""imports."""
+"""A SafeAILab EAGLE-1/2 checkpoint imported as a native eagle2 drafter (`python -m export.imports --format eagle`),
+checked against SafeAILab's reading of it."""
 
 from __future__ import annotations
 

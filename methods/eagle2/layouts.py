@@ -1,4 +1,5 @@
-"""layouts."""
+"""EAGLE-1/2 in the engines' layouts: SafeAILab's (`eagle`), SGLang's (`sglang`) and vLLM's (`vllm`) `LlamaForCausalLM`
+EAGLE configs and weights."""
 
 from __future__ import annotations
 

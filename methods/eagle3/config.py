@@ -1,4 +1,5 @@
-"""config."""
+"""EAGLE-3's recipe section (`drafter`, `method: eagle3`), and what it shares with P-EAGLE's (`FusedOwnVocab`): plain
+fields, no torch."""
 
 from __future__ import annotations
 

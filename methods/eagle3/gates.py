@@ -315,7 +315,7 @@ def sglang_eagle3_gate(out_dir: Path, recipe, target, drafter: nn.Module) -> Gat
     return eagle3_gate(out_dir, target, drafter, SGLANG)
 
 
-def _native(out_dir: Path, target, drafter: nn.Module, parallel: bool) -> GateResult:
+def native_gate(out_dir: Path, target, drafter: nn.Module, parallel: bool) -> GateResult:
     """`models.io.load_drafter` (eval's strict loader), then the same draft steps over the target vocabulary."""
     reloaded = load_drafter(out_dir, target)
     inputs = eagle3_inputs(drafter, target.config.num_hidden_layers, target.config.vocab_size)
@@ -324,4 +324,4 @@ def _native(out_dir: Path, target, drafter: nn.Module, parallel: bool) -> GateRe
 
 def native_eagle3_gate(out_dir: Path, recipe, target, drafter: nn.Module) -> GateResult:
     """A native EAGLE-3 export, strictly reloaded: its two draft steps."""
-    return _native(out_dir, target, drafter, parallel=False)
+    return native_gate(out_dir, target, drafter, parallel=False)

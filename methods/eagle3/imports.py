@@ -1,4 +1,5 @@
-"""imports."""
+"""SafeAILab / SGLang EAGLE-3 (`--format eagle3`) and speculators (`--format speculators`) checkpoints imported as
+native eagle3 drafters, checked against the layout's reader."""
 
 from __future__ import annotations
 

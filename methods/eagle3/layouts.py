@@ -131,10 +131,10 @@ def _tensors(drafter: nn.Module, layer_prefix: str) -> dict[str, torch.Tensor]:
 
 def write_speculators(out: Path, recipe, target, drafter: nn.Module, include_target_weights: bool) -> None:
     """An EAGLE-3 drafter in the speculators layout (vLLM's `eagle3`)."""
-    _write_speculators(out, recipe, target, drafter, parallel=False)
+    write_speculators_layout(out, recipe, target, drafter, parallel=False)
 
 
-def _write_speculators(out: Path, recipe, target, drafter: nn.Module, parallel: bool) -> None:
+def write_speculators_layout(out: Path, recipe, target, drafter: nn.Module, parallel: bool) -> None:
     cfg, tc = drafter.cfg, target.config
     if len(cfg.feature_layers) != ENGINE_FUSED:
         raise ExportError(

@@ -1,4 +1,4 @@
-"""config."""
+"""Medusa-1's recipe section (`drafter`, `method: medusa1`): plain fields, no torch."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""layouts."""
+"""Medusa heads in FasterDecoding's layout (`medusa`: `medusa_lm_head.safetensors` / `.pt`) and vLLM's (`vllm`)."""
 
 from __future__ import annotations
 

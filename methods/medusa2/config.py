@@ -1,4 +1,5 @@
-"""config."""
+"""Medusa-2's recipe section (`drafter`, `method: medusa2`): Medusa-1's head fields and the LoRA backbone's, and where
+its stage-1 heads are read from (`stage1_form`). No torch."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""config."""
+"""P-EAGLE's recipe section (`drafter`, `method: peagle`): plain fields, no torch."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""gates."""
+"""P-EAGLE's load gates: the native export strictly reloaded, and the speculators layout as vLLM's `peagle` reads it
+(EAGLE-3's reader with mask slots)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from torch import nn
 from export.gate_parts import (
     GateResult,
 )
-from methods.eagle3.gates import VLLM_PEAGLE, _native, eagle3_gate
+from methods.eagle3.gates import VLLM_PEAGLE, eagle3_gate, native_gate
 
 
 def peagle_gate(out_dir: Path, recipe, target, drafter: nn.Module) -> GateResult:
@@ -19,4 +20,4 @@ def peagle_gate(out_dir: Path, recipe, target, drafter: nn.Module) -> GateResult
 
 def native_peagle_gate(out_dir: Path, recipe, target, drafter: nn.Module) -> GateResult:
     """A native P-EAGLE export, strictly reloaded: its one forward with its mask slots."""
-    return _native(out_dir, target, drafter, parallel=True)
+    return native_gate(out_dir, target, drafter, parallel=True)
