@@ -114,6 +114,24 @@ def test_packed_and_padded_give_the_same_loss_and_gradients_reach_every_layer(se
     assert "layers.1.self_attn.k_norm.weight" not in dict(drafter.named_parameters())  # tied: trained once
 
 
+def test_chunked_cross_entropy_gives_the_same_loss_and_gradients(setup, monkeypatch):
+    """Past one chunk of slots the logits are recomputed in the backward instead of kept: the same loss and
+    gradients."""
+    import methods.dflash.model as model_mod
+
+    model, _, padded, _ = setup
+    grads = []
+    for chunk in (model_mod.CE_CHUNK, 7):
+        monkeypatch.setattr(model_mod, "CE_CHUNK", chunk)
+        drafter = drafter_for(model)
+        loss = drafter(padded)["loss"]
+        loss.backward()
+        grads.append((loss.detach(), [p.grad.clone() for p in drafter.parameters()]))
+    torch.testing.assert_close(grads[0][0], grads[1][0])
+    for a, b in zip(grads[0][1], grads[1][1]):
+        torch.testing.assert_close(a, b)
+
+
 def test_the_proposer_keeps_its_context_across_rounds(setup):
     """Round two, with the features of three more verified positions appended to the row's context, drafts what a
     fresh proposer given every position at once drafts."""
