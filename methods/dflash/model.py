@@ -27,6 +27,14 @@ backward instead of kept (4096 x a 49k vocabulary: 800 MB of float32 logits)."""
 KV = tuple[torch.Tensor, torch.Tensor]
 
 
+class SharedRef:
+    """Another layer's module, held without registering it (its weights are trained and saved once, where they are
+    registered: layer 0's key norm)."""
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+
+
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x (B, H, n, hd) rotated by cos, sin (B, n, hd)."""
     return x * cos[:, None] + _rotate_half(x) * sin[:, None]
@@ -48,14 +56,12 @@ class DFlashAttention(nn.Module):
         self.v_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, d, bias=False)
         self.q_norm = RMSNorm(self.head_dim, eps)
+        self.shared_k_norm = None if shared_k_norm is None else SharedRef(shared_k_norm)
         if shared_k_norm is None:
             self.k_norm = RMSNorm(self.head_dim, eps)
-        else:  # layer 0's, held without registering it here (its weight is trained and saved once, as layer 0's)
-            self.__dict__["_shared_k_norm"] = shared_k_norm
 
     def key_norm(self, k: torch.Tensor) -> torch.Tensor:
-        shared = self.__dict__.get("_shared_k_norm")
-        return (self.k_norm if shared is None else shared)(k)
+        return (self.k_norm if self.shared_k_norm is None else self.shared_k_norm.module)(k)
 
     def keys_values(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> KV:
         """x (B, n, d) -> k, v (B, Hkv, n, hd): the key norm and RoPE on k."""
