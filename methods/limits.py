@@ -58,3 +58,17 @@ def check_target_sizes(sized: dict[str, int], recipe, err) -> None:
         at_most(err, f"drafter.{key}", value, recipe.target.size(size), f"the target's {size}")
 
     # check_recipe: Medusa-1's (the heads draft the same trees)
+
+
+def resolved_layers(feature_layers: list[int], num_layers: int) -> list[int]:
+    """`feature_layers`, or low / mid / high of a `num_layers`-layer target, `[2, L // 2, L - 3]` (the fused inputs of
+    EAGLE-3, P-EAGLE and DFlash); ValueError when it has none."""
+    if feature_layers:
+        return list(feature_layers)
+    low_mid_high = [2, num_layers // 2, num_layers - 3]
+    if len(set(low_mid_high)) < 3 or num_layers < 8:
+        raise ValueError(
+            f"drafter.feature_layers: a {num_layers}-layer target has no distinct low/mid/high layers "
+            f"{low_mid_high}; list the hidden-state indices to fuse"
+        )
+    return low_mid_high

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from methods import named_trees
-from methods.limits import MAX_LAYERS, MAX_TTT_STEPS, at_most, check_target_sizes
+from methods.limits import MAX_LAYERS, MAX_TTT_STEPS, at_most, check_target_sizes, resolved_layers
 
 MAX_ANCHORS = 1 << 12
 """drafter.max_anchors: blocks trained per sequence (the paper samples 512 in sequences of thousands of tokens)."""
@@ -63,16 +63,8 @@ class DFlashConfig:
         at_most(err, "drafter.max_anchors", self.max_anchors, MAX_ANCHORS)
 
     def resolved_layers(self, num_layers: int) -> list[int]:
-        """`feature_layers`, or low / mid / high of a `num_layers`-layer target; ValueError when there is none."""
-        if self.feature_layers:
-            return list(self.feature_layers)
-        low_mid_high = [2, num_layers // 2, num_layers - 3]
-        if num_layers < 8:
-            raise ValueError(
-                f"drafter.feature_layers: a {num_layers}-layer target has no distinct low/mid/high layers "
-                f"{low_mid_high}; list the hidden-state indices to fuse"
-            )
-        return low_mid_high
+        """`feature_layers`, or low / mid / high of a `num_layers`-layer target (`methods.limits.resolved_layers`)."""
+        return resolved_layers(self.feature_layers, num_layers)
 
     @property
     def borrows_lm_head(self) -> bool:

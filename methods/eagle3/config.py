@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-from methods.limits import MAX_TTT_STEPS, MAX_VOCAB, DraftLoss, at_most, check_target_sizes
+from methods.limits import MAX_TTT_STEPS, MAX_VOCAB, DraftLoss, at_most, check_target_sizes, resolved_layers
 
 
 class FusedOwnVocab:
@@ -36,16 +36,8 @@ class FusedOwnVocab:
         at_most(err, "drafter.topk_metric", self.topk_metric, MAX_VOCAB)
 
     def resolved_layers(self, num_layers: int) -> list[int]:
-        """`feature_layers`, or low / mid / high of a `num_layers`-layer target; ValueError when there is none."""
-        if self.feature_layers:
-            return list(self.feature_layers)
-        low_mid_high = [2, num_layers // 2, num_layers - 3]
-        if len(set(low_mid_high)) < 3 or num_layers < 8:
-            raise ValueError(
-                f"drafter.feature_layers: a {num_layers}-layer target has no distinct low/mid/high layers "
-                f"{low_mid_high}; list the hidden-state indices to fuse"
-            )
-        return low_mid_high
+        """`feature_layers`, or low / mid / high of a `num_layers`-layer target (`methods.limits.resolved_layers`)."""
+        return resolved_layers(self.feature_layers, num_layers)
 
     @property
     def borrows_lm_head(self) -> bool:
