@@ -35,6 +35,7 @@ import torch
 
 from data.prepare import TokenSample
 from data.shards import FeatureDataset
+from data.target_stats import KEYS as STAT_KEYS
 from models.common import DraftBatch
 
 
@@ -82,6 +83,11 @@ class BatchLoader:
         self.lengths = {i: min(raw[i], max_len or raw[i]) for i in self.indices}
         self._epoch, self._batch = 0, 0
         self._plan_cache: tuple[int, list[list[list[int]]]] | None = None
+
+    @property
+    def statistics(self) -> tuple[str, ...]:
+        """The batch keys of the target's stored statistics (`data.target_stats`), when the feature set has them."""
+        return STAT_KEYS if self.features and self.samples.statistics is not None else ()
 
     # ---------------------------------------------------------------------------------- planning
 
@@ -183,11 +189,11 @@ class BatchLoader:
         n = self.lengths[i]
         if self.encoded:
             item = self.samples.encoded(i)
-            return {**{k: item[k][:n] for k in ("input_ids", "loss_mask")},
+            return {**{k: item[k][:n] for k in ("input_ids", "loss_mask", *self.statistics)},
                     **{f"parts.{k}": v[:n] for k, v in item["parts"].items()}}  # fmt: skip
         if self.features:
             item = self.samples[i]
-            return {k: item[k][:n] for k in ("input_ids", "loss_mask", "hidden")}
+            return {k: item[k][:n] for k in ("input_ids", "loss_mask", "hidden", *self.statistics)}
         s = self.samples[i]
         return {
             "input_ids": torch.tensor(s["input_ids"][:n], dtype=torch.int64),
@@ -216,6 +222,9 @@ class BatchLoader:
             batch.update(staged)
         elif self.features:
             batch["hidden"] = torch.zeros(B, T, len(ds.layers), ds.hidden_size, dtype=ds.dtype)  # (B, T, n, d)
+        if self.statistics:  # the target's stored top-1 and logsumexp (data.target_stats); -1 / NaN on padding
+            batch["target_top1"] = torch.full((B, T), -1, dtype=torch.int64)
+            batch["target_lse"] = torch.full((B, T), float("nan"))
         for b, row in enumerate(rows):
             t = 0
             for i in row:

@@ -442,6 +442,14 @@ class FeatureDataset:
         self._open: OrderedDict[int, Any] = OrderedDict()
         self.max_open_shards = max_open_shards
         self._lock = threading.Lock()  # one reader at a time: a loader reads ahead on a thread
+        self.statistics: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def attach_statistics(self, stats: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Per shard, the target's top-1 ids and logsumexp over its tokens (`data.target_stats`): every sample then
+        carries them as `target_top1` / `target_lse`."""
+        if len(stats) != len(self.shards):
+            raise ValueError(f"{self.directory}: statistics for {len(stats)} shards, the set has {len(self.shards)}")
+        self.statistics = stats
 
     def __len__(self) -> int:
         return len(self.sample_ids)
@@ -475,12 +483,16 @@ class FeatureDataset:
         end = start + self.lengths[i]
         with self._lock:
             handle = self._handle(s)
-            return {
+            item = {
                 "id": self.sample_ids[i],
                 "input_ids": handle.get_slice("input_ids")[start:end].to(torch.int64),  # (T,)
                 "loss_mask": handle.get_slice("loss_mask")[start:end].to(torch.float32),  # (T,)
                 "parts": {name: handle.get_slice(name)[start:end] for name in self.codec.tensors},
             }
+        if self.statistics is not None:
+            top1, lse = self.statistics[s]
+            item["target_top1"], item["target_lse"] = top1[start:end], lse[start:end]  # (T,) each
+        return item
 
     def split(self, heldout_fraction: float, seed: int = 0) -> tuple[list[int], list[int]]:
         """(train, heldout) positions, deterministic by sample id hash (see `split_by_id`)."""

@@ -26,7 +26,8 @@ An entry declares:
   native export calls `drafter.export_extra(out, target, merge_lora=...)`; `own_vocab`: it drafts over its own trained
   draft vocabulary (`drafter.draft_vocab` tokens): training picks the data's most frequent loss tokens and calls
   `drafter.set_draft_vocab(ids, init_head=True)`, and evaluation maps its logits to target ids with
-  `drafter.draft_ids`.
+  `drafter.draft_ids`; `target_statistics`: its training forward reads the target's stored top-1 and logsumexp
+  (`data.target_stats`) when the feature set has them for its target's head (batch keys `target_top1`, `target_lse`).
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ class Method:
     adapts_target: bool = False
     export_extra: bool = False
     own_vocab: bool = False
+    target_statistics: bool = False
 
     def module(self) -> type:
         """The drafter's nn.Module class (imports torch and the model file on first use)."""

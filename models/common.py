@@ -28,6 +28,10 @@ class DraftBatch(TypedDict, total=False):
     attention_mask: torch.Tensor  # (B, T) int64, 1 on real tokens, 0 on padding
     position_ids: torch.Tensor  # (B, T) int64, restarts at 0 at every packed sample
     hidden: torch.Tensor  # (B, T, n_stored, d) target hidden states at the stored layers
+    # offline, when the feature set stores them (data.target_stats): the target's top-1 id and the logsumexp of its
+    # logits at every loss position, so that a drafter with a draft vocabulary applies only those rows of its head
+    target_top1: torch.Tensor  # (B, T) int64, -1 where not stored
+    target_lse: torch.Tensor  # (B, T) float32, NaN where not stored
 
 
 @dataclass

@@ -24,6 +24,7 @@ COMMANDS: dict[str, str] = {
     "selfdistill": "data.selfdistill",
     "prepare": "data.prepare",
     "extract": "data.extract",
+    "target-stats": "data.target_stats",
     "train": "train",
     "export": "export",
     "import": "export.imports",

@@ -72,6 +72,7 @@ from typing import Any
 
 import yaml
 
+from methods import METHODS
 from recipes.preflight import check_set
 from recipes.ship import PIPELINE, ship, ship_dir_problem
 from recipes.steps import (
@@ -251,6 +252,12 @@ def synthesize_cmd(synth: dict[str, Any], target: str) -> list[str]:
     return launch_cmd("data.synthesize", {"seed": 0} | synth, target, sorted(SYNTHESIZE_KEYS - {"processes"}))
 
 
+def reads_target_statistics(conf: dict[str, Any]) -> bool:
+    """Whether a recipe's drafter trains from the target's stored statistics (`data.target_stats`)."""
+    method = METHODS.get((conf.get("drafter") or {}).get("method"))
+    return method is not None and method.target_statistics
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("recipe_set", type=Path, help="a directory with pipeline.yaml, e.g. recipes/smollm2")
@@ -355,6 +362,13 @@ def main() -> None:
             # target) are refused rather than trained on
             step = f"extract-{Path(features_dir).name}"
             run_step(step, [py, "-m", "data.extract", recipes[method], *args.overrides], log_dir, train_env)
+            # the target's top-1 and logsumexp at every loss position, stored once for the drafters that read them
+            # (data.target_stats: a fifth of an EAGLE-3 step on a CPU); always run: it computes only what is missing
+            readers = [m for m, conf in confs.items() if (conf.get("data") or {}).get("features_dir") == features_dir
+                       and reads_target_statistics(conf)]  # fmt: skip
+            if readers:
+                stats_cmd = [py, "-m", "data.target_stats", recipes[readers[0]], *args.overrides]
+                run_step(f"target-stats-{Path(features_dir).name}", stats_cmd, log_dir, train_env)
 
         for method, recipe in recipes.items():
             banner(f"train + export {method} ({recipe})")

@@ -107,6 +107,9 @@ def test_the_driver_runs_every_step_then_resumes_by_skipping_them(recipe_set):
     assert len(records) == 8 and all("assistant_ids" in r for r in records)
     assert json.loads((out / "features-eagle3" / "manifest.json").read_text())["layers"] == [0, 1, -1]
     assert json.loads((out / "features" / "manifest.json").read_text())["layers"] == [-1]
+    stats = json.loads((out / "features-eagle3" / "target-stats" / "index.json").read_text())  # EAGLE-3 reads them
+    assert len(stats["shards"]) == len(json.loads((out / "features-eagle3" / "manifest.json").read_text())["shards"])
+    assert not (out / "features" / "target-stats").exists()  # EAGLE-2 and Medusa do not
     for method in METHODS:
         assert (out / method / "export" / "draft_vocab.safetensors").is_file()
         report = json.loads((out / method / "eval" / "report.json").read_text())
@@ -157,8 +160,9 @@ def test_the_driver_runs_every_step_then_resumes_by_skipping_them(recipe_set):
     assert f"skipped: {out / 'medusa1' / 'eval'}/report.json is complete" in alone
     other = run(str(recipe_set), "--methods", "medusa1", "eval.max_new_tokens=6").stdout
     assert "kept: " in other and "was made with other settings" in other and report.read_bytes() == before
-    assert {p.name for p in (out / "logs").iterdir()} >= {"selfdistill-selfdistill.log", "extract-features.log",
-                                                         "extract-features-eagle3.log", "eval-medusa1.log"}  # fmt: skip
+    logs = {"selfdistill-selfdistill.log", "extract-features.log", "extract-features-eagle3.log",
+            "target-stats-features-eagle3.log", "eval-medusa1.log"}  # fmt: skip
+    assert {p.name for p in (out / "logs").iterdir()} >= logs
 
 
 @pytest.mark.slow

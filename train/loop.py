@@ -29,6 +29,7 @@ from accelerate.utils import gather_object, set_seed
 from tqdm import tqdm
 from transformers.integrations import set_hf_deepspeed_config, unset_hf_deepspeed_config
 
+from data import target_stats
 from data.extract import feature_identity
 from data.heldout import write_heldout
 from data.loader import BatchLoader
@@ -153,6 +154,10 @@ def build_loaders(
         if problems:
             raise TrainingError(f"{recipe.source}: data.features_dir: {problems[0]}")
         train_idx, heldout_idx = samples.split(data.heldout_fraction, cfg.seed)
+        if METHODS[recipe.drafter.method].target_statistics and not cfg.loss_vocab:
+            line = target_stats.attach(samples, target.lm_head)
+            if accelerator.is_main_process:
+                print(line)
     if cfg.first_records is not None:  # sample ids are record numbers over the data, in order
         train_idx = [i for i, sid in zip(train_idx, sample_ids(samples, train_idx)) if int(sid) < cfg.first_records]
         if not train_idx:

@@ -27,4 +27,5 @@ METHOD = Method(
         "speculators": "methods.eagle3.imports:import_speculators",
     },
     own_vocab=True,
+    target_statistics=True,
 )

@@ -15,6 +15,7 @@ import dataclasses
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from methods.eagle2.model import MLP, Attention, DraftCache, RMSNorm, logit_positions, step_mask, windowed
@@ -222,6 +223,37 @@ class Eagle3Drafter(nn.Module):
     # ---------------------------------------------------------------------------------------
     # Training
 
+    def target_distribution(
+        self, batch: DraftBatch, last: torch.Tensor, at: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """At the N loss positions `at` (B, T) with last hidden states `last` (N, d): the target's top-1 ids (N,), its
+        distribution renormalised over the draft vocabulary (N, K) and its probability mass there (N,). From the
+        whole head; or, when the batch carries the target's stored top-1 and logsumexp (`data.target_stats`), from
+        the K draft rows only: the same numbers, up to the order of floating-point sums."""
+        head, top1, probs, masses = self._target_head.module, [], [], []
+        stored = "target_lse" in batch
+        if stored:
+            target_top1, lse = batch["target_top1"][at], batch["target_lse"][at]  # (N,) each
+            if bool((target_top1 < 0).any()):
+                raise ValueError("the batch's stored target statistics miss a loss position (data.target_stats)")
+            rows_head = head.weight[self.draft_ids.to(head.weight.device)]  # (K, d)
+        # (n, d) rows at a time: long packed rows keep (N, V) off memory
+        for n, rows in enumerate(last.split(TARGET_HEAD_ROWS)):
+            if stored:
+                draft = F.linear(rows.to(rows_head.device, rows_head.dtype), rows_head).float().to(last.device)
+                full_lse = lse[n * TARGET_HEAD_ROWS : n * TARGET_HEAD_ROWS + len(rows)]
+            else:
+                full = head(rows.to(head.weight.dtype)).float().to(last.device)  # (n, V)
+                top1.append(full.argmax(-1))
+                draft, full_lse = full[:, self.draft_ids], full.logsumexp(-1)  # (n, K), (n,)
+            probs.append(draft.softmax(-1))
+            masses.append((draft.logsumexp(-1) - full_lse).exp())  # the target's mass on the K tokens
+        if not stored:
+            target_top1 = torch.cat(top1) if top1 else last.new_zeros(0, dtype=torch.long)  # (N,)
+        target_p = torch.cat(probs) if probs else last.new_zeros(0, len(self.d2t))  # (N, K)
+        target_mass = torch.cat(masses) if masses else last.new_zeros(0)  # (N,)
+        return target_top1, target_p, target_mass
+
     def unroll(self, batch: DraftBatch) -> list[torch.Tensor]:
         """Training-time test over a (packed, padded) batch: the final-norm outputs of each unrolled step,
         `ttt_steps` tensors (B, T, d); entry j at position t predicts token t+j+2."""
@@ -262,16 +294,7 @@ class Eagle3Drafter(nn.Module):
         row = torch.full((B, T), -1, dtype=torch.long, device=last.device)
         row[at] = torch.arange(int(at.sum()), device=last.device)
         with torch.no_grad():
-            head, top1, probs, masses = self._target_head.module, [], [], []
-            for rows in last[at].split(TARGET_HEAD_ROWS):  # (n, d) at a time: long packed rows keep (N, V) off memory
-                full = head(rows.to(head.weight.dtype)).float().to(last.device)  # (n, V)
-                top1.append(full.argmax(-1))
-                draft = full[:, self.draft_ids]  # (n, K)
-                probs.append(draft.softmax(-1))
-                masses.append((draft.logsumexp(-1) - full.logsumexp(-1)).exp())  # the target's mass on the K tokens
-            target_top1 = torch.cat(top1) if top1 else last.new_zeros(0, dtype=torch.long)  # (N,)
-            target_p = torch.cat(probs) if probs else last.new_zeros(0, len(self.d2t))  # (N, K)
-            target_mass = torch.cat(masses) if masses else last.new_zeros(0)  # (N,)
+            target_top1, target_p, target_mass = self.target_distribution(batch, last[at], at)
             in_vocab = self.t2d[target_top1]  # (N,)
         n_loss = num_loss_tokens(batch)
         cfg = self.cfg

@@ -22,4 +22,5 @@ METHOD = Method(
     },
     calibration="eval.static_proposers:parallel_calibration",
     own_vocab=True,
+    target_statistics=True,
 )
