@@ -207,4 +207,13 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    from models.target import TargetError
+    from rundir.lock import DirectoryLocked
+    from schema.recipe import RecipeError
+
+    try:
+        main()
+    except (RecipeError, TargetError, DirectoryLocked, ValueError) as exc:
+        sys.exit(f"error: {exc}")

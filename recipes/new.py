@@ -237,7 +237,8 @@ def write_set(directory: Path, target: Path, prompt_file: Path | None, here: dic
         (directory / "prompts" / "heldout.jsonl").write_text("".join(line + "\n" for line in lines[-held:]))
     recipe_file = set_dir / "eagle3.yaml"
     (directory / "eagle3.yaml").write_text(
-        f"# python -m data.extract {recipe_file} && python -m train {recipe_file} && python -m export "
+        f"# python -m data.extract {recipe_file} && python -m data.target_stats {recipe_file} && python -m train "
+        f"{recipe_file} && python -m export "
         f"{recipe['train']['output_dir']} && python -m eval {recipe_file}\n"
         f"# EAGLE-3.1 drafter for {target_name}, made by `recipes/run.py --new`: fused hidden states {layers} of "
         f"{config['num_hidden_layers']} layers; drafter.draft_vocab is sized from the answers by "

@@ -21,7 +21,7 @@ from data.shards import FeatureDataset
 from methods import METHODS
 from methods.eagle3.model import Eagle3Drafter
 from models.target import load_target
-from schema.recipe import load_recipe
+from schema.recipe import RecipeError, load_recipe
 from train import loop
 from train.loop import train
 
@@ -193,3 +193,10 @@ def test_the_loop_attaches_statistics_only_where_the_method_reads_them(features,
         assert (loader.samples.statistics is not None) == reads
         assert bool(loader.statistics) == reads
         reset_accelerate()
+
+
+def test_the_command_names_the_key_of_what_it_cannot_use(tmp_path):
+    with pytest.raises(RecipeError, match=r"eagle3.yaml: data.features_dir: .*missing: no manifest.json"):
+        target_stats.main([str(RECIPE), f"data.features_dir={tmp_path / 'missing'}"])
+    with pytest.raises(RecipeError, match=r"data.layers: .*-1 must be stored"):
+        target_stats.main([str(RECIPE), f"data.features_dir={tmp_path}", "data.layers=[1,2,3]"])
