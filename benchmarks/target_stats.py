@@ -22,6 +22,7 @@ from accelerate import Accelerator
 from data import target_stats
 from data.loader import BatchLoader
 from data.shards import FeatureDataset
+from data.vocab_counts import frequent_loss_tokens
 from methods import METHODS
 from schema.recipe import load_recipe
 from train import loop
@@ -52,7 +53,8 @@ def main() -> None:
     if stored.statistics is None:
         raise SystemExit(f"benchmarks.target_stats: {line}")
     drafter = METHODS[recipe.drafter.method].module()(recipe.drafter, target.parts(recipe.data.layers))
-    loop.set_draft_vocab(recipe, drafter, plain, [], accelerator, resuming=False)
+    # the most frequent loss tokens, as training picks them (never through the loop: that records them in the run)
+    drafter.set_draft_vocab(frequent_loss_tokens(plain, recipe.drafter.draft_vocab, []), init_head=True)
     drafter.train()
     cfg = recipe.train
     batches = []
