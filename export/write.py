@@ -77,6 +77,7 @@ from models.io import (
     DRAFT_VOCAB_FILE,
     ExportError,
     check_export_dir,
+    draft_vocab_sha256,
     load_draft_vocab,
     load_drafter,
     read_config,
@@ -118,6 +119,11 @@ def load_run(run_dir: str | Path, checkpoint: str | Path | None = None) -> tuple
         vocab = load_draft_vocab(run_dir)
         if vocab is None:
             raise ExportError(f"{run_dir}: no {DRAFT_VOCAB_FILE} (the run's draft vocabulary, written by training)")
+        if state.get("draft_vocab_sha256", draft_vocab_sha256(vocab)) != draft_vocab_sha256(vocab):
+            raise ExportError(
+                f"{run_dir / DRAFT_VOCAB_FILE}: not the draft vocabulary {ckpt} was trained with (its head rows belong "
+                "to other tokens)"
+            )
         drafter.set_draft_vocab(vocab, init_head=False)
         tensors.update({"d2t": drafter.d2t, "t2d": drafter.t2d})
     expected = drafter.trainable_state_dict().keys()

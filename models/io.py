@@ -434,6 +434,11 @@ def save_draft_vocab(directory: str | Path, token_ids: torch.Tensor) -> None:
     write_safetensors({"token_ids": token_ids.to(torch.int64)}, Path(directory) / DRAFT_VOCAB_FILE)
 
 
+def draft_vocab_sha256(token_ids: torch.Tensor) -> str:
+    """What a checkpoint records of the draft vocabulary its head rows belong to: the sha256 of the ids in order."""
+    return hashlib.sha256(token_ids.to(torch.int64).cpu().contiguous().numpy().tobytes()).hexdigest()
+
+
 def load_draft_vocab(directory: str | Path) -> torch.Tensor | None:
     """The export's draft vocabulary (K,) int64, or None when it has none."""
     path = Path(directory) / DRAFT_VOCAB_FILE

@@ -38,7 +38,7 @@ from methods.eagle3.gates import compare, drafter_logits, eagle3_inputs
 from methods.eagle3.imports import import_eagle3
 from methods.eagle3.model import Eagle3Drafter
 from models.common import DraftBatch, TargetParts
-from models.io import ExportError, load_draft_vocab, load_drafter
+from models.io import ExportError, load_draft_vocab, load_drafter, save_draft_vocab
 from models.target import load_target
 from rundir.checkpoints import latest_checkpoint
 from schema.recipe import load_recipe, recipe_from_dict
@@ -440,6 +440,24 @@ def test_native_export_reloads_to_identical_logits_and_drafts_losslessly(feature
     assert speculative_generate(target.model, proposer, prompt, settings).tokens == (
         plain_generate(target.model, prompt, settings).tokens
     )
+
+
+def test_a_replaced_draft_vocabulary_is_refused_by_resume_and_export(features, tmp_path, at_root):
+    """The head rows of a checkpoint belong to the tokens recorded beside it; a `draft_vocab.safetensors` replaced
+    since (another tool, another run) would map them to other tokens: resuming and exporting refuse it, naming it."""
+    run = tmp_path / "run"
+    train(tiny_recipe(features, run, "train.max_steps=4"), stop_after=2)
+    reset_accelerate()
+    recorded = load_draft_vocab(run)
+    save_draft_vocab(run, recorded.flip(0))  # the same tokens in another order: other rows for each
+    with pytest.raises(TrainingError, match=r"draft_vocab.safetensors: not the draft vocabulary .*step-000002 was"):
+        train(tiny_recipe(features, run, "train.max_steps=4", "train.resume=auto"))
+    with pytest.raises(ExportError, match=r"draft_vocab.safetensors: not the draft vocabulary .*step-000002 was"):
+        export(run)
+    reset_accelerate()
+    save_draft_vocab(run, recorded)
+    train(tiny_recipe(features, run, "train.max_steps=4", "train.resume=auto"))
+    assert export(run).is_dir()
 
 
 def test_a_draft_vocabulary_larger_than_the_data_is_refused_in_one_line(features, tmp_path, at_root):

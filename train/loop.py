@@ -38,8 +38,9 @@ from data.shards import FeatureDataset, FeatureMismatchError, split_by_id
 from data.vocab_counts import frequent_loss_tokens
 from methods import METHODS
 from models.common import DraftBatch, packed_additive_mask
-from models.io import DRAFT_VOCAB_FILE, ExportError, load_draft_vocab, save_draft_vocab
+from models.io import DRAFT_VOCAB_FILE, ExportError, draft_vocab_sha256, load_draft_vocab, save_draft_vocab
 from models.target import Target, load_placed_target
+from rundir.checkpoints import read_state
 from rundir.lock import DirectoryLocked, NotADirectory, acquire_for_all, release
 from schema.recipe import Recipe
 from train import TrainingError
@@ -284,20 +285,27 @@ class Stepper:
 
 
 def set_draft_vocab(
-    recipe: Recipe, drafter: torch.nn.Module, samples, skip_ids, accelerator: Accelerator, resuming: bool
+    recipe: Recipe, drafter: torch.nn.Module, samples, skip_ids, accelerator: Accelerator, checkpoint: Path | None
 ) -> None:
     """A drafter with its own vocabulary drafts the `drafter.draft_vocab` most frequent loss tokens of the training
     split (the held-out samples, `skip_ids`, left out: the held-out metrics then measure tokens chosen without them;
     the same on every process: all of them count the whole split); the run directory keeps them
     (`draft_vocab.safetensors`) for exports and for evaluation of its checkpoints. A resumed run keeps the
-    vocabulary it recorded, whatever the data or the counting says now."""
+    vocabulary it recorded, whatever the data or the counting says now, and refuses one that is not what
+    `checkpoint` (the one it resumes from) was trained with."""
     size = recipe.drafter.draft_vocab
     path = Path(recipe.train.output_dir) / DRAFT_VOCAB_FILE
     try:
-        recorded = load_draft_vocab(recipe.train.output_dir) if resuming else None
+        recorded = load_draft_vocab(recipe.train.output_dir) if checkpoint is not None else None
     except ExportError as exc:
         raise TrainingError(f"{exc}; restart the run without train.resume") from None
     if recorded is not None:
+        kept = read_state(checkpoint).get("draft_vocab_sha256") if checkpoint is not None else None
+        if kept is not None and kept != draft_vocab_sha256(recorded):
+            raise TrainingError(
+                f"{path}: not the draft vocabulary {checkpoint} was trained with (its head rows belong to other "
+                "tokens): restore that file, or start a new run"
+            )
         if len(recorded) != size:
             raise TrainingError(
                 f"{path}: {len(recorded)} draft tokens, but drafter.draft_vocab is {size}: the run was started with "
@@ -372,7 +380,7 @@ def _train(recipe: Recipe, accelerator: Accelerator, stop_after: int | None) -> 
     method = METHODS[recipe.drafter.method]
     drafter = method.module()(recipe.drafter, parts)
     if method.own_vocab:
-        set_draft_vocab(recipe, drafter, train_loader.samples, skip, accelerator, resuming=resume is not None)
+        set_draft_vocab(recipe, drafter, train_loader.samples, skip, accelerator, checkpoint=resume)
     _check_zero3_sharing(accelerator, recipe, target, drafter)
     optimizer = build_optimizer(drafter, cfg)
     scheduler = build_scheduler(optimizer, cfg)

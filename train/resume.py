@@ -21,6 +21,7 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 from tqdm import tqdm
 
+from models.io import draft_vocab_sha256, load_draft_vocab
 from rundir.checkpoints import CheckpointError, latest_checkpoint, list_checkpoints, read_state
 from schema.recipe import Recipe, RecipeError, dotted_settings, load_recipe
 from train import TrainingError
@@ -200,6 +201,9 @@ def save_run(accelerator, model, optimizer, scheduler, recipe, step, loader, tok
         "world_size": accelerator.num_processes,
         "tokens_seen": tokens_seen,
     }
+    vocab = load_draft_vocab(cfg.output_dir)  # the tokens its head rows belong to: resume and export check them
+    if vocab is not None:
+        state["draft_vocab_sha256"] = draft_vocab_sha256(vocab)
     training = gather_state(accelerator, model, optimizer)  # collective under ZeRO-3 / FSDP
     path = save_checkpoint(
         accelerator, cfg.output_dir, step, state, training, scheduler.state_dict(), rng_state(), cfg.keep_checkpoints
