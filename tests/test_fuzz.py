@@ -32,7 +32,7 @@ from data.selfdistill import SelfDistillError, read_prompts
 from data.shards import FeatureDataset, FeatureMismatchError
 from data.synthesize import SynthesizeError, read_kinds
 from models.io import ExportError, load_drafter, read_safetensors
-from models.target import TargetError
+from models.target import TargetError, load_target
 from rundir.checkpoints import CheckpointError
 from schema.parse import RecipeError
 from schema.recipe import load_recipe
@@ -114,6 +114,7 @@ def world(tmp_path_factory) -> dict[str, Path]:
     export, a checkpoint."""
     from accelerate.state import AcceleratorState, GradientState
 
+    from data import target_stats
     from data.extract import main as extract_main
     from export.write import export
     from train.loop import train
@@ -143,6 +144,7 @@ def world(tmp_path_factory) -> dict[str, Path]:
     os.chdir(ROOT)
     try:
         extract_main([str(w / "recipe.yaml")])
+        target_stats.main([str(w / "recipe.yaml")])
         train(load_recipe(w / "recipe.yaml"))
         export(w / "run", w / "export")
         export(w / "run", w / "export-speculators", fmt="speculators")
@@ -274,7 +276,7 @@ def test_damaged_pipelines_are_read_or_refused_in_one_line(world, tmp_path_facto
 @given(data=st.data())
 def test_damaged_feature_sets_are_opened_or_refused_in_one_line(world, tmp_path_factory, data):
     features = fresh(world, "features", tmp_path_factory.mktemp("features"))
-    victim = data.draw(st.sampled_from(sorted(p.name for p in features.iterdir())))
+    victim = data.draw(st.sampled_from(sorted(p.name for p in features.iterdir() if p.is_file())))
     raw = (features / victim).read_bytes()
     if victim.endswith(".json") and data.draw(st.booleans()):
         (features / victim).write_text(json.dumps(data.draw(replaced(json.loads(raw)))))
@@ -287,6 +289,34 @@ def test_damaged_feature_sets_are_opened_or_refused_in_one_line(world, tmp_path_
             ds[i]
 
     one_line(read, (FeatureMismatchError, FileNotFoundError), str(features))
+
+
+@FUZZ
+@given(data=st.data())
+def test_damaged_target_statistics_are_used_only_when_intact(world, tmp_path_factory, data):
+    """A damaged statistics index or file never stops training: it is refused in one line naming the directory (the
+    run then computes the statistics itself), or, where the damage left what training reads intact, used as stored."""
+    from data import target_stats
+
+    features = fresh(world, "features", tmp_path_factory.mktemp("features"))
+    stats = features / target_stats.STATS_DIR
+    head = load_target(**vars(load_recipe(world["w"] / "recipe.yaml").target)).lm_head
+    intact = FeatureDataset(features)
+    assert "stored top-1" in target_stats.attach(intact, head)
+    victim = stats / data.draw(st.sampled_from(sorted(p.name for p in stats.iterdir())))
+    raw = victim.read_bytes()
+    if victim.suffix == ".json" and data.draw(st.booleans()):
+        victim.write_text(json.dumps(data.draw(replaced(json.loads(raw)))))
+    else:
+        victim.write_bytes(data.draw(damaged(raw)))
+    dataset = FeatureDataset(features)
+    line = target_stats.attach(dataset, head)
+    assert line.strip() and "\n" not in line.strip() and str(features) in line
+    if dataset.statistics is None:
+        assert "each step computes them" in line
+    else:
+        for (top1, lse), (want_top1, want_lse) in zip(dataset.statistics, intact.statistics):
+            assert torch.equal(top1, want_top1) and torch.equal(lse.nan_to_num(), want_lse.nan_to_num())
 
 
 @FUZZ
