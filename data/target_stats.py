@@ -117,7 +117,7 @@ def compute(dataset, head: nn.Module, progress: bool = True) -> tuple[int, int]:
         index = {"head_sha256": head_hash, "dtype": str(head.weight.dtype).removeprefix("torch."), "shards": {}}
     done = kept = 0
     for s, entry in enumerate(tqdm(dataset.shards, desc="target statistics", unit="shard", disable=not progress)):
-        if _entry_problem(dataset.directory, entry, index["shards"].get(entry["file"]), check_file=True) is None:
+        if _entry_problem(dataset.directory, entry, index["shards"].get(entry["file"])) is None:
             kept += 1
             continue
         top1, lse = shard_statistics(dataset, s, head, -1)
@@ -132,18 +132,17 @@ def compute(dataset, head: nn.Module, progress: bool = True) -> tuple[int, int]:
     return done, kept
 
 
-def _entry_problem(directory: Path, shard: dict[str, Any], entry: Any, check_file: bool) -> str | None:
+def _entry_problem(directory: Path, shard: dict[str, Any], entry: Any) -> str | None:
     """Why `entry` (the index's record for `shard`) is not usable statistics for it, or None."""
     if not isinstance(entry, dict) or not isinstance(entry.get("file"), str) or "/" in entry["file"]:
         return f"no statistics for {shard['file']}"
     if entry.get("shard_sha256") != shard["sha256"]:
         return f"the statistics of {shard['file']} were computed for another version of it"
     path = _stats_dir(directory) / entry["file"]
-    if check_file:
-        if not path.is_file():
-            return f"{path} is missing"
-        if file_sha256(path) != entry.get("sha256"):
-            return f"{path} does not match its sha256 in {INDEX} (changed since it was written)"
+    if not path.is_file():
+        return f"{path} is missing"
+    if file_sha256(path) != entry.get("sha256"):
+        return f"{path} does not match its sha256 in {INDEX} (changed since it was written)"
     return None
 
 
@@ -163,7 +162,7 @@ def attach(dataset, head: nn.Module) -> str:
     stats = []
     for shard in dataset.shards:
         entry = index["shards"].get(shard["file"])
-        problem = _entry_problem(dataset.directory, shard, entry, check_file=True)
+        problem = _entry_problem(dataset.directory, shard, entry)
         if problem is not None:
             return f"{where}: {problem}: {hint}"
         path = where / entry["file"]
