@@ -62,6 +62,7 @@ from data.shards import (
     write_basis,
     write_shard,
 )
+from models.host import keep_freed_memory
 from models.target import Target, load_placed_target
 from rundir.lock import DirectoryLocked, lock_for_all
 
@@ -381,6 +382,7 @@ def main(argv: list[str] | None = None) -> None:
     if recipe.data.features_dir is None:
         raise RecipeError(f"{recipe.source}: data.features_dir: is required for extraction")
     state = Accelerator()  # not PartialState(): only Accelerator honours ACCELERATE_USE_CPU (multi-process CPU)
+    keep_freed_memory(state.device)  # on a CPU: no page faults for every large temporary
     engine = None if args.engine == "hf" else {"python": args.engine_python, "engine_args": engine_args}
     # the features directory's lock, taken by the main process before anything is read or written there: a second
     # extraction into it stops on every one of its processes with one line naming it (DirectoryLocked)

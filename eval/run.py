@@ -54,6 +54,7 @@ from eval.proposers import build_proposer
 from eval.report import summarize, write_report
 from eval.target_runner import sliding_window
 from methods import METHODS, resolve
+from models.host import keep_freed_memory
 from models.io import ExportError, load_drafter, read_config
 from models.target import Target, TargetError, load_placed_target
 from rundir.checkpoints import latest_checkpoint, read_state
@@ -322,6 +323,7 @@ def _run(recipe: Recipe, state) -> dict[str, Any] | None:
     target = load_placed_target(dataclasses.asdict(recipe.target), state)
     if target.tokenizer is None:
         raise EvalError(f"{recipe.source}: target.tokenizer: the target has no tokenizer to render prompts")
+    keep_freed_memory(target.device)  # on a CPU: no page faults for every large temporary
     drafter = load_drafter(drafter_dir, target)
     target_desc = target.name
     method = METHODS[recipe.drafter.method]

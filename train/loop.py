@@ -38,6 +38,7 @@ from data.shards import FeatureDataset, FeatureMismatchError, split_by_id
 from data.vocab_counts import frequent_loss_tokens
 from methods import METHODS
 from models.common import DraftBatch, packed_additive_mask
+from models.host import keep_freed_memory
 from models.io import DRAFT_VOCAB_FILE, ExportError, draft_vocab_sha256, load_draft_vocab, save_draft_vocab
 from models.target import Target, load_placed_target
 from rundir.checkpoints import read_state
@@ -356,6 +357,7 @@ def train(recipe: Recipe, stop_after: int | None = None) -> Path:
     """Train `recipe`'s drafter; return the newest checkpoint. `stop_after`: checkpoint after that step and return.
     The run directory is locked meanwhile: another training into it is refused."""
     accelerator = make_accelerator(recipe)
+    keep_freed_memory(accelerator.device)  # on a CPU: no page faults for every large temporary of a step
     lock = lock_run_dir(recipe, accelerator)
     try:
         return _train(recipe, accelerator, stop_after)
