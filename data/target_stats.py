@@ -6,9 +6,9 @@ that read it: the target's top-1 token and the log-normaliser (logsumexp) of its
 Drafters with their own draft vocabulary (EAGLE-3, P-EAGLE) learn at each loss position the target's distribution
 over the K draft tokens, its probability mass there and whether its top-1 token is one of them. Without these
 statistics every training step applies the target's whole LM head to the stored last hidden states (on SmolLM2,
-49,152 rows for a draft vocabulary of 8,000: about a fifth of a step on a CPU); with them, a step applies only the K
-draft rows: the mass is exp(logsumexp over the K rows − the stored logsumexp). The numbers are the same (up to the
-order of floating-point sums).
+49,152 rows for a draft vocabulary of 8,000: 2.7 s of a one-thread step of about 16 s on a CPU, against 0.47 s for
+the draft rows); with them, a step applies only the K draft rows: the mass is exp(logsumexp over the K rows − the
+stored logsumexp). The numbers are the same (up to the order of floating-point sums).
 
 They are stored beside the shards, in `FEATURES_DIR/target-stats/`: per shard `stats-00000.safetensors` (`top1`
 int64 and `lse` float32 over the shard's tokens; -1 and NaN where the shard has no loss) and `index.json`, which

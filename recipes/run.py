@@ -363,7 +363,7 @@ def main() -> None:
             step = f"extract-{Path(features_dir).name}"
             run_step(step, [py, "-m", "data.extract", recipes[method], *args.overrides], log_dir, train_env)
             # the target's top-1 and logsumexp at every loss position, stored once for the drafters that read them
-            # (data.target_stats: a fifth of an EAGLE-3 step on a CPU); always run: it computes only what is missing
+            # (data.target_stats: ~15% of an EAGLE-3 step on a CPU); always run: it computes only what is missing
             readers = [m for m, conf in confs.items() if (conf.get("data") or {}).get("features_dir") == features_dir
                        and reads_target_statistics(conf)]  # fmt: skip
             if readers:
