@@ -31,6 +31,7 @@ plus mask-slot chains from its COD sampling, here with ratio 1, recorded as the 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import math
 import os
@@ -106,7 +107,6 @@ def prepare(out: Path, run: Path | None, steps: int, overrides: list[str], metho
 def consume(out: Path) -> float:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    import speculators
     import torch
     from safetensors.torch import load_file, save_file
     from speculators import SpeculatorModel
@@ -121,7 +121,7 @@ def consume(out: Path) -> float:
     config_class, model_class = (
         (PEagleSpeculatorConfig, PEagleDraftModel) if parallel else (Eagle3SpeculatorConfig, Eagle3DraftModel)
     )
-    print(f"speculators {speculators.__version__ if hasattr(speculators, '__version__') else '?'}: {export}")
+    print(f"speculators {importlib.metadata.version('speculators')}: {export}")
 
     def strict() -> torch.nn.Module:
         config = config_class.from_pretrained(str(export))

@@ -259,7 +259,7 @@ def consume(out: Path, edit_aux_ids: bool = False) -> dict[str, float]:
             params[embed].copy_(target[embed])
             missing.remove(embed)
             print(f"{embed}: the target's, as vLLM's EAGLE proposer shares it")
-        if method == "eagle2" and not hasattr(model, "lm_head"):
+        if method == "eagle2" and "lm_head" not in dict(model.named_children()):
             from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
             with set_current_vllm_config(vllm_config):

@@ -71,11 +71,17 @@ def conversations(path: Path, n: int) -> list[list[dict]]:
 
 
 def spec_counters(llm) -> dict:
+    from vllm.v1.metrics.reader import Counter, Gauge, Vector
+
     out = {}
     for metric in llm.get_metrics():
         if "spec_decode" in metric.name:
-            value = getattr(metric, "value", None)
-            out[metric.name] = list(metric.values) if value is None and hasattr(metric, "values") else value
+            if isinstance(metric, Vector):  # accepted tokens per draft position
+                out[metric.name] = list(metric.values)
+            elif isinstance(metric, (Counter, Gauge)):
+                out[metric.name] = metric.value
+            else:  # histograms: not read
+                out[metric.name] = None
     return out
 
 

@@ -7,6 +7,7 @@ came are named in SLOW below instead (move them to decorators when you next edit
 """
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -32,3 +33,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if getattr(item, "originalname", item.name) in SLOW.get(item.path.name, ()):
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture
+def at_root(monkeypatch):
+    """Run in the repository root (recipes name repository-relative files) with accelerate's state fresh before and
+    after: a test takes it by name, or a file with `pytestmark = pytest.mark.usefixtures("at_root")`."""
+    from tiny import reset_accelerate  # imported here, after the Triton interpreter is chosen above
+
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])
+    reset_accelerate()
+    yield
+    reset_accelerate()

@@ -12,10 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 from accelerate import Accelerator
-from accelerate.state import AcceleratorState, GradientState
 from accelerate.utils import set_seed
 from safetensors.torch import load_file, save_file
-from tiny import drafted_trees, make_batch, make_samples, sample_hidden
+from tiny import drafted_trees, make_batch, make_samples, reset_accelerate, sample_hidden
 from tiny import tiny_llama as tiny_target
 
 from data.extract import main as extract_main
@@ -315,19 +314,6 @@ def test_eval_draft_vocab_drafts_among_the_most_frequent_of_its_own_tokens(setup
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes/tiny/eagle3.yaml"
 QUIET = ["train.eval_every=0", "train.save_every=0", "train.log_every=1", "logging.tracker=none"]
-
-
-def reset_accelerate() -> None:
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-
-
-@pytest.fixture(autouse=False)
-def at_root(monkeypatch):
-    monkeypatch.chdir(ROOT)
-    reset_accelerate()
-    yield
-    reset_accelerate()
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from accelerate.state import AcceleratorState, GradientState
 from safetensors.torch import load_file, save_file
+from tiny import reset_accelerate
 
 from data.extract import main as extract_main
 from data.heldout import read_heldout
@@ -45,12 +45,9 @@ from models.target import load_target
 from schema.recipe import load_recipe
 from train.loop import train
 
+pytestmark = pytest.mark.usefixtures("at_root")
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def reset_accelerate() -> None:
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
 
 
 @pytest.fixture(scope="module")
@@ -81,11 +78,6 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     reset_accelerate()
     yield out
     mp.undo()
-
-
-@pytest.fixture(autouse=True)
-def at_root(monkeypatch):
-    monkeypatch.chdir(ROOT)
 
 
 def a_batch(run: Path) -> dict:

@@ -19,8 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from accelerate.state import AcceleratorState, GradientState
-from tiny import accelerate_launch
+from tiny import accelerate_launch, reset_accelerate
 
 from data.extract import STOP_AFTER_ENV, ExtractError, main
 from data.extract_plan import length_batches, plan_shards
@@ -173,8 +172,7 @@ def test_flipped_shard_is_refused_then_repaired(recipe_path: Path, reference: Pa
         try:
             train_main([str(recipe_path), f"data.features_dir={features}", f"train.output_dir={tmp_path / 'run'}"])
         finally:
-            AcceleratorState._reset_state(reset_partial_state=True)
-            GradientState._reset_state()
+            reset_accelerate()
     message = str(refused.value.code)
     assert message.startswith("error: ") and "\n" not in message
     command = f"python -m data.extract {recipe_path} data.features_dir={features} train.output_dir={tmp_path / 'run'}"
@@ -507,8 +505,7 @@ def test_training_on_encoded_features_learns_like_on_plain_ones(tmp_path: Path, 
             main([str(tiny), *settings])
             train_main([str(tiny), *settings, f"train.output_dir={tmp_path / ('run-' + dtype)}", *quiet])
         finally:
-            AcceleratorState._reset_state(reset_partial_state=True)
-            GradientState._reset_state()
+            reset_accelerate()
         metrics = (tmp_path / f"run-{dtype}" / "metrics.jsonl").read_text().splitlines()
         losses = [json.loads(line)["train/loss"] for line in metrics if "train/loss" in line]
         assert len(losses) == 30 and all(map(math.isfinite, losses)) and sum(losses) > 0

@@ -9,8 +9,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from accelerate.state import AcceleratorState, GradientState
-from tiny import accelerate_launch
+from tiny import accelerate_launch, reset_accelerate
 
 from data.extract import main as extract_main
 from rundir.checkpoints import latest_checkpoint
@@ -34,8 +33,7 @@ def fsdp_train(recipe: str, out: Path, *args: str) -> subprocess.CompletedProces
 def eagle3_features(tmp_path_factory) -> Path:
     features = tmp_path_factory.mktemp("fsdp") / "features"
     extract_main([str(ROOT / "recipes/tiny/eagle3.yaml"), f"data.features_dir={features}"])
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
+    reset_accelerate()
     return features
 
 

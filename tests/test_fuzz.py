@@ -24,7 +24,7 @@ import torch
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tiny import save_chat_target
+from tiny import reset_accelerate, save_chat_target
 
 from data.chat import ChatTemplateError, DataError
 from data.chatsets import ChatSetError, Filters, build
@@ -112,7 +112,6 @@ def one_line(call: Callable[[], object], errors: tuple[type[BaseException], ...]
 def world(tmp_path_factory) -> dict[str, Path]:
     """Valid inputs to damage: a tiny recipe, prompts, answers, a chat dataset, kinds, a pipeline, feature shards, an
     export, a checkpoint."""
-    from accelerate.state import AcceleratorState, GradientState
 
     from data import target_stats
     from data.extract import main as extract_main
@@ -150,8 +149,7 @@ def world(tmp_path_factory) -> dict[str, Path]:
         export(w / "run", w / "export-speculators", fmt="speculators")
     finally:
         os.chdir(cwd)
-        AcceleratorState._reset_state(reset_partial_state=True)
-        GradientState._reset_state()
+        reset_accelerate()
     return {"w": w}
 
 

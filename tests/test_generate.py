@@ -9,6 +9,7 @@ import dataclasses
 
 import pytest
 import torch
+from accelerate.hooks import AlignDevicesHook
 
 from eval import reference
 from eval.baselines import plain_generate, plain_generate_batch, prompt_lookup_generate
@@ -242,7 +243,7 @@ def test_greedy_lossless_with_layers_spread_behind_device_hooks():
     plain = plain_generate(target.model, PROMPT, settings)
     placement = spread_layers(target.model, ["cpu", "cpu"])
     assert placement["model.layers.0"] == placement["lm_head"] == torch.device("cpu")
-    assert hasattr(target.model.model.layers[1], "_hf_hook") and hasattr(target.model.lm_head, "_hf_hook")
+    assert all(isinstance(m._hf_hook, AlignDevicesHook) for m in (target.model.model.layers[1], target.model.lm_head))
     assert plain_generate(target.model, PROMPT, settings).tokens == plain.tokens
     torch.manual_seed(0)
     shared = MedusaHeads(MedusaConfig(num_heads=2, share_lm_head=True), target.parts([-1])).eval()

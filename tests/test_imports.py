@@ -30,14 +30,11 @@ from methods.medusa1.model import MedusaHeads
 from models.io import EXPORT_MARKER, ExportError, load_drafter, save_native
 from schema.recipe import load_recipe
 
+pytestmark = pytest.mark.usefixtures("at_root")
+
 ROOT = Path(__file__).resolve().parents[1]
 EAGLE_RECIPE = "recipes/tiny/eagle2.yaml"
 MEDUSA_RECIPE = "recipes/tiny/medusa1.yaml"
-
-
-@pytest.fixture(autouse=True)
-def at_root(monkeypatch):
-    monkeypatch.chdir(ROOT)
 
 
 @pytest.fixture(scope="module")

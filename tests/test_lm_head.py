@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny import reset_accelerate
 
 from eval.heads import TwoStageHead
 from models.lm_head import FACTORS_DIR, LowRankHead, factorize, hidden_moment, token_weights
@@ -124,8 +125,6 @@ def test_two_stage_projection_drafts_among_the_candidates_and_keeps_greedy_outpu
 
 
 def test_native_export_stores_the_two_stage_factors_that_eval_reads(tmp_path, monkeypatch):
-    from accelerate.state import AcceleratorState, GradientState
-
     from data.extract import main as extract_main
     from eval.heads import two_stage_projections
     from export.write import export, load_run
@@ -138,8 +137,7 @@ def test_native_export_stores_the_two_stage_factors_that_eval_reads(tmp_path, mo
     overrides = [f"data.features_dir={features}", f"train.output_dir={run}", "train.max_steps=2", "eval.head=two_stage",
                  "eval.head_rank=16", "eval.head_candidates=32"]  # fmt: skip
     extract_main(["recipes/tiny/eagle2.yaml", *overrides])
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
+    reset_accelerate()
     train(load_recipe("recipes/tiny/eagle2.yaml", overrides))
     out = export(run)
     factors = LowRankHead.load(out / FACTORS_DIR)
@@ -148,8 +146,7 @@ def test_native_export_stores_the_two_stage_factors_that_eval_reads(tmp_path, mo
     (projection,), source = two_stage_projections(recipe, str(out), drafter, 8192, fit_data=None)
     assert source == str(out / FACTORS_DIR) and projection.head.candidates == 32
     torch.testing.assert_close(projection.head.a, factors.a)
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
+    reset_accelerate()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -299,7 +296,6 @@ def test_medusa_two_stage_heads_draft_among_their_candidates_and_keep_greedy_out
 def test_eagle3_export_stores_its_heads_factors_that_eval_reads(tmp_path, monkeypatch):
     """`eval.head: two_stage` on an EAGLE-3 run: the native export stores factors over its draft vocabulary's rows,
     and eval's projections read them (not recomputed) and draft target token ids."""
-    from accelerate.state import AcceleratorState, GradientState
 
     from data.extract import main as extract_main
     from eval.heads import two_stage_projections
@@ -313,14 +309,12 @@ def test_eagle3_export_stores_its_heads_factors_that_eval_reads(tmp_path, monkey
     overrides = [f"data.features_dir={features}", f"train.output_dir={run}", "train.max_steps=2", "eval.head=two_stage",
                  "eval.head_rank=16", "eval.head_candidates=32", "train.eval_every=0"]  # fmt: skip
     extract_main(["recipes/tiny/eagle3.yaml", *overrides])
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
+    reset_accelerate()
     try:
         train(load_recipe("recipes/tiny/eagle3.yaml", overrides))
         out = export(run)
     finally:
-        AcceleratorState._reset_state(reset_partial_state=True)
-        GradientState._reset_state()
+        reset_accelerate()
     recipe, target, drafter = load_run(run)
     factors = LowRankHead.load(out / FACTORS_DIR)
     assert factors.a.shape == (recipe.drafter.draft_vocab, 16)

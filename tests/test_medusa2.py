@@ -19,10 +19,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
-from accelerate.state import AcceleratorState, GradientState
 from peft import PeftModel
 from safetensors.torch import load_file, save_file
-from tiny import accelerate_launch
+from tiny import accelerate_launch, reset_accelerate
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaMLP
 
@@ -372,25 +371,11 @@ QUIET = ["train.eval_every=0", "train.save_every=0", "train.log_every=1", "loggi
 TINY = {"medusa1": ROOT / "recipes/tiny/medusa1.yaml", "medusa2": ROOT / "recipes/tiny/medusa2.yaml"}
 
 
-def reset_accelerate() -> None:
-    """Each in-process run builds its own Accelerator (accelerate keeps process-wide singletons)."""
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-
-
-@pytest.fixture
-def in_repo(monkeypatch):
-    monkeypatch.chdir(ROOT)  # the tiny recipes name repository-relative files
-    reset_accelerate()
-    yield
-    reset_accelerate()
-
-
 def metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / METRICS_FILE).read_text().splitlines()]
 
 
-def test_two_stages_train_export_and_decode(in_repo, tmp_path, capsys):
+def test_two_stages_train_export_and_decode(at_root, tmp_path, capsys):
     from eval.run import run as run_eval
     from export.write import export
     from train.loop import train
@@ -438,7 +423,7 @@ def test_two_stages_train_export_and_decode(in_repo, tmp_path, capsys):
     assert "two-stage head factors computed from the target's hidden states" in capsys.readouterr().out
 
 
-def test_an_online_export_whose_training_data_is_gone_names_it(in_repo, tmp_path):
+def test_an_online_export_whose_training_data_is_gone_names_it(at_root, tmp_path):
     """The draft vocabulary of an online run is counted in its training data at export: a file gone by then, or
     data without the run's held-out samples, is named in one line, and nothing is left that looks like an export."""
     from export.write import ExportError, export
@@ -463,7 +448,7 @@ def test_an_online_export_whose_training_data_is_gone_names_it(in_repo, tmp_path
 
 
 @pytest.mark.slow
-def test_deepspeed_zero2_two_processes_match_one(in_repo, tmp_path):
+def test_deepspeed_zero2_two_processes_match_one(at_root, tmp_path):
     """Same global batch (1 x 4 rows vs 2 x 2 rows), dropout off: losses and trained tensors agree."""
     from train.loop import train
 

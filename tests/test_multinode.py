@@ -15,8 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from accelerate.state import AcceleratorState, GradientState
-from tiny import accelerate_launch
+from tiny import accelerate_launch, reset_accelerate
 
 from data.extract import main as extract_main
 from data.shards import FeatureDataset
@@ -79,8 +78,7 @@ def started(run: Path) -> bool:
 def features(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("multinode") / "features"
     extract_main([RECIPE, f"data.features_dir={out}"])
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
+    reset_accelerate()
     return out
 
 

@@ -12,9 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from accelerate.state import AcceleratorState, GradientState
 from safetensors.torch import load_file, save_file
-from tiny import drafted_trees, make_batch, make_samples, sample_hidden
+from tiny import drafted_trees, make_batch, make_samples, reset_accelerate, sample_hidden
 from tiny import tiny_llama as tiny_target
 
 from data.extract import main as extract_main
@@ -273,19 +272,6 @@ def test_recipe_checks():
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes/tiny/peagle.yaml"
 QUIET = ["train.eval_every=0", "train.save_every=0", "train.log_every=1", "logging.tracker=none"]
-
-
-def reset_accelerate() -> None:
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-
-
-@pytest.fixture
-def at_root(monkeypatch):
-    monkeypatch.chdir(ROOT)
-    reset_accelerate()
-    yield
-    reset_accelerate()
 
 
 @pytest.fixture(scope="module")

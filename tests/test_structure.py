@@ -139,11 +139,12 @@ def calls(path: Path, name: str) -> list[ast.Call]:
     return [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == name]
 
 
-def test_no_hasattr_probing():
+@pytest.mark.parametrize("where", [PACKAGES, ("benchmarks", "tests")])
+def test_no_hasattr_probing(where):
     """A drafter declares what it is in its `Method` entry and its config's fields; a config declares what the target
     bounds (`target_sized`), whether it borrows the target's lm_head, what rebuilds it without its inputs; every recipe
     section declares `validate`; third-party objects are asked their type (DeepSpeed's ZeRO stage) or their children."""
-    found = [f"{path.relative_to(ROOT)}:{call.lineno}: {ast.unparse(call)}" for path in sources(*PACKAGES)
+    found = [f"{path.relative_to(ROOT)}:{call.lineno}: {ast.unparse(call)}" for path in sources(*where)
              for call in calls(path, "hasattr")]  # fmt: skip
     assert not found, "hasattr probes (declare it, or ask the type):\n" + "\n".join(found)
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from accelerate import Accelerator
-from accelerate.state import AcceleratorState, GradientState
+from tiny import reset_accelerate
 
 from data import target_stats
 from data.extract import main as extract_main
@@ -25,23 +25,12 @@ from schema.recipe import RecipeError, load_recipe
 from train import loop
 from train.loop import train
 
+pytestmark = pytest.mark.usefixtures("at_root")
+
 torch.set_num_threads(1)
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes/tiny/eagle3.yaml"
 QUIET = ["train.eval_every=0", "train.save_every=0", "train.log_every=1"]
-
-
-def reset_accelerate() -> None:
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-
-
-@pytest.fixture(autouse=True)
-def at_root(monkeypatch):
-    monkeypatch.chdir(ROOT)
-    reset_accelerate()
-    yield
-    reset_accelerate()
 
 
 @pytest.fixture(scope="module", params=["float32", "fp8_e4m3"])

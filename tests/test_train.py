@@ -16,10 +16,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from accelerate.state import AcceleratorState, GradientState
 from accelerate.utils import set_seed
 from safetensors.torch import load_file
-from tiny import accelerate_launch
+from tiny import accelerate_launch, reset_accelerate
 
 from data.extract import main as extract_main
 from data.loader import BatchLoader
@@ -35,23 +34,11 @@ from train.checkpoint import DRAFTER_FILE, METRICS_FILE
 from train.loop import TrainingError, build_target, evaluated_heldout, target_hidden, train
 from train.optim import WarmupCosine
 
+pytestmark = pytest.mark.usefixtures("at_root")
+
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = {"eagle2": ROOT / "recipes/tiny/eagle2.yaml", "medusa1": ROOT / "recipes/tiny/medusa1.yaml"}
 QUIET = ["train.eval_every=0", "train.save_every=0", "train.log_every=1", "logging.tracker=none"]
-
-
-def reset_accelerate() -> None:
-    """Each in-process run builds its own Accelerator (accelerate keeps process-wide singletons)."""
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-
-
-@pytest.fixture(autouse=True)
-def fresh_accelerate(monkeypatch):
-    monkeypatch.chdir(ROOT)  # the tiny recipes name repository-relative files
-    reset_accelerate()
-    yield
-    reset_accelerate()
 
 
 def extract(features: Path, *overrides: str) -> Path:

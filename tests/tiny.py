@@ -6,9 +6,16 @@ import socket
 import sys
 
 import torch
+from accelerate.state import AcceleratorState, GradientState
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from models.common import DraftBatch
+
+
+def reset_accelerate() -> None:
+    """Forget accelerate's process-wide state: each in-process run builds its own Accelerator."""
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
 
 
 def tiny_llama(seed: int = 0, **overrides) -> LlamaForCausalLM:
