@@ -29,32 +29,16 @@ def child(recipe_path: str, overrides: list[str], steps: int) -> None:
     import torch
     from accelerate import Accelerator
 
-    from data import target_stats
-    from data.loader import BatchLoader
-    from data.shards import FeatureDataset
-    from data.vocab_counts import frequent_loss_tokens
-    from methods import METHODS
+    from benchmarks.step_setup import drafter_on_features, first_batches
     from models.host import keep_freed_memory
     from schema.recipe import load_recipe
-    from train import loop
 
     recipe = load_recipe(recipe_path, overrides)
     accelerator = Accelerator(cpu=True)
     kept = keep_freed_memory(accelerator.device)
-    target = loop.build_target(recipe, accelerator)
-    dataset = FeatureDataset(recipe.data.features_dir, verify_checksums=False)
-    method = METHODS[recipe.drafter.method]
-    if method.target_statistics:
-        target_stats.attach(dataset, target.lm_head)
-    drafter = method.module()(recipe.drafter, target.parts(recipe.data.layers))
-    if method.own_vocab:  # picked here, never through the loop (that records it in the recipe's run directory)
-        drafter.set_draft_vocab(frequent_loss_tokens(dataset, recipe.drafter.draft_vocab, []), init_head=True)
-    drafter.train()
+    drafter, dataset, _ = drafter_on_features(recipe, accelerator)
     optimizer = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=recipe.train.lr)
-    cfg = recipe.train
-    loader = BatchLoader(dataset, batch_size=cfg.batch_size, packing=cfg.packing, max_len=recipe.data.max_len,
-                         seed=cfg.seed, read_ahead=False)  # fmt: skip
-    batches = iter(loader.epoch(0))
+    batches = iter(first_batches(recipe, dataset, steps + 1))
     records = []
     for i in range(steps + 1):
         batch = next(batches)

@@ -19,13 +19,9 @@ import time
 import torch
 from accelerate import Accelerator
 
-from data import target_stats
-from data.loader import BatchLoader
+from benchmarks.step_setup import drafter_on_features, first_batches
 from data.shards import FeatureDataset
-from data.vocab_counts import frequent_loss_tokens
-from methods import METHODS
 from schema.recipe import load_recipe
-from train import loop
 
 
 def step_seconds(drafter, batch) -> tuple[float, float]:
@@ -46,23 +42,11 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     recipe = load_recipe(args.recipe, args.overrides)
-    accelerator = Accelerator(cpu=True)
-    target = loop.build_target(recipe, accelerator)
-    stored, plain = (FeatureDataset(recipe.data.features_dir, verify_checksums=False) for _ in range(2))
-    line = target_stats.attach(stored, target.lm_head)
+    drafter, stored, line = drafter_on_features(recipe, Accelerator(cpu=True))
     if stored.statistics is None:
         raise SystemExit(f"benchmarks.target_stats: {line}")
-    drafter = METHODS[recipe.drafter.method].module()(recipe.drafter, target.parts(recipe.data.layers))
-    # the most frequent loss tokens, as training picks them (never through the loop: that records them in the run)
-    drafter.set_draft_vocab(frequent_loss_tokens(plain, recipe.drafter.draft_vocab, []), init_head=True)
-    drafter.train()
-    cfg = recipe.train
-    batches = []
-    for dataset in (stored, plain):
-        loader = BatchLoader(dataset, batch_size=cfg.batch_size, packing=cfg.packing, max_len=recipe.data.max_len,
-                             seed=cfg.seed, read_ahead=False)  # fmt: skip
-        epoch = iter(loader.epoch(0))
-        batches.append([next(epoch) for _ in range(args.batches)])
+    plain = FeatureDataset(recipe.data.features_dir, verify_checksums=False)
+    batches = [first_batches(recipe, dataset, args.batches) for dataset in (stored, plain)]
     step_seconds(drafter, batches[1][0])  # warm-up
     times: dict[str, list[float]] = {"stored": [], "whole head": []}
     for r in range(args.rounds):
