@@ -344,6 +344,21 @@ def test_damaged_export_configs_are_loaded_or_refused_in_one_line(world, tmp_pat
     one_line(lambda: load_drafter(export, target), (ExportError, TargetError), str(export))
 
 
+def test_an_export_config_without_feature_layers_for_a_small_target_is_refused_in_one_line(world, tmp_path):
+    """Found by the long run (2026-12-06): an EAGLE-3 export whose `feature_layers` is emptied falls back to the
+    low / mid / high layers, which a 4-layer target does not have: the drafter's own ValueError, not the export's."""
+    from models.target import load_target
+
+    export = fresh(world, "export", tmp_path / "export")
+    (export / ".specdraft-export").unlink()
+    config = json.loads((export / "config.json").read_text())
+    config["drafter"]["feature_layers"] = []
+    (export / "config.json").write_text(json.dumps(config))
+    target = load_target(**vars(load_recipe(world["w"] / "recipe.yaml").target))
+    with pytest.raises(ExportError, match=r"config\.json: drafter\.feature_layers: a 4-layer target has no distinct"):
+        load_drafter(export, target)
+
+
 @FUZZ
 @given(data=st.data())
 def test_damaged_import_configs_are_imported_or_refused_in_one_line(world, tmp_path_factory, data):
