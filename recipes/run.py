@@ -166,6 +166,9 @@ def load_pipeline(directory: Path) -> dict[str, Any]:
             sys.exit(f"run: {where}: {key}: takes the keys {sorted(SELFDISTILL_KEYS)}")
         if not {"prompts", "out"} <= set(distill):
             sys.exit(f"run: {where}: {key}: needs prompts and out")
+        for name in ("prompts", "out"):
+            if not isinstance(distill[name], str):
+                sys.exit(f"run: {where}: {key}: {name}: expected a file path, got {distill[name]!r:.80}")
     outs = [d["out"] for d in jobs]
     if len(set(outs)) < len(outs):
         sys.exit(f"run: {where}: selfdistill: two jobs write the same out")

@@ -267,6 +267,18 @@ def test_damaged_pipelines_are_read_or_refused_in_one_line(world, tmp_path_facto
         assert str(directory / "pipeline.yaml") in message or "pipeline.yaml" in message, message
 
 
+def test_a_pipeline_whose_answer_file_is_not_a_path_is_refused_in_one_line(world, tmp_path):
+    """Found by the long run (2026-12-06): a `selfdistill` job whose `out` is a list ended in a TypeError."""
+    from recipes.run import load_pipeline
+
+    spec = yaml.safe_load((world["w"] / "set" / "pipeline.yaml").read_bytes())
+    job = spec["selfdistill"][0] if isinstance(spec["selfdistill"], list) else spec["selfdistill"]
+    job["out"] = [job["out"]]
+    (tmp_path / "pipeline.yaml").write_text(yaml.safe_dump(spec))
+    with pytest.raises(SystemExit, match=r"pipeline\.yaml: selfdistill.*: out: expected a file path, got \["):
+        load_pipeline(tmp_path)
+
+
 # ------------------------------------------------------------------------------------------------ features, weights
 
 
@@ -373,6 +385,24 @@ def test_damaged_import_configs_are_imported_or_refused_in_one_line(world, tmp_p
     target = resolve_target(str(world["w"] / "recipe.yaml"))
     one_line(lambda: import_checkpoint(source, "speculators", target, tmp / "out"), (ExportError,), str(source))
     assert not (tmp / "out").exists() or (tmp / "out" / ".specdraft-export").is_file()
+
+
+@pytest.mark.parametrize(("key", "value"), [("rms_norm_eps", [1e-5]), ("rope_scaling", ["linear"])])
+def test_an_import_whose_layer_fields_have_the_wrong_type_is_refused_in_one_line(world, tmp_path, key, value):
+    """Found by the long run (2026-12-06): `rms_norm_eps` a list ended in float()'s TypeError; `rope_scaling` a list
+    would have ended in an AttributeError."""
+    from export.imports import import_checkpoint, resolve_target
+
+    source = tmp_path / "speculators"
+    shutil.copytree(world["w"] / "export-speculators", source)
+    (source / ".specdraft-export").unlink()
+    config = json.loads((source / "config.json").read_text())
+    config["transformer_layer_config"][key] = value
+    (source / "config.json").write_text(json.dumps(config))
+    target = resolve_target(str(world["w"] / "recipe.yaml"))
+    with pytest.raises(ExportError, match=rf"config\.json: {key}: expected an? \w+ or nothing"):
+        import_checkpoint(source, "speculators", target, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
 
 
 @FUZZ

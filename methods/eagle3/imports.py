@@ -39,9 +39,12 @@ def import_eagle3(config: dict, tensors: dict[str, torch.Tensor], weights: Path,
     check_layer_fields(layer, tc, where)
     K = int_field(config, "draft_vocab_size", None, where)
     L = tc.num_hidden_layers
-    ids = (config.get("eagle_aux_hidden_state_layer_ids") if speculators else None) or (
-        config.get("eagle_config") or {}
-    ).get("eagle_aux_hidden_state_layer_ids")
+    eagle_config = config.get("eagle_config") or {}
+    if not isinstance(eagle_config, dict):
+        raise ExportError(f"{where}: eagle_config: expected an object, got {eagle_config!r:.80}")
+    ids = (config.get("eagle_aux_hidden_state_layer_ids") if speculators else None) or eagle_config.get(
+        "eagle_aux_hidden_state_layer_ids"
+    )
     if ids:
         check_aux_ids(ids, L, reader, where)
     # the engines capture each listed layer once, in layer order, and fuse them in that order
@@ -111,6 +114,13 @@ def check_eagle3(native: nn.Module, config: dict, tensors: dict, weights: Path, 
 def check_layer_fields(layer: dict, tc, where: Path) -> None:
     """The decoder layer's config against the target's (the drafter runs with the target's): KV heads, head_dim,
     RMSNorm epsilon and RoPE, each named when it differs, before anything is computed."""
+    number, mapping = "a number", "an object"
+    for key, kinds, expected in (("num_key_value_heads", int, number), ("head_dim", int, number),
+                                 ("rms_norm_eps", (int, float), number), ("rope_theta", (int, float), number),
+                                 ("rope_scaling", dict, mapping), ("rope_parameters", dict, mapping)):  # fmt: skip
+        value = layer.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, kinds)):
+            raise ExportError(f"{where}: {key}: expected {expected} or nothing, got {value!r:.80}")
     kv, target_kv = layer.get("num_key_value_heads"), getattr(tc, "num_key_value_heads", None)
     if (kv or layer["num_attention_heads"]) != (target_kv or tc.num_attention_heads):
         raise ExportError(f"{where}: num_key_value_heads is {kv!r}, the target's is {target_kv!r}")
@@ -118,7 +128,7 @@ def check_layer_fields(layer: dict, tc, where: Path) -> None:
     if layer.get("head_dim", head_dim) != head_dim:
         raise ExportError(f"{where}: head_dim is {layer.get('head_dim')!r}, the target's is {head_dim}")
     eps = layer.get("rms_norm_eps")
-    if eps is not None and not math.isclose(float(eps), tc.rms_norm_eps, rel_tol=1e-6):
+    if eps is not None and not math.isclose(eps, tc.rms_norm_eps, rel_tol=1e-6):
         raise ExportError(f"{where}: rms_norm_eps is {eps!r}, the target's is {tc.rms_norm_eps!r}")
     view = dict(layer)
     if layer.get("rope_parameters") and "rope_theta" not in layer:  # transformers-5 fields only
