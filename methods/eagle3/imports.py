@@ -114,8 +114,8 @@ def check_eagle3(native: nn.Module, config: dict, tensors: dict, weights: Path, 
 def check_layer_fields(layer: dict, tc, where: Path) -> None:
     """The decoder layer's config against the target's (the drafter runs with the target's): KV heads, head_dim,
     RMSNorm epsilon and RoPE, each named when it differs, before anything is computed."""
-    number, mapping = "a number", "an object"
-    for key, kinds, expected in (("num_key_value_heads", int, number), ("head_dim", int, number),
+    integer, number, mapping = "an integer", "a number", "an object"
+    for key, kinds, expected in (("num_key_value_heads", int, integer), ("head_dim", int, integer),
                                  ("rms_norm_eps", (int, float), number), ("rope_theta", (int, float), number),
                                  ("rope_scaling", dict, mapping), ("rope_parameters", dict, mapping)):  # fmt: skip
         value = layer.get(key)
