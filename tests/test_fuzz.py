@@ -112,7 +112,6 @@ def one_line(call: Callable[[], object], errors: tuple[type[BaseException], ...]
 def world(tmp_path_factory) -> dict[str, Path]:
     """Valid inputs to damage: a tiny recipe, prompts, answers, a chat dataset, kinds, a pipeline, feature shards, an
     export, a checkpoint."""
-
     from data import target_stats
     from data.extract import main as extract_main
     from export.write import export

@@ -296,7 +296,6 @@ def test_medusa_two_stage_heads_draft_among_their_candidates_and_keep_greedy_out
 def test_eagle3_export_stores_its_heads_factors_that_eval_reads(tmp_path, monkeypatch):
     """`eval.head: two_stage` on an EAGLE-3 run: the native export stores factors over its draft vocabulary's rows,
     and eval's projections read them (not recomputed) and draft target token ids."""
-
     from data.extract import main as extract_main
     from eval.heads import two_stage_projections
     from export.write import export, load_run
