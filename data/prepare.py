@@ -234,8 +234,11 @@ def _records(cfg: DataConfig) -> Iterator[tuple[str, Any]]:
 def prepare_dataset(cfg: DataConfig, tokenizer: Any) -> PreparedData:
     """Read, render, mask and truncate every record of `cfg`; see the module docstring."""
     out = PreparedData(samples=[], num_records=0, num_skipped=0, num_truncated=0, num_dropped=0)
+    loss_tokens = 0
     for index, (where, record) in enumerate(_records(cfg)):
         if cfg.max_samples is not None and len(out.samples) >= cfg.max_samples:
+            break
+        if cfg.max_loss_tokens is not None and loss_tokens >= cfg.max_loss_tokens:
             break
         out.num_records += 1
         try:
@@ -257,6 +260,7 @@ def prepare_dataset(cfg: DataConfig, tokenizer: Any) -> PreparedData:
                 continue
             out.num_truncated += 1
         out.samples.append(TokenSample(id=index, input_ids=ids, loss_mask=mask))
+        loss_tokens += sum(mask)
     if not out.samples:  # nothing to extract or train on: say why rather than write an empty dataset
         source = (
             f"data.train_files: {', '.join(cfg.train_files)}"
@@ -279,6 +283,7 @@ def data_sources(cfg: DataConfig) -> dict[str, Any]:
         "hf_split": cfg.hf_split if cfg.hf_dataset else None,
         "format": cfg.format,
         "max_samples": cfg.max_samples,
+        "max_loss_tokens": cfg.max_loss_tokens,
         "skip_malformed": cfg.skip_malformed,
     }
 

@@ -170,6 +170,10 @@ class DataConfig:
     skip_malformed: bool = False
     """Skip (and count) malformed records instead of failing on the first one."""
     max_samples: int | None = None
+    """Read only the first N usable samples (null: every record)."""
+    max_loss_tokens: int | None = None
+    """Stop reading once the samples hold this many loss tokens, counted after truncation to `max_len` (the sample
+    that reaches it is kept): two data sources compared at equal training tokens."""
     layers: list[int] = field(default_factory=lambda: [-1])
     """Hidden-state indices to store (HF convention: 0 = embeddings, i = layer i output, -1 = final norm)."""
     features_dir: str | None = None
@@ -210,6 +214,8 @@ class DataConfig:
             err("data.heldout_fraction", f"must be in [0, 1), got {self.heldout_fraction}")
         if self.max_samples is not None and self.max_samples < 1:
             err("data.max_samples", f"must be >= 1 or null (every record), got {self.max_samples}")
+        if self.max_loss_tokens is not None and self.max_loss_tokens < 1:
+            err("data.max_loss_tokens", f"must be >= 1 or null (every record), got {self.max_loss_tokens}")
         bits = self.storage_bits if isinstance(self.storage_bits, list) else [self.storage_bits]
         if isinstance(self.storage_bits, list) and len(bits) != len(self.layers):
             err("data.storage_bits", f"lists {len(bits)} values for {len(self.layers)} data.layers")

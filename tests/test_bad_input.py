@@ -99,6 +99,9 @@ CASES: dict[str, Case] = {
         ("target.random_init.hidden_size", "upper"),
     ),
     "prepare/max-samples-zero": Case("data.prepare", f"{M1} data.max_samples=0", ("data.max_samples", ">= 1")),
+    "prepare/max-loss-tokens-zero": Case(
+        "data.prepare", f"{M1} data.max_loss_tokens=0", ("data.max_loss_tokens", ">= 1")
+    ),
     "prepare/empty-completion": Case(
         "data.prepare",
         f"{M1} data.train_files=[{{w}}/empty_completion.jsonl]",

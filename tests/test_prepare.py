@@ -17,7 +17,14 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from data.chat import ChatTemplateError, DataError, normalize_messages, render_with_assistant_mask, render_with_turn_ids
-from data.prepare import format_masked, prepare_dataset, template_fingerprint, tokenize_record, vocab_fingerprint
+from data.prepare import (
+    data_sources,
+    format_masked,
+    prepare_dataset,
+    template_fingerprint,
+    tokenize_record,
+    vocab_fingerprint,
+)
 from schema.sections import DataConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -322,6 +329,20 @@ def test_auto_format_ids_and_stats(tmp_path: Path, pocket) -> None:
     assert format_masked(data.samples[0], pocket) == "<|bos|><|user|>\nQ1<|end|>\n<|assistant|>\n[[A1<|end|>]]\n"
     assert data.stats()["loss_tokens"] == sum(sum(s["loss_mask"]) for s in data.samples)
     assert len(prepare_dataset(DataConfig(train_files=[a, b], max_samples=2), pocket).samples) == 2
+
+
+def test_max_loss_tokens_stops_at_the_sample_that_reaches_it(tmp_path: Path, pocket) -> None:
+    records = [{"prompt": f"P{i}", "completion": " " + "word " * (i + 1)} for i in range(6)]
+    path = write_jsonl(tmp_path / "a.jsonl", records)
+    whole = prepare_dataset(DataConfig(train_files=[path]), pocket).samples
+    counts = [sum(s["loss_mask"]) for s in whole]
+    reach = counts[0] + counts[1] + 1  # inside the third sample: the third is kept, the fourth is not read
+    data = prepare_dataset(DataConfig(train_files=[path], max_loss_tokens=reach), pocket)
+    assert [s["id"] for s in data.samples] == [0, 1, 2]
+    assert data.num_records == 3
+    exact = prepare_dataset(DataConfig(train_files=[path], max_loss_tokens=counts[0] + counts[1]), pocket)
+    assert [s["id"] for s in exact.samples] == [0, 1]
+    assert data_sources(DataConfig(train_files=[path], max_loss_tokens=reach))["max_loss_tokens"] == reach
 
 
 @pytest.mark.parametrize(
