@@ -39,6 +39,10 @@ from schema.sections import (
     check_at_most,
 )
 
+LATER_SETTINGS: dict[str, dict[str, Any]] = {"data": {"max_loss_tokens": None}}
+"""Settings added after runs existed, with the value that keeps the earlier behaviour: hashed only when set to
+something else, so that checkpoints made before them still resume and export."""
+
 
 @dataclass
 class Recipe:
@@ -69,15 +73,23 @@ class Recipe:
         """Write the resolved recipe (YAML) next to an output."""
         Path(path).write_text(f"# resolved from {self.source}\n" + yaml.safe_dump(self.to_dict(), sort_keys=False))
 
-    def section_hash(self, *sections: str) -> str:
-        """Stable hash of some sections, used to refuse reusing outputs built from other settings."""
+    def hashed_settings(self, *sections: str) -> dict[str, Any]:
+        """What `section_hash` hashes: the sections' settings, less those that cannot change what was built."""
         chosen = {s: self.to_dict()[s] for s in sections}
         if "data" in chosen:  # a check, not a setting: hashed as its former default, so older checkpoints still match
             chosen["data"]["verify_checksums"] = False
             if chosen["data"]["storage_dtype"] != "pca":  # pca's settings mean nothing to other dtypes: unhashed
                 chosen["data"].pop("storage_bits")
                 chosen["data"].pop("storage_fit_tokens")
-        blob = json.dumps(chosen, sort_keys=True)
+        for section, settings in LATER_SETTINGS.items():
+            for key, earlier in settings.items():
+                if section in chosen and chosen[section].get(key, earlier) == earlier:
+                    chosen[section].pop(key, None)
+        return chosen
+
+    def section_hash(self, *sections: str) -> str:
+        """Stable hash of some sections, used to refuse reusing outputs built from other settings."""
+        blob = json.dumps(self.hashed_settings(*sections), sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 

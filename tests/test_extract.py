@@ -241,6 +241,15 @@ def test_pca_settings_are_settings_of_pca_only(recipe_path: Path) -> None:
             load_recipe(recipe_path, ["data.storage_dtype=pca", f"data.storage_bits={value}"])
 
 
+def test_a_setting_added_later_is_hashed_only_when_set(recipe_path: Path) -> None:
+    """`data.max_loss_tokens` came after runs existed: unset (its default) it is left out of the hash, so their
+    checkpoints still resume and export; set, it changes the data, so it counts."""
+    default, limited = load_recipe(recipe_path), load_recipe(recipe_path, ["data.max_loss_tokens=100"])
+    assert "max_loss_tokens" not in default.hashed_settings("data")["data"]
+    assert limited.hashed_settings("data")["data"]["max_loss_tokens"] == 100
+    assert default.section_hash("target", "data", "drafter") != limited.section_hash("target", "data", "drafter")
+
+
 @pytest.mark.parametrize("name", ["../x.safetensors", "ABSOLUTE", "sub/x.safetensors"])
 def test_manifest_entry_with_a_path_is_refused(recipe_path: Path, reference: Path, tmp_path: Path, name: str) -> None:
     features = tmp_path / "features"
