@@ -75,16 +75,17 @@ class Recipe:
 
     def hashed_settings(self, *sections: str) -> dict[str, Any]:
         """What `section_hash` hashes: the sections' settings, less those that cannot change what was built."""
-        chosen = {s: self.to_dict()[s] for s in sections}
+        settings = self.to_dict()
+        chosen = {s: settings[s] for s in sections}
         if "data" in chosen:  # a check, not a setting: hashed as its former default, so older checkpoints still match
             chosen["data"]["verify_checksums"] = False
             if chosen["data"]["storage_dtype"] != "pca":  # pca's settings mean nothing to other dtypes: unhashed
                 chosen["data"].pop("storage_bits")
                 chosen["data"].pop("storage_fit_tokens")
-        for section, settings in LATER_SETTINGS.items():
-            for key, earlier in settings.items():
-                if section in chosen and chosen[section].get(key, earlier) == earlier:
-                    chosen[section].pop(key, None)
+        for section, later in LATER_SETTINGS.items():
+            for key, earlier in later.items():
+                if section in chosen and chosen[section][key] == earlier:
+                    del chosen[section][key]
         return chosen
 
     def section_hash(self, *sections: str) -> str:
