@@ -444,15 +444,17 @@ def test_a_second_self_distillation_into_the_same_out_is_refused(tiny_target, tm
     assert not any(p.name.endswith(".specdraft.lock") for p in tmp_path.iterdir())
 
 
-def test_a_target_cut_into_pieces_writes_the_whole_targets_records(tiny_target, tmp_path):
+def test_a_target_cut_into_pieces_writes_the_whole_targets_records(tiny_target, tmp_path, monkeypatch):
     """`--device-map` (HF engine): the target's layers in pieces (every other one offloaded to disk, run by
     accelerate's hooks) write the records of the whole target; with vLLM the option is refused."""
-    from tiny import cut_map
+    from tiny import count_offloaded_loads, cut_map
 
     prompts = write_jsonl(tmp_path / "mixed.jsonl", PLAIN + CHAT)
+    loads = count_offloaded_loads(monkeypatch)
     whole = run(tiny_target, prompts, tmp_path / "whole.jsonl", "--batch-size", "3", "--dtype", "float32")
     placed = ["--device-map", json.dumps(cut_map(2)), "--offload-folder", str(tmp_path / "offload")]
     cut = run(tiny_target, prompts, tmp_path / "cut.jsonl", "--batch-size", "3", "--dtype", "float32", *placed)
     assert cut == whole
+    assert "Linear" in loads  # the odd layers' weights really came from the disk for their forwards
     with pytest.raises(SystemExit):
         run(tiny_target, prompts, tmp_path / "never.jsonl", "--engine", "vllm", *placed)

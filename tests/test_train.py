@@ -317,8 +317,8 @@ def test_resume_follows_a_longer_schedule_and_refuses_other_optimizer_settings(f
     assert "from step 2 it follows the recipe's (1 warm-up steps, cosine to 0 at 4)" in capsys.readouterr().out
     logged = [json.loads(line)["train/lr"] for line in (run / METRICS_FILE).read_text().splitlines()]
     curve = WarmupCosine(1, 4)
-    torch.testing.assert_close(logged[2:], [0.01 * curve(2), 0.01 * curve(3)])  # steps 3 and 4: 0.0075, 0.0025
-    assert logged[:2] == [0.01 * WarmupCosine(1, 2)(s) for s in range(2)]
+    torch.testing.assert_close(logged[2:], [0.01 * curve(2), 0.01 * curve(3)])
+    torch.testing.assert_close(logged, [0.01, 0.01, 0.0075, 0.0025])  # by hand: 1 warm-up step, then the two cosines
 
 
 def test_resume_never_unpickles_anything(features, tmp_path):
@@ -673,11 +673,12 @@ def test_heldout_evaluation_scores_a_random_subset_not_the_shortest_samples():
     assert evaluated_heldout(heldout[:10], 16, seed=0) == heldout[:10]  # a small split: all of it
 
 
-def test_online_training_with_a_target_cut_into_pieces_equals_the_whole_target(features, tmp_path):
+def test_online_training_with_a_target_cut_into_pieces_equals_the_whole_target(features, tmp_path, monkeypatch):
     """`target.device_map` in online training: the target's layers run in pieces (every other one offloaded to disk)
     and the run's losses and drafter equal those with the whole target."""
-    from tiny import cut_map
+    from tiny import count_offloaded_loads, cut_map
 
+    loads = count_offloaded_loads(monkeypatch)
     r = recipe("eagle2", features, tmp_path / "unused")
     load_target(**vars(r.target)).model.save_pretrained(tmp_path / "target")
     layers = r.target.size("num_hidden_layers")
@@ -688,6 +689,7 @@ def test_online_training_with_a_target_cut_into_pieces_equals_the_whole_target(f
     reset_accelerate()
     train(recipe("eagle2", features, tmp_path / "cut", *common, *placed))
     assert losses(tmp_path / "cut") == losses(tmp_path / "whole")
+    assert "Linear" in loads  # the odd layers' weights really came from the disk for their forwards
     whole, cut = trained(tmp_path / "whole"), trained(tmp_path / "cut")
     assert whole.keys() == cut.keys() and all(torch.equal(whole[k], cut[k]) for k in whole)
 

@@ -135,3 +135,20 @@ def cut_map(num_layers: int) -> dict[str, str]:
     on the CPU, with the embedding and the head (what drafters borrow) on the CPU."""
     placement = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.norm": "cpu", "lm_head": "cpu"}
     return placement | {f"model.layers.{i}": "disk" if i % 2 else "cpu" for i in range(num_layers)}
+
+
+def count_offloaded_loads(monkeypatch) -> list[str]:
+    """Record (by module class) every time accelerate's hooks bring an offloaded module's weights in for a forward
+    (the hooks sit on the leaves: Linear, RMSNorm): proof that a `cut_map` run really ran layers from the disk, not a
+    whole target left in place."""
+    from accelerate.hooks import AlignDevicesHook
+
+    loads: list[str] = []
+    onload = AlignDevicesHook._onload_weights
+
+    def counting(self, module):
+        loads.append(type(module).__name__)
+        return onload(self, module)
+
+    monkeypatch.setattr(AlignDevicesHook, "_onload_weights", counting)
+    return loads
