@@ -4,7 +4,8 @@
 
 Reads `data.train_files` in the given order (or `data.hf_dataset`), renders every record with the
 target tokenizer (chat template for ShareGPT / OpenAI records, `bos + prompt + completion + eos`
-for plain ones), truncates to `data.max_len` keeping the beginning, and reports what it counted.
+for plain ones), truncates to `data.max_len` keeping the beginning, with `data.max_repeat_run` takes the tail of
+each loop out of the loss (`cap_repeat_runs`), and reports what it counted.
 A sample's id is its record's global index in reading order, so ids do not move when other
 records are skipped. `--show N` prints N samples with the loss-masked text in [[...]].
 """
@@ -67,6 +68,8 @@ class PreparedData:
     """Samples cut to `max_len` that kept some loss tokens."""
     num_dropped: int
     """Samples whose loss mask was empty after truncation."""
+    num_repeats_left_out: int | None = None
+    """Loss tokens `data.max_repeat_run` took out of the loss (None: no cap)."""
 
     def stats(self) -> dict[str, int]:
         return {
@@ -77,6 +80,7 @@ class PreparedData:
             "skipped_malformed": self.num_skipped,
             "truncated": self.num_truncated,
             "dropped_after_truncation": self.num_dropped,
+            "repeats_left_out": self.num_repeats_left_out,  # None without a cap, as in manifests written before it
         }
 
 
@@ -223,6 +227,36 @@ def _read_hf(name: str, split: str) -> Iterator[tuple[str, Any]]:
         yield f"{name}[{split}] record {i}", record
 
 
+REPEAT_NGRAM = 8
+"""`data.max_repeat_run`: a loss token repeats when the REPEAT_NGRAM tokens ending at it already ended at an earlier
+loss token of the sample (the answers' own text, not the prompt's)."""
+
+
+def cap_repeat_runs(ids: list[int], mask: list[int], keep: int) -> tuple[list[int], list[int], int]:
+    """Keep the first `keep` tokens of every run of consecutive repeating loss tokens in the loss, take the rest out
+    (a greedy answer that falls into a loop repeats to its end: the first turn of the loop teaches the drafter to
+    follow it, the later ones teach nothing new). Where the sample ends inside such a tail (only positions without
+    loss after it), it is cut there. -> (ids, mask, loss tokens taken out)."""
+    seen: set[tuple[int, ...]] = set()
+    capped, run, left_out, tail = list(mask), 0, 0, None
+    for t in range(len(ids)):
+        if not mask[t]:
+            run = 0  # a run is consecutive loss tokens: a prompt or template token ends it
+            continue
+        gram = tuple(ids[max(0, t - REPEAT_NGRAM + 1) : t + 1])
+        repeats = len(gram) == REPEAT_NGRAM and gram in seen
+        seen.add(gram)
+        run = run + 1 if repeats else 0
+        if run > keep:
+            capped[t], left_out = 0, left_out + 1
+            tail = t if tail is None else tail
+        else:
+            tail = None
+    if tail is not None and not any(capped[tail:]):
+        return ids[:tail], capped[:tail], left_out
+    return ids, capped, left_out
+
+
 def _records(cfg: DataConfig) -> Iterator[tuple[str, Any]]:
     if cfg.train_files:
         for path in cfg.train_files:
@@ -234,6 +268,8 @@ def _records(cfg: DataConfig) -> Iterator[tuple[str, Any]]:
 def prepare_dataset(cfg: DataConfig, tokenizer: Any) -> PreparedData:
     """Read, render, mask and truncate every record of `cfg`; see the module docstring."""
     out = PreparedData(samples=[], num_records=0, num_skipped=0, num_truncated=0, num_dropped=0)
+    if cfg.max_repeat_run is not None:
+        out.num_repeats_left_out = 0
     loss_tokens = 0
     for index, (where, record) in enumerate(_records(cfg)):
         if cfg.max_samples is not None and len(out.samples) >= cfg.max_samples:
@@ -259,6 +295,9 @@ def prepare_dataset(cfg: DataConfig, tokenizer: Any) -> PreparedData:
                 out.num_dropped += 1
                 continue
             out.num_truncated += 1
+        if cfg.max_repeat_run is not None:
+            ids, mask, left_out = cap_repeat_runs(ids, mask, cfg.max_repeat_run)
+            out.num_repeats_left_out += left_out
         out.samples.append(TokenSample(id=index, input_ids=ids, loss_mask=mask))
         loss_tokens += sum(mask)
     if not out.samples:  # nothing to extract or train on: say why rather than write an empty dataset
@@ -284,6 +323,7 @@ def data_sources(cfg: DataConfig) -> dict[str, Any]:
         "format": cfg.format,
         "max_samples": cfg.max_samples,
         "max_loss_tokens": cfg.max_loss_tokens,
+        "max_repeat_run": cfg.max_repeat_run,
         "skip_malformed": cfg.skip_malformed,
     }
 

@@ -39,7 +39,7 @@ from schema.sections import (
     check_at_most,
 )
 
-LATER_SETTINGS: dict[str, dict[str, Any]] = {"data": {"max_loss_tokens": None}}
+LATER_SETTINGS: dict[str, dict[str, Any]] = {"data": {"max_loss_tokens": None, "max_repeat_run": None}}
 """Settings added after runs existed, with the value that keeps the earlier behaviour: hashed only when set to
 something else, so that checkpoints made before them still resume and export."""
 

@@ -172,8 +172,12 @@ class DataConfig:
     max_samples: int | None = None
     """Read only the first N usable samples (null: every record)."""
     max_loss_tokens: int | None = None
-    """Stop reading once the samples hold this many loss tokens, counted after truncation to `max_len` (the sample
-    that reaches it is kept): two data sources compared at equal training tokens."""
+    """Stop reading once the samples hold this many loss tokens, counted after truncation to `max_len` and
+    `max_repeat_run` (the sample that reaches it is kept): two data sources compared at equal training tokens."""
+    max_repeat_run: int | None = None
+    """Loops out of the loss: of each run of consecutive answer tokens that repeat earlier answer text (the 8 tokens
+    ending at it seen before), keep the first N in the loss (a sample that ends in such a run is cut after them). A
+    small target's greedy answers often end in a loop; null: every token counts."""
     layers: list[int] = field(default_factory=lambda: [-1])
     """Hidden-state indices to store (HF convention: 0 = embeddings, i = layer i output, -1 = final norm)."""
     features_dir: str | None = None
@@ -216,6 +220,8 @@ class DataConfig:
             err("data.max_samples", f"must be >= 1 or null (every record), got {self.max_samples}")
         if self.max_loss_tokens is not None and self.max_loss_tokens < 1:
             err("data.max_loss_tokens", f"must be >= 1 or null (every record), got {self.max_loss_tokens}")
+        if self.max_repeat_run is not None and self.max_repeat_run < 0:
+            err("data.max_repeat_run", f"must be >= 0 or null (every token counts), got {self.max_repeat_run}")
         bits = self.storage_bits if isinstance(self.storage_bits, list) else [self.storage_bits]
         if isinstance(self.storage_bits, list) and len(bits) != len(self.layers):
             err("data.storage_bits", f"lists {len(bits)} values for {len(self.layers)} data.layers")

@@ -102,6 +102,9 @@ CASES: dict[str, Case] = {
     "prepare/max-loss-tokens-zero": Case(
         "data.prepare", f"{M1} data.max_loss_tokens=0", ("data.max_loss_tokens", ">= 1")
     ),
+    "prepare/max-repeat-run-negative": Case(
+        "data.prepare", f"{M1} data.max_repeat_run=-1", ("data.max_repeat_run", ">= 0")
+    ),
     "prepare/empty-completion": Case(
         "data.prepare",
         f"{M1} data.train_files=[{{w}}/empty_completion.jsonl]",

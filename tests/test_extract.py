@@ -241,12 +241,13 @@ def test_pca_settings_are_settings_of_pca_only(recipe_path: Path) -> None:
             load_recipe(recipe_path, ["data.storage_dtype=pca", f"data.storage_bits={value}"])
 
 
-def test_a_setting_added_later_is_hashed_only_when_set(recipe_path: Path) -> None:
-    """`data.max_loss_tokens` came after runs existed: unset (its default) it is left out of the hash, so their
-    checkpoints still resume and export; set, it changes the data, so it counts."""
-    default, limited = load_recipe(recipe_path), load_recipe(recipe_path, ["data.max_loss_tokens=100"])
-    assert "max_loss_tokens" not in default.hashed_settings("data")["data"]
-    assert limited.hashed_settings("data")["data"]["max_loss_tokens"] == 100
+@pytest.mark.parametrize("key, value", [("max_loss_tokens", 100), ("max_repeat_run", 16)])
+def test_a_setting_added_later_is_hashed_only_when_set(recipe_path: Path, key: str, value: int) -> None:
+    """`data.max_loss_tokens` and `data.max_repeat_run` came after runs existed: unset (the default) they are left
+    out of the hash, so their checkpoints still resume and export; set, they change the data, so they count."""
+    default, limited = load_recipe(recipe_path), load_recipe(recipe_path, [f"data.{key}={value}"])
+    assert key not in default.hashed_settings("data")["data"]
+    assert limited.hashed_settings("data")["data"][key] == value
     assert default.section_hash("target", "data", "drafter") != limited.section_hash("target", "data", "drafter")
 
 

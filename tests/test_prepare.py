@@ -18,6 +18,8 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from data.chat import ChatTemplateError, DataError, normalize_messages, render_with_assistant_mask, render_with_turn_ids
 from data.prepare import (
+    REPEAT_NGRAM,
+    cap_repeat_runs,
     data_sources,
     format_masked,
     prepare_dataset,
@@ -343,6 +345,53 @@ def test_max_loss_tokens_stops_at_the_sample_that_reaches_it(tmp_path: Path, poc
     exact = prepare_dataset(DataConfig(train_files=[path], max_loss_tokens=counts[0] + counts[1]), pocket)
     assert [s["id"] for s in exact.samples] == [0, 1]
     assert data_sources(DataConfig(train_files=[path], max_loss_tokens=reach))["max_loss_tokens"] == reach
+
+
+def test_a_loop_keeps_its_first_tokens_in_the_loss_and_a_sample_ending_in_one_is_cut() -> None:
+    """Prompt tokens are never a loop's first turn; a run of repeating answer tokens keeps `keep` of them; a
+    non-repeating token or a prompt token ends the run; a tail with only template tokens after it is cut."""
+    prompt, fresh, loop = [1, 2, 3, 4, 5, 6, 7, 8, 9], [20, 21, 22], [30, 31, 32, 33]
+    ids = prompt + fresh + loop * 10 + [99, 98]  # [99, 98]: the template's closing tokens, no loss
+    mask = [0] * len(prompt) + [1] * (len(fresh) + 40) + [0, 0]
+    start = len(prompt) + len(fresh)
+    # the first repeating token is the first whose 8-gram lies inside the loop and ended one period (4) earlier too
+    first = start + REPEAT_NGRAM + len(loop) - 1
+    for keep in (0, 5):
+        got_ids, got_mask, left = cap_repeat_runs(ids, mask, keep)
+        assert got_ids == ids[: first + keep] and got_mask == mask[: first + keep]
+        assert left == sum(mask) - sum(got_mask) == 40 - (first - start) - keep
+    assert cap_repeat_runs(ids, mask, 100) == (ids, mask, 0)  # runs shorter than the cap: untouched
+
+    # a second answer after a user turn: the first answer's tail is taken out of the loss, not cut
+    second = [7, 7, 50, 51, 52]
+    ids2, mask2 = ids + second, mask + [0, 0, 1, 1, 1]
+    got_ids, got_mask, left = cap_repeat_runs(ids2, mask2, 2)
+    assert got_ids == ids2 and left == 40 - (first - start) - 2
+    assert sum(got_mask[: first + 2]) == sum(mask2[: first + 2]) and got_mask[-3:] == [1, 1, 1]
+    # the prompt's own text is not answer text: an answer copying it is not a loop
+    copy = prompt + prompt + [0]
+    assert cap_repeat_runs(copy, [0] * 9 + [1] * 10, 0) == (copy, [0] * 9 + [1] * 10, 0)
+
+
+def test_max_repeat_run_takes_loops_out_of_the_loss_and_is_a_data_source(tmp_path: Path, pocket) -> None:
+    loop = {
+        "prompt": "Loop.",
+        "completion": " alpha beta gamma delta" * 30,
+        "generation": {"finish_reason": ["length"]},
+    }
+    records = [loop, {"prompt": "Q?", "completion": " A."}]  # the loop ran into the length limit: no eos after it
+    path = write_jsonl(tmp_path / "a.jsonl", records)
+    whole = prepare_dataset(DataConfig(train_files=[path]), pocket)
+    capped = prepare_dataset(DataConfig(train_files=[path], max_repeat_run=16), pocket)
+    assert capped.samples[1] == whole.samples[1]  # no loop: as without the cap
+    loop, kept = whole.samples[0], capped.samples[0]
+    assert (
+        len(kept["input_ids"]) < len(loop["input_ids"])
+        and kept["input_ids"] == loop["input_ids"][: len(kept["input_ids"])]
+    )
+    assert capped.stats()["repeats_left_out"] == sum(loop["loss_mask"]) - sum(kept["loss_mask"]) > 0
+    assert whole.stats()["repeats_left_out"] is None
+    assert data_sources(DataConfig(train_files=[path], max_repeat_run=16))["max_repeat_run"] == 16
 
 
 @pytest.mark.parametrize(
