@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from eval.decode import round_stats
+from eval.decode import LOOP_NGRAM, round_stats
 
 METHODS = ("plain", "speculative", "prompt_lookup")
 
@@ -59,6 +59,7 @@ def summarize(records: list[dict[str, Any]], meta: dict[str, Any]) -> dict[str, 
         "by_group": _by_group(records),
         "by_context": _by_context(records),
         "by_tree_size": _by_tree_size(records),
+        "by_loop": _by_loop(records),
         "time_per_round": _time_per_round(records),
         "batches": _batches(records),
         "per_prompt": records,
@@ -113,6 +114,28 @@ def _by_tree_size(records: list[dict[str, Any]]) -> dict[str, dict[str, float | 
             "tokens_per_s": tokens / seconds if timed and seconds > 0 else None,
         }
     return out
+
+
+def _by_loop(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]] | None:
+    """Rounds that start inside a loop of the output (`in_loop`, `eval.decode.rounds_in_loop`) against the rest: how
+    many, their share and τ. A drafter that follows a loop gets them nearly all accepted; None for records without
+    the flags."""
+    spec = [r["speculative"] for r in records]
+    if not spec or any("in_loop" not in x for x in spec):
+        return None
+    pools: dict[str, list[int]] = {"in_loop": [], "elsewhere": []}
+    for x in spec:
+        for a, inside in zip(x["accepted"], x["in_loop"]):
+            pools["in_loop" if inside else "elsewhere"].append(a)
+    total = sum(len(p) for p in pools.values())
+    return {
+        name: {"rounds": len(p), "share": len(p) / total if total else None, "accept_len": _tau(p)}
+        for name, p in pools.items()
+    }
+
+
+def _tau(accepted: list[int]) -> float | None:
+    return round_stats(accepted, [False] * len(accepted))["accept_len"]
 
 
 def _time_per_round(records: list[dict[str, Any]]) -> dict[str, float] | None:
@@ -269,6 +292,7 @@ def to_markdown(s: dict[str, Any]) -> str:
             *([_group_table(s["by_group"])] if s.get("by_group") else []),
             *([_context_table(s["by_context"])] if s.get("by_context") else []),
             *([_size_table(s["by_tree_size"])] if len(s.get("by_tree_size") or {}) > 1 else []),
+            *([_loop_table(s["by_loop"])] if s.get("by_loop") else []),
             *([_time_table(s["time_per_round"])] if s.get("time_per_round") else []),
             "## Per prompt\n\n" + markdown_table(["prompt", "new tokens", "τ", "speedup", "lossless"], prompt_rows),
         ]
@@ -283,6 +307,15 @@ def _lookup_note(lookup: dict[str, Any] | None) -> str:
         f" Prompt lookup in the tree ({lookup['tokens']} tokens, n-gram <= {lookup['ngram']}): verification reached "
         f"{lookup['tried']} lookup tokens and accepted {lookup['accepted']} ({_fmt(lookup['rate'], 2)})."
     )
+
+
+def _loop_table(loops: dict[str, dict[str, Any]]) -> str:
+    names = {
+        "in_loop": f"inside a loop (the {LOOP_NGRAM} tokens before the round occurred earlier)",
+        "elsewhere": "elsewhere",
+    }
+    rows = [[names[k], str(v["rounds"]), _fmt(v["share"], 2), _fmt(v["accept_len"])] for k, v in loops.items()]
+    return "## Rounds inside loops of the output\n\n" + markdown_table(["rounds", "count", "share", "τ"], rows)
 
 
 def _size_table(sizes: dict[str, dict[str, float | None]]) -> str:

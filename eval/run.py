@@ -44,7 +44,7 @@ from eval.calibration import (
 )
 from eval.checks import BOUNDARY_TOLERANCE, near_boundary, near_tie, tie_margin
 from eval.costs import measure_costs
-from eval.decode import DecodeSettings, GenerationResult, PositionCoins, speculative_generate_batch
+from eval.decode import DecodeSettings, GenerationResult, PositionCoins, rounds_in_loop, speculative_generate_batch
 from eval.heads import two_stage_projections
 from eval.lookup import LookupProposer
 from eval.prompts import load_conversations, load_prompts, stop_token_ids
@@ -131,6 +131,7 @@ def _record(target: Target, prompt: dict[str, Any], spec: GenerationResult) -> d
             "tree_nodes": spec.tree_nodes,
             "round_s": spec.round_s,
             "extendable": spec.extendable,
+            "in_loop": rounds_in_loop(spec.tokens, spec.accepted),
             "target_s": spec.target_s,
             "draft_s": spec.draft_s,
         },

@@ -25,6 +25,7 @@ from eval import EvalError
 from eval.__main__ import main
 from eval.calibration import calibration_samples, calibration_sequences, draft_vocabulary, medusa_rank_accuracy
 from eval.checks import near_tie
+from eval.decode import rounds_in_loop
 from eval.prompts import load_prompts, prompt_token_ids
 from eval.report import lossless_mark, plot, summarize, to_markdown, write_report
 from methods.eagle2.model import EagleConfig, EagleDrafter
@@ -116,6 +117,7 @@ def test_eval_cli_end_to_end(tmp_path, target, method, tree, capsys):
     assert report["accept_len"] >= 1.0 and report["rounds"] == sum(
         len(r["speculative"]["accepted"]) for r in report["per_prompt"]
     )
+    assert sum(v["rounds"] for v in report["by_loop"].values()) == report["rounds"]  # every round flagged
     assert report["speedup_vs_plain"] > 0 and report["speedup_vs_prompt_lookup"] > 0
     assert all(r["prompt_lookup"]["new_tokens"] == r["plain"]["new_tokens"] for r in report["per_prompt"])
     assert (out / "report.png").stat().st_size > 1000
@@ -442,6 +444,29 @@ def test_report_pools_rounds_by_tree_size_and_plots_them(tmp_path):
     assert (tmp_path / "report.png").stat().st_size > 0
     records[1]["speculative"]["tree_nodes"] = [4]
     assert "τ by tree size" not in to_markdown(summarize(records[1:], REPORT_META))  # one size: no table
+
+
+def test_rounds_inside_a_loop_of_the_output_are_flagged_and_pooled():
+    """A round starts inside a loop when the output's last 8 tokens before it occurred earlier in the output; the
+    report pools those rounds and the others, and says so in report.md (records without the flags: no table)."""
+    fresh, loop = list(range(100, 110)), [1, 2, 3]
+    tokens = fresh + loop * 6  # 28 tokens: the loop's 8-grams repeat from its fourth turn on
+    accepted = [4, 4, 3, 4, 4, 2, 0]  # rounds start at 0, 5, 10, 14, 19, 24, 27 (emitting 5, 5, 4, 5, 5, 3, 1 tokens)
+    # the 8 tokens before 19 (tokens 11..18) occur there first: no; those before 24 and 27 ended earlier (at 18, 21)
+    assert rounds_in_loop(tokens, accepted) == [False, False, False, False, False, True, True]
+    assert rounds_in_loop(loop * 2, [5]) == [False]  # the first round never is
+    records = [_record(0, [3, 1, 0], [True] * 3, True), _record(1, [2], [True], True)]
+    records[0]["speculative"]["in_loop"] = [False, True, True]
+    records[1]["speculative"]["in_loop"] = [False]
+    s = summarize(records, REPORT_META)
+    assert s["by_loop"] == {
+        "in_loop": {"rounds": 2, "share": 0.5, "accept_len": 1.5},
+        "elsewhere": {"rounds": 2, "share": 0.5, "accept_len": 3.5},
+    }
+    assert "| elsewhere | 2 | 0.50 | 3.50 |" in to_markdown(s)
+    del records[1]["speculative"]["in_loop"]
+    assert summarize(records, REPORT_META)["by_loop"] is None
+    assert "inside loops" not in to_markdown(summarize(records, REPORT_META))
 
 
 def test_a_batch_round_is_timed_once_and_its_tokens_pooled():
