@@ -29,6 +29,7 @@ from data.chat import (
     render_with_assistant_mask,
     render_with_turn_ids,
 )
+from data.repeats import repeating
 
 if TYPE_CHECKING:  # schema.recipe pulls in every drafter; data preparation needs none of them
     from schema.sections import DataConfig
@@ -227,25 +228,17 @@ def _read_hf(name: str, split: str) -> Iterator[tuple[str, Any]]:
         yield f"{name}[{split}] record {i}", record
 
 
-REPEAT_NGRAM = 8
-"""`data.max_repeat_run`: a loss token repeats when the REPEAT_NGRAM tokens ending at it already ended at an earlier
-loss token of the sample (the answers' own text, not the prompt's)."""
-
-
 def cap_repeat_runs(ids: list[int], mask: list[int], keep: int) -> tuple[list[int], list[int], int]:
-    """Keep the first `keep` tokens of every run of consecutive repeating loss tokens in the loss, take the rest out
-    (a greedy answer that falls into a loop repeats to its end: the first turn of the loop teaches the drafter to
-    follow it, the later ones teach nothing new). Where the sample ends inside such a tail (only positions without
-    loss after it), it is cut there. -> (ids, mask, loss tokens taken out)."""
-    seen: set[tuple[int, ...]] = set()
+    """Keep the first `keep` tokens of every run of consecutive repeating loss tokens (`data.repeats.repeating` over
+    the loss tokens: the answers' own text, not the prompt's) in the loss, take the rest out (a greedy answer that
+    falls into a loop repeats to its end: the first turn of the loop teaches the drafter to follow it, the later ones
+    teach nothing new). Where the sample ends inside such a tail (only positions without loss after it), it is cut
+    there. -> (ids, mask, loss tokens taken out)."""
     capped, run, left_out, tail = list(mask), 0, 0, None
-    for t in range(len(ids)):
+    for t, repeats in enumerate(repeating(ids, mask)):
         if not mask[t]:
             run = 0  # a run is consecutive loss tokens: a prompt or template token ends it
             continue
-        gram = tuple(ids[max(0, t - REPEAT_NGRAM + 1) : t + 1])
-        repeats = len(gram) == REPEAT_NGRAM and gram in seen
-        seen.add(gram)
         run = run + 1 if repeats else 0
         if run > keep:
             capped[t], left_out = 0, left_out + 1

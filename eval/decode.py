@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from data.repeats import repeating
 from eval.kernels import TreeOps
 from eval.proposal import DecodeState, Proposer
 from eval.reference import sample_from, target_probs
@@ -113,21 +114,14 @@ def round_stats(accepted: list[int], extendable: list[bool]) -> dict[str, Any]:
     }
 
 
-LOOP_NGRAM = 8
-"""`rounds_in_loop`: a round starts inside a loop when the LOOP_NGRAM tokens before it occurred earlier."""
-
-
 def rounds_in_loop(tokens: list[int], accepted: list[int]) -> list[bool]:
     """Per round (`accepted`: tokens accepted per round, each round emitting accepted + 1 of `tokens`): whether the
-    output's last LOOP_NGRAM tokens before the round occurred earlier in the output, i.e. the target is repeating
-    itself and the round's tokens are most likely a copy (greedy decoding of a small target often ends in a loop)."""
-    first_end: dict[tuple[int, ...], int] = {}  # each n-gram -> where it first ended
-    for end in range(LOOP_NGRAM, len(tokens) + 1):
-        first_end.setdefault(tuple(tokens[end - LOOP_NGRAM : end]), end)
+    output's last tokens before the round repeat earlier output (`data.repeats.repeating`), i.e. the target is in a
+    loop and the round's tokens are most likely a copy (greedy decoding of a small target often ends in one)."""
+    repeats = repeating(tokens)
     flags, start = [], 0
     for a in accepted:
-        gram = tuple(tokens[start - LOOP_NGRAM : start]) if start >= LOOP_NGRAM else None
-        flags.append(gram is not None and first_end[gram] < start)
+        flags.append(start > 0 and repeats[start - 1])
         start += a + 1
     return flags
 

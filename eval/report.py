@@ -14,7 +14,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from eval.decode import LOOP_NGRAM, round_stats
+from data.repeats import REPEAT_NGRAM
+from eval.decode import round_stats
 
 METHODS = ("plain", "speculative", "prompt_lookup")
 
@@ -311,7 +312,7 @@ def _lookup_note(lookup: dict[str, Any] | None) -> str:
 
 def _loop_table(loops: dict[str, dict[str, Any]]) -> str:
     names = {
-        "in_loop": f"inside a loop (the {LOOP_NGRAM} tokens before the round occurred earlier)",
+        "in_loop": f"inside a loop (the {REPEAT_NGRAM} tokens before the round occurred earlier)",
         "elsewhere": "elsewhere",
     }
     rows = [[names[k], str(v["rounds"]), _fmt(v["share"], 2), _fmt(v["accept_len"])] for k, v in loops.items()]

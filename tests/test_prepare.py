@@ -18,7 +18,6 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from data.chat import ChatTemplateError, DataError, normalize_messages, render_with_assistant_mask, render_with_turn_ids
 from data.prepare import (
-    REPEAT_NGRAM,
     cap_repeat_runs,
     data_sources,
     format_masked,
@@ -27,6 +26,7 @@ from data.prepare import (
     tokenize_record,
     vocab_fingerprint,
 )
+from data.repeats import REPEAT_NGRAM
 from schema.sections import DataConfig
 
 ROOT = Path(__file__).resolve().parents[1]
