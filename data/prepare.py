@@ -4,8 +4,8 @@
 
 Reads `data.train_files` in the given order (or `data.hf_dataset`), renders every record with the
 target tokenizer (chat template for ShareGPT / OpenAI records, `bos + prompt + completion + eos`
-for plain ones), truncates to `data.max_len` keeping the beginning, with `data.max_repeat_run` takes the tail of
-each loop out of the loss (`cap_repeat_runs`), and reports what it counted.
+for plain ones), truncates to `data.max_len` keeping the beginning, takes the tail of each loop out of the loss
+(`data.max_repeat_run`, `cap_repeat_runs`), and reports what it counted.
 A sample's id is its record's global index in reading order, so ids do not move when other
 records are skipped. `--show N` prints N samples with the loss-masked text in [[...]].
 """
@@ -260,9 +260,15 @@ def _records(cfg: DataConfig) -> Iterator[tuple[str, Any]]:
 
 def prepare_dataset(cfg: DataConfig, tokenizer: Any) -> PreparedData:
     """Read, render, mask and truncate every record of `cfg`; see the module docstring."""
-    out = PreparedData(samples=[], num_records=0, num_skipped=0, num_truncated=0, num_dropped=0)
-    if cfg.max_repeat_run is not None:
-        out.num_repeats_left_out = 0
+    capped = cfg.max_repeat_run is not None
+    out = PreparedData(
+        samples=[],
+        num_records=0,
+        num_skipped=0,
+        num_truncated=0,
+        num_dropped=0,
+        num_repeats_left_out=0 if capped else None,
+    )
     loss_tokens = 0
     for index, (where, record) in enumerate(_records(cfg)):
         if cfg.max_samples is not None and len(out.samples) >= cfg.max_samples:
@@ -288,7 +294,7 @@ def prepare_dataset(cfg: DataConfig, tokenizer: Any) -> PreparedData:
                 out.num_dropped += 1
                 continue
             out.num_truncated += 1
-        if cfg.max_repeat_run is not None:
+        if capped:
             ids, mask, left_out = cap_repeat_runs(ids, mask, cfg.max_repeat_run)
             out.num_repeats_left_out += left_out
         out.samples.append(TokenSample(id=index, input_ids=ids, loss_mask=mask))
