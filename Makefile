@@ -77,6 +77,13 @@ check-speculators: install
 	$(BIN)/python benchmarks/speculators_check.py prepare runs/speculators-check-peagle-fcnorm drafter.fc_norm=true \
 		drafter.norm_before_residual=true --method peagle
 	$(SPEC_VENV)/bin/python benchmarks/speculators_check.py consume runs/speculators-check-peagle-fcnorm
+	rm -rf runs/speculators-check-2layers runs/speculators-check-peagle-3layers
+	$(BIN)/python benchmarks/speculators_check.py prepare runs/speculators-check-2layers drafter.fc_norm=true \
+		drafter.num_layers=2
+	$(SPEC_VENV)/bin/python benchmarks/speculators_check.py consume runs/speculators-check-2layers
+	$(BIN)/python benchmarks/speculators_check.py prepare runs/speculators-check-peagle-3layers drafter.fc_norm=true \
+		drafter.num_layers=3 --method peagle
+	$(SPEC_VENV)/bin/python benchmarks/speculators_check.py consume runs/speculators-check-peagle-3layers
 	rm -rf runs/dflash-check
 	$(BIN)/python -m methods.dflash.check_speculators prepare runs/dflash-check
 	$(SPEC_VENV)/bin/python methods/dflash/check_speculators.py consume runs/dflash-check
@@ -153,6 +160,12 @@ check-vllm: install vllm-env
 	$(BIN)/python benchmarks/vllm_check.py prepare runs/vllm-check-peagle-fcnorm drafter.fc_norm=true \
 		drafter.norm_before_residual=true --method peagle
 	$(VLLM_VENV)/bin/python benchmarks/vllm_check.py consume runs/vllm-check-peagle-fcnorm
+	$(BIN)/python benchmarks/vllm_check.py prepare runs/vllm-check-eagle3.1-2layers drafter.fc_norm=true \
+		drafter.norm_output=true drafter.num_layers=2
+	$(VLLM_VENV)/bin/python benchmarks/vllm_check.py consume runs/vllm-check-eagle3.1-2layers
+	$(BIN)/python benchmarks/vllm_check.py prepare runs/vllm-check-peagle-3layers drafter.fc_norm=true \
+		drafter.num_layers=3 --method peagle
+	$(VLLM_VENV)/bin/python benchmarks/vllm_check.py consume runs/vllm-check-peagle-3layers
 
 # vLLM as self-distillation's engine (`python -m data.selfdistill --engine vllm`), from .venv-vllm as check-vllm builds
 # it: on a tiny float32 target its records (token ids, finish reasons) equal the HF engine's, from 1 and 2 processes,

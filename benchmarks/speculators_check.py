@@ -1,7 +1,8 @@
 """The real consumer: the `speculators` package loads a `speculators` export and must give our draft logits.
 
     make check-speculators          # builds .venv-speculators (speculators 0.9.0, its own transformers) and runs
-                                    # EAGLE-3, EAGLE-3.1 and P-EAGLE (plain and with FC-Norm)
+                                    # EAGLE-3, EAGLE-3.1 and P-EAGLE (plain and with FC-Norm), and multi-layer
+                                    # EAGLE-3.1 (2 layers) and P-EAGLE (3 layers)
     .venv/bin/python benchmarks/speculators_check.py prepare OUT [OVERRIDES...] [--method eagle3|peagle]
                                     [--run RUN_DIR] [--steps 3]
     .venv-speculators/bin/python benchmarks/speculators_check.py consume OUT

@@ -3,7 +3,8 @@ target model, must give our draft logits at step 0 and at the next draft step fe
 its one-forward parallel draft).
 
     make check-vllm                 # builds .venv-vllm and runs EAGLE-3 (and its negative case), EAGLE-3.1, EAGLE-2,
-                                    # Medusa-1 and P-EAGLE (plain and with FC-Norm) drafters
+                                    # Medusa-1 and P-EAGLE (plain and with FC-Norm) drafters, and multi-layer
+                                    # EAGLE-3.1 (2 layers) and P-EAGLE (3 layers) ones
     .venv/bin/python benchmarks/vllm_check.py prepare OUT [OVERRIDES...] [--method eagle3|eagle2|medusa1|peagle]
                                     [--run RUN]
     .venv-vllm/bin/python benchmarks/vllm_check.py consume OUT [--edit-aux-ids]
@@ -57,6 +58,7 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
 import types
 from pathlib import Path
@@ -239,7 +241,7 @@ def consume(out: Path, edit_aux_ids: bool = False) -> dict[str, float]:
     with set_current_vllm_config(vllm_config):  # as vLLM's model loader does
         target_model.load_weights(iter(target.items()))
         process_weights_after_loading(target_model, vllm_config.model_config, torch.device("cpu"))
-        model.load_weights(iter(weights.items()))
+        tracked = model.load_weights(iter(weights.items()))  # None: vLLM's loader checks no name was missed
         process_weights_after_loading(model, draft, torch.device("cpu"))
     params = dict(model.named_parameters())
     missing_target, missing = unloaded(target_model), unloaded(model)
@@ -268,7 +270,18 @@ def consume(out: Path, edit_aux_ids: bool = False) -> dict[str, float]:
                 head.quant_method.process_weights_after_loading(head)  # as the target's loader did for its head
             model.lm_head = head
             print("lm_head: the target's, as vLLM's EAGLE proposer shares it")
-    print(f"{type(model).__module__}.{type(model).__name__}: {len(params) - len(missing)} of {len(params)} loaded")
+    # vLLM builds hidden_norm on every EAGLE-3 layer but only the first reads it: the file (as the speculators package
+    # writes multi-layer drafters) has none for the others. Harmless while vLLM's load_weights returns no set of loaded
+    # names for its loader to check, and while the NaN left there reaches no logit below (every comparison fails on NaN)
+    unread = [n for n in missing if re.fullmatch(r"model\.layers\.[1-9][0-9]*\.hidden_norm\.weight", n)]
+    if unread:
+        print(f"{unread}: built by vLLM, read by no forward (layers after the first), left NaN")
+        missing = [n for n in missing if n not in unread]
+        if tracked is not None:
+            print("vLLM's load_weights returns the loaded names: its loader would refuse the missing ones")
+            diffs.fail("coverage")
+    loaded = len(params) - len(missing) - len(unread)
+    print(f"{type(model).__module__}.{type(model).__name__}: {loaded} of {len(params)} loaded")
     if missing:
         print(f"vLLM's load_weights left {missing} unloaded")
         diffs.fail("coverage")

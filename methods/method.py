@@ -27,7 +27,9 @@ An entry declares:
   draft vocabulary (`drafter.draft_vocab` tokens): training picks the data's most frequent loss tokens and calls
   `drafter.set_draft_vocab(ids, init_head=True)`, and evaluation maps its logits to target ids with
   `drafter.draft_ids`; `target_statistics`: its training forward reads the target's stored top-1 and logsumexp
-  (`data.target_stats`) when the feature set has them for its target's head (batch keys `target_top1`, `target_lse`).
+  (`data.target_stats`) when the feature set has them for its target's head (batch keys `target_top1`, `target_lse`);
+  `later_fields`: config fields added after runs of it existed, each with the value that keeps the earlier drafter:
+  recipe hashes leave a field out while it has that value, so checkpoints made before it still resume and export.
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ class Method:
     export_extra: bool = False
     own_vocab: bool = False
     target_statistics: bool = False
+    later_fields: dict[str, object] = field(default_factory=dict)
 
     def module(self) -> type:
         """The drafter's nn.Module class (imports torch and the model file on first use)."""

@@ -13,7 +13,8 @@ biases counted); activations are an estimate. What it prints, per process:
   processes, ZeRO-3 and FSDP everything), and the activations of `--tokens` tokens per process, unrolled
   `--ttt-steps` times. Per token and unrolled step the activations take about LOGIT_COPIES fp32 copies of the draft
   vocabulary's logits plus HIDDEN_COPIES of the hidden width: constants fitted to the SmolLM2 EAGLE-3.1 step
-  measured by benchmarks/long_train.py (0.79 / 1.48 / 2.80 / 4.95 GB added at 1k / 2k / 4k / 8k tokens);
+  measured by benchmarks/long_train.py (0.79 / 1.48 / 2.80 / 4.95 GB added at 1k / 2k / 4k / 8k tokens), one
+  decoder layer; a drafter of `--num-layers` counts the hidden-width part once per layer (an estimate, unmeasured);
 - the feature store on disk, per token, for the stored layers (3 fused + the last) at `--storage-bytes`.
 """
 
@@ -102,13 +103,15 @@ def target_params(s: Shape) -> int:
     return s.vocab * s.hidden * (1 if s.tied else 2) + s.layers * layer + s.hidden
 
 
-def eagle3_trainable(s: Shape, draft_vocab: int, fused: int = 3, fc_norm: bool = True) -> int:
-    """The EAGLE-3 drafter's trainable parameters: fc over the fused features, one decoder layer whose attention reads
-    [embedding; feature] (2d, no biases whatever the target has), its norms, the final norm and its own LM head over
-    the draft vocabulary."""
-    layer = _attention(s, 2 * s.hidden, bias=False) + 3 * s.hidden * s.intermediate + 3 * s.hidden
+def eagle3_trainable(s: Shape, draft_vocab: int, fused: int = 3, fc_norm: bool = True, num_layers: int = 1) -> int:
+    """The EAGLE-3 drafter's trainable parameters: fc over the fused features, a first decoder layer whose attention
+    reads [embedding; feature] (2d, no biases whatever the target has) and its three norms, `num_layers - 1` plain
+    layers after it (two norms each), the final norm and its own LM head over the draft vocabulary."""
+    first = _attention(s, 2 * s.hidden, bias=False) + 3 * s.hidden * s.intermediate + 3 * s.hidden
+    plain = _attention(s, s.hidden, bias=False) + 3 * s.hidden * s.intermediate + 2 * s.hidden
     norms = fused * s.hidden if fc_norm else 0
-    return fused * s.hidden * s.hidden + norms + layer + s.hidden + draft_vocab * s.hidden
+    layers = first + (num_layers - 1) * plain
+    return fused * s.hidden * s.hidden + norms + layers + s.hidden + draft_vocab * s.hidden
 
 
 def estimate(
@@ -117,19 +120,20 @@ def estimate(
     draft_vocab: int = 32000,
     tokens: int = 4096,
     ttt_steps: int = 7,
+    num_layers: int = 1,
     processes: int = 1,
     sharding: str = "none",
     storage_bytes: int = 2,
 ) -> dict[str, float]:
     """Bytes (GB) per process for each step; see the module docstring."""
     weights = target_params(s) * s.dtype_bytes
-    trainable = eagle3_trainable(s, draft_vocab)
+    trainable = eagle3_trainable(s, draft_vocab, num_layers=num_layers)
     state = trainable * ADAM_BYTES
     if sharding == "zero2":
         state = trainable * 4 + trainable * (ADAM_BYTES - 4) / processes  # weights whole, the rest sharded
     elif sharding in ("zero3", "fsdp"):
         state /= processes
-    per_token = ttt_steps * 4 * (LOGIT_COPIES * draft_vocab + HIDDEN_COPIES * s.hidden)
+    per_token = ttt_steps * 4 * (LOGIT_COPIES * draft_vocab + num_layers * HIDDEN_COPIES * s.hidden)
     return {
         "target_gb": weights / GB,
         "drafter_trainable_m": trainable / 1e6,
@@ -147,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--draft-vocab", type=int, default=32000)
     parser.add_argument("--tokens", type=int, default=4096, help="tokens per process and step (batch x length)")
     parser.add_argument("--ttt-steps", type=int, default=7)
+    parser.add_argument("--num-layers", type=int, default=1, help="the drafter's decoder layers (drafter.num_layers)")
     parser.add_argument("--processes", type=int, default=1)
     parser.add_argument("--sharding", choices=["none", "zero2", "zero3", "fsdp"], default="none")
     parser.add_argument("--storage-bytes", type=int, default=2, help="bytes per stored feature value (bf16: 2)")
@@ -158,12 +163,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     for name, value in (("--draft-vocab", args.draft_vocab), ("--tokens", args.tokens), ("--processes", args.processes),
-                        ("--ttt-steps", args.ttt_steps), ("--storage-bytes", args.storage_bytes)):  # fmt: skip
+                        ("--ttt-steps", args.ttt_steps), ("--num-layers", args.num_layers),
+                        ("--storage-bytes", args.storage_bytes)):  # fmt: skip
         if value < 1:
             print(f"error: {name}: must be >= 1, got {value}", file=sys.stderr)
             return 2
     est = estimate(s, draft_vocab=args.draft_vocab, tokens=args.tokens, ttt_steps=args.ttt_steps,
-                   processes=args.processes, sharding=args.sharding, storage_bytes=args.storage_bytes)  # fmt: skip
+                   num_layers=args.num_layers, processes=args.processes, sharding=args.sharding,
+                   storage_bytes=args.storage_bytes)  # fmt: skip
     print(f"{file}: {target_params(s) / 1e9:.2f}B parameters, {s.layers} layers, hidden {s.hidden}, vocab {s.vocab}")
     print(
         f"  extraction / self-distillation / online training: {est['target_gb']:.1f} GB of target weights per process"

@@ -41,7 +41,8 @@ from schema.sections import (
 
 LATER_SETTINGS: dict[str, dict[str, Any]] = {"data": {"max_loss_tokens": None, "max_repeat_run": None}}
 """Settings added after runs existed, with the value that keeps the earlier behaviour: hashed only when set to
-something else, so that checkpoints made before them still resume and export."""
+something else, so that checkpoints made before them still resume and export. A method's own such fields are its
+entry's `later_fields` (`methods.method.Method`)."""
 
 
 @dataclass
@@ -82,8 +83,10 @@ class Recipe:
             if chosen["data"]["storage_dtype"] != "pca":  # pca's settings mean nothing to other dtypes: unhashed
                 chosen["data"].pop("storage_bits")
                 chosen["data"].pop("storage_fit_tokens")
-        for section, later in LATER_SETTINGS.items():
-            for key, earlier in later.items():
+        later = dict(LATER_SETTINGS)
+        later["drafter"] = METHODS[self.drafter.method].later_fields  # each method's own (its `Method` entry)
+        for section, fields in later.items():
+            for key, earlier in fields.items():
                 if section in chosen and chosen[section][key] == earlier:
                     del chosen[section][key]
         return chosen

@@ -72,7 +72,8 @@ def setup():
     return model, samples, padded, packed
 
 
-SWITCHES = [{}, {"fc_norm": True, "norm_output": True}, {"norm_before_residual": True, "ttt_steps": 5}]
+DEEP = {"num_layers": 3, "norm_output": True}  # the layers after the first: plain Llama layers, a cache each
+SWITCHES = [{}, {"fc_norm": True, "norm_output": True}, {"norm_before_residual": True, "ttt_steps": 5}, DEEP]
 
 
 @pytest.mark.parametrize("kw", SWITCHES)
@@ -99,7 +100,7 @@ def test_training_time_test_is_what_drafting_computes(setup, kw):
             torch.testing.assert_close(logits[0, -1], want, atol=2e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("kw", SWITCHES[:2])
+@pytest.mark.parametrize("kw", [*SWITCHES[:2], DEEP])
 def test_packed_and_padded_give_the_same_unrolled_outputs_and_loss(setup, kw):
     model, _, padded, packed = setup
     drafter = drafter_for(model, **kw)
@@ -147,9 +148,10 @@ def test_a_batch_shorter_than_the_unrolled_steps_reports_every_step(setup):
     torch.testing.assert_close(full["loss"], cut["loss"])
 
 
-def test_gradients_reach_every_trained_tensor_through_the_unrolled_steps(setup):
+@pytest.mark.parametrize("layers", [1, 2])
+def test_gradients_reach_every_trained_tensor_through_the_unrolled_steps(setup, layers):
     model, _, padded, _ = setup
-    drafter = drafter_for(model, vocab=VOCAB, ttt_steps=3).train()
+    drafter = drafter_for(model, vocab=VOCAB, ttt_steps=3, num_layers=layers).train()
     drafter(padded)["loss"].backward()
     for name, p in drafter.named_parameters():
         assert p.grad is not None and p.grad.abs().sum() > 0, name
@@ -206,12 +208,29 @@ def test_recipe_checks_the_stored_layers_and_the_vocabulary_settings():
         recipe_from_dict({**recipe(draft_vocab=200), "eval": {"draft_vocab": 300}})
     with pytest.raises(Exception, match="drafter.ttt_steps: must be >= 1"):
         recipe_from_dict(recipe(ttt_steps=0))
+    with pytest.raises(Exception, match="drafter.num_layers: must be >= 1"):
+        recipe_from_dict(recipe(num_layers=0))
+    with pytest.raises(Exception, match=r"drafter.num_layers: 9 is more than the target's num_hidden_layers \(8\)"):
+        recipe_from_dict(recipe(num_layers=9))
 
 
-@pytest.mark.parametrize("tree", ["dynamic", "chain"])
-def test_drafting_over_the_own_vocabulary_keeps_greedy_output(setup, tree):
+def test_num_layers_came_later_and_is_hashed_only_when_set():
+    """Runs trained before `drafter.num_layers` existed (one layer) keep their recipe hash, so they still resume and
+    export; two layers is another drafter, and EAGLE-2's num_layers (there from the start) stays hashed."""
+    hashed = lambda raw: recipe_from_dict(raw).hashed_settings("drafter")["drafter"]  # noqa: E731
+    one, two = hashed(recipe()), hashed(recipe(num_layers=2))
+    assert "num_layers" not in one and two["num_layers"] == 2 and {**one, "num_layers": 2} == two
+    assert recipe_from_dict(recipe()).section_hash("drafter") != recipe_from_dict(recipe(num_layers=2)).section_hash(
+        "drafter"
+    )
+    eagle2 = {**recipe(), "data": {"train_files": ["x.jsonl"], "layers": [-1]}, "drafter": {"method": "eagle2"}}
+    assert hashed(eagle2)["num_layers"] == 1
+
+
+@pytest.mark.parametrize("tree,layers", [("dynamic", 1), ("chain", 1), ("dynamic", 3)])
+def test_drafting_over_the_own_vocabulary_keeps_greedy_output(setup, tree, layers):
     model = setup[0]
-    drafter = drafter_for(model, vocab=64)
+    drafter = drafter_for(model, vocab=64, num_layers=layers)
     vocab = VocabProjection.trained(drafter.lm_head, drafter.draft_ids, VOCAB)
     top_k, total = (3, 8) if tree == "dynamic" else (1, 4)
     proposer = EagleProposer(drafter, depth=3, top_k=top_k, total_tokens=total, draft_vocab=vocab)
@@ -223,7 +242,7 @@ def test_drafting_over_the_own_vocabulary_keeps_greedy_output(setup, tree):
     assert drafted and all(set(t[1:]) <= allowed for t in drafted)
 
 
-@pytest.mark.parametrize("kw", SWITCHES[:2])
+@pytest.mark.parametrize("kw", [*SWITCHES[:2], DEEP])
 def test_the_proposer_drafts_what_training_unrolls(setup, kw):
     """A batch of two prompts of different lengths drafted as chains by the evaluation's proposer, over two rounds
     (the second after each row accepted part of its chain): the logits of every draft step, and so every drafted
@@ -517,6 +536,33 @@ def test_gates_catch_what_a_consumer_reads_wrong(fmt, edit, why, run, tmp_path):
     recipe, target, drafter = load_run(run)
     with pytest.raises(ExportError, match=why):
         gate_check(fmt, out, recipe, target, drafter)
+
+
+def test_a_deeper_drafter_exports_every_layer_for_vllm_and_imports_back(features, tmp_path, at_root):
+    """`drafter.num_layers: 2`: the speculators layout holds `layers.0.*` (EAGLE-3's layer) and `layers.1.*` (a plain
+    Llama layer: d inputs, no hidden_norm) with `num_hidden_layers: 2`, and passes the vLLM / speculators readers'
+    gate, which builds the layers from the config: a config that says one layer is caught. SGLang's EAGLE-3 drafter
+    has one layer: refused, naming the field. Imported back, the checkpoint gives the trained drafter's logits."""
+    train(tiny_recipe(features, tmp_path / "run", "train.max_steps=2", "drafter.num_layers=2"))
+    recipe, target, drafter = load_run(tmp_path / "run")
+    assert torch.equal(load_drafter(export(tmp_path / "run", tmp_path / "native"), target).layers["1"].mlp.up_proj
+                       .weight, drafter.layers["1"].mlp.up_proj.weight)  # fmt: skip
+    out = export(tmp_path / "run", tmp_path / "spec", fmt="speculators")
+    config, tensors = json.loads((out / "config.json").read_text()), load_file(str(out / "model.safetensors"))
+    assert config["transformer_layer_config"]["num_hidden_layers"] == 2
+    assert tensors["layers.0.self_attn.q_proj.weight"].shape == (64, 2 * 64)
+    assert tensors["layers.1.self_attn.q_proj.weight"].shape == (64, 64)
+    assert "layers.1.hidden_norm.weight" not in tensors
+    assert gate_check("speculators", out, recipe, target, drafter) <= 1e-4
+    imported, _ = import_eagle3(config, tensors, out / "model.safetensors", target, speculators=True)
+    inputs = eagle3_inputs(drafter, 4, 8192)
+    torch.testing.assert_close(drafter_logits(imported, *inputs), drafter_logits(drafter, *inputs), atol=1e-5, rtol=0)
+    broken(out, lambda c, t: c["transformer_layer_config"].update(num_hidden_layers=1))
+    with pytest.raises(ExportError, match="speculators load gate: draft logits .* differ"):
+        gate_check("speculators", out, recipe, target, drafter)
+    with pytest.raises(ExportError, match=r"^export.format: sglang's EAGLE-3 drafter has one decoder layer \(drafter"):
+        export(tmp_path / "run", tmp_path / "sglang", fmt="sglang")
+    assert not (tmp_path / "sglang").exists()
 
 
 def test_speculators_export_of_a_bf16_target_names_the_trained_dtype(features, tmp_path, at_root):

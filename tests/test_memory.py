@@ -38,10 +38,12 @@ def test_target_and_eagle3_counts_equal_the_built_modules(name):
     if name == "mistral":
         return  # the drafter's attention assumes hidden = heads x head_dim
     parts = TargetParts(model.config, model.model.embed_tokens, model.lm_head, [2, 4, 6, -1])
-    with torch.device("meta"):
-        drafter = Eagle3Drafter(Eagle3Config(feature_layers=[2, 4, 6], draft_vocab=100, fc_norm=True), parts)
-    trainable = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
-    assert eagle3_trainable(s, 100, fused=3, fc_norm=True) == trainable
+    for layers in (1, 3):
+        cfg = Eagle3Config(feature_layers=[2, 4, 6], num_layers=layers, draft_vocab=100, fc_norm=True)
+        with torch.device("meta"):
+            drafter = Eagle3Drafter(cfg, parts)
+        trainable = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
+        assert eagle3_trainable(s, 100, fused=3, fc_norm=True, num_layers=layers) == trainable
 
 
 def test_activations_stay_near_the_measured_smollm2_step():

@@ -65,7 +65,8 @@ def setup():
     return model, samples, padded, packed
 
 
-SWITCHES = [{}, {"fc_norm": True}, {"norm_before_residual": True, "parallel_tokens": 6}]
+DEEP = {"num_layers": 3, "fc_norm": True}  # as published P-EAGLE drafters: several layers, one forward for all depths
+SWITCHES = [{}, {"fc_norm": True}, {"norm_before_residual": True, "parallel_tokens": 6}, DEEP]
 
 
 def naive_slots(drafter: PeagleDrafter, feats: torch.Tensor, ids: torch.Tensor, t: int, slots: int) -> torch.Tensor:
@@ -121,7 +122,7 @@ def proposer_for(drafter, depth: int | None = None, tree=None) -> ParallelPropos
     return ParallelProposer(drafter, tree or chain(depth or drafter.cfg.parallel_tokens), vocab)
 
 
-@pytest.mark.parametrize("kw", SWITCHES[:2])
+@pytest.mark.parametrize("kw", [*SWITCHES[:2], DEEP])
 def test_the_proposer_drafts_in_one_forward_what_naive_drafting_gives(setup, kw):
     """Two rows of different lengths over two rounds (the second after each accepted part of its chain): the one
     forward's per-depth logits equal the naive mask-slot computation at each row's last real position."""
@@ -175,10 +176,10 @@ def test_node_scores_sum_log_probabilities_down_the_path(setup):
     torch.testing.assert_close(scores, torch.tensor(want, dtype=torch.float64), atol=1e-6, rtol=1e-6)
 
 
-@pytest.mark.parametrize("tree", ["chain", "branching"])
-def test_speculative_decoding_equals_plain_greedy(setup, tree):
+@pytest.mark.parametrize("tree,layers", [("chain", 1), ("branching", 1), ("branching", 2)])
+def test_speculative_decoding_equals_plain_greedy(setup, tree, layers):
     model = setup[0]
-    drafter = drafter_for(model, vocab=64)
+    drafter = drafter_for(model, vocab=64, num_layers=layers)
     shape = chain(4) if tree == "chain" else medusa_tree([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)], 4)
     proposer = proposer_for(drafter, tree=shape)
     prompt = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(3))
@@ -312,7 +313,7 @@ def run(features, tmp_path_factory) -> Path:
     mp = pytest.MonkeyPatch()
     mp.chdir(ROOT)
     reset_accelerate()
-    train(tiny_recipe(features, out, "train.max_steps=3", "drafter.fc_norm=true"))
+    train(tiny_recipe(features, out, "train.max_steps=3", "drafter.fc_norm=true", "drafter.num_layers=2"))
     reset_accelerate()
     mp.undo()
     return out
@@ -346,6 +347,7 @@ def test_speculators_layout_passes_vllms_peagle_reading(fmt, run, tmp_path):
     assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 4
     assert config["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3] and config["norm_before_residual"] is False
     assert config["transformer_layer_config"]["fc_norm"] is True and "norm_output" not in config
+    assert config["transformer_layer_config"]["num_hidden_layers"] == 2 and "layers.1.mlp.up_proj.weight" in tensors
     assert torch.equal(tensors["mask_hidden"], drafter.mask_hidden.detach().view(1, 1, -1))  # speculators' shape
     assert torch.equal(tensors["embed_tokens.weight"], target.embed_tokens.weight)
 
@@ -358,6 +360,8 @@ def test_speculators_layout_passes_vllms_peagle_reading(fmt, run, tmp_path):
         (lambda c, t: c.update(mask_token_id=5), "differ by"),
         (lambda c, t: c["transformer_layer_config"].pop("fc_norm"), "differ by"),
         (lambda c, t: c.update(eagle_aux_hidden_state_layer_ids=[0, 1, 2]), "differ by"),
+        (lambda c, t: c["transformer_layer_config"].update(num_hidden_layers=1), "differ by"),
+        (lambda c, t: t.pop("layers.1.self_attn.o_proj.weight"), "layers.1.self_attn.o_proj.weight missing"),
     ],
 )
 def test_the_gate_catches_what_vllm_would_read_wrong(edit, why, run, tmp_path):

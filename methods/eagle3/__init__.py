@@ -28,4 +28,5 @@ METHOD = Method(
     },
     own_vocab=True,
     target_statistics=True,
+    later_fields={"num_layers": 1},  # one decoder layer before drafter.num_layers existed
 )

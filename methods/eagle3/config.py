@@ -7,17 +7,19 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-from methods.limits import MAX_TTT_STEPS, MAX_VOCAB, DraftLoss, at_most, check_target_sizes, resolved_layers
+from methods.limits import MAX_LAYERS, MAX_TTT_STEPS, MAX_VOCAB, DraftLoss, at_most, check_target_sizes, resolved_layers
 
 
 class FusedOwnVocab:
     """What the EAGLE-3 and P-EAGLE configs share: the target's fused low / mid / high features and the drafter's own
-    head over a draft vocabulary (fields `method`, `feature_layers`, `draft_vocab`, `step_decay`, `input_noise`,
-    `topk_metric`, `loss`, `loss_topk`, `loss_topk_weight`, `loss_eta`: each config declares them)."""
+    head over a draft vocabulary (fields `method`, `feature_layers`, `num_layers`, `draft_vocab`, `step_decay`,
+    `input_noise`, `topk_metric`, `loss`, `loss_topk`, `loss_topk_weight`, `loss_eta`: each config declares them)."""
 
     def validate_fused(self, err) -> None:
         if len(set(self.feature_layers)) != len(self.feature_layers):
             err("drafter.feature_layers", f"has duplicates: {self.feature_layers}")
+        if self.num_layers < 1:
+            err("drafter.num_layers", f"must be >= 1, got {self.num_layers}")
         if self.draft_vocab < 1:
             err("drafter.draft_vocab", f"must be >= 1, got {self.draft_vocab}")
         if not 0.0 < self.step_decay <= 1.0:
@@ -32,6 +34,7 @@ class FusedOwnVocab:
             err("drafter.loss_topk_weight", f"must be a finite number >= 0, got {self.loss_topk_weight}")
         if not (self.loss_eta >= 0 and math.isfinite(self.loss_eta)):
             err("drafter.loss_eta", f"must be a finite number >= 0, got {self.loss_eta}")
+        at_most(err, "drafter.num_layers", self.num_layers, MAX_LAYERS)
         at_most(err, "drafter.draft_vocab", self.draft_vocab, MAX_VOCAB)
         at_most(err, "drafter.topk_metric", self.topk_metric, MAX_VOCAB)
 
@@ -46,7 +49,7 @@ class FusedOwnVocab:
 
     def target_sized(self) -> dict[str, int]:
         """Its fields a size of the target bounds (`check_target_sizes`)."""
-        return {"draft_vocab": self.draft_vocab, "topk_metric": self.topk_metric}
+        return {"num_layers": self.num_layers, "draft_vocab": self.draft_vocab, "topk_metric": self.topk_metric}
 
     def without_inputs(self):
         """No input files of its own: itself."""
@@ -96,6 +99,9 @@ class Eagle3Config(FusedOwnVocab):
     """Target hidden-state indices fused by `fc` (HF `output_hidden_states` indexing: i = the input of decoder layer
     i). Empty = low / mid / high, `[2, L // 2, L - 3]` for an L-layer target (needs L >= 8). `data.layers` must
     store them and -1 (the last hidden state, whose distribution the drafter learns)."""
+    num_layers: int = 1
+    """Decoder layers: the first attends over [embedding; fused feature] (EAGLE-3's layer), the others are plain
+    pre-norm Llama layers over the stream before them (vLLM's multi-layer EAGLE-3 drafter; SGLang reads one)."""
     draft_vocab: int = 32000
     """K: the drafter's own LM head covers the K most frequent loss tokens of the training data (`d2t` / `t2d`)."""
     ttt_steps: int = 7

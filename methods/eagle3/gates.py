@@ -48,6 +48,9 @@ class Eagle3Reader:
     their serving dtype instead."""
     fused: int | None = None
     """How many hidden states its fc reads whatever the config lists (None: as many as the aux ids)."""
+    multi_layer: bool = True
+    """It builds the config's `num_hidden_layers` decoder layers, the ones after the first plain pre-norm Llama layers
+    over the stream (`layers.{i}.*`); False: it reads one layer and refuses a config of more."""
     parallel: bool = False
     """P-EAGLE (`speculators_model_type: peagle`): after the real positions it runs `speculative_tokens - 1` mask
     slots (`mask_hidden` through fc, the `mask_token_id` embedding) instead of one step fed back; `fc_norm` is read
@@ -62,7 +65,9 @@ VLLM_SPECULATORS = Eagle3Reader(
 SPECULATORS = Eagle3Reader("speculators Eagle3DraftModel", ("layers.0.",), 0, True, False, True, True)
 
 
-SGLANG = Eagle3Reader("SGLang LlamaForCausalLMEagle3", ("midlayer.",), 1, False, False, False, fused=ENGINE_FUSED)
+SGLANG = Eagle3Reader(
+    "SGLang LlamaForCausalLMEagle3", ("midlayer.",), 1, False, False, False, fused=ENGINE_FUSED, multi_layer=False
+)
 
 
 VLLM_PEAGLE = Eagle3Reader(
@@ -115,6 +120,11 @@ def eagle3_consumer_logits(
     Hkv = layer.get("num_key_value_heads") or H
     hd = layer.get("head_dim") or d // H
     eps = float(config_value(layer, "rms_norm_eps", 1e-6, notes))
+    n_layers = layer.get("num_hidden_layers", 1)
+    if not isinstance(n_layers, int) or n_layers < 1:
+        raise ExportError(f"config.json: num_hidden_layers is {n_layers!r}, {reader.name} needs an integer >= 1")
+    if n_layers > 1 and not reader.multi_layer:
+        raise ExportError(f"config.json: num_hidden_layers is {n_layers}, {reader.name} builds one decoder layer")
     L = target.config.num_hidden_layers
     eagle_config = top.get("eagle_config") or {}
     ids = top.get("eagle_aux_hidden_state_layer_ids") if reader.speculators_config else None
@@ -174,21 +184,25 @@ def eagle3_consumer_logits(
     elif any(k.startswith("fc_norm.") for k in tensors):
         notes.append(f"fc_norm.* tensors are ignored: {reader.name} applies no FC-Norm")
     g = F.linear(feats.flatten(2), p.get("fc.weight", (d, len(index) * d)))  # (B, T, d)
-    w = {
-        n: p.get(pre + n + ".weight", shape, init)
-        for n, shape, init in (
-            ("input_layernorm", (d,), "ones"),
-            ("hidden_norm", (d,), "ones"),
-            ("post_attention_layernorm", (d,), "ones"),
-            ("self_attn.q_proj", (H * hd, 2 * d), "random"),
-            ("self_attn.k_proj", (Hkv * hd, 2 * d), "random"),
-            ("self_attn.v_proj", (Hkv * hd, 2 * d), "random"),
-            ("self_attn.o_proj", (d, H * hd), "random"),
-            ("mlp.gate_proj", (m, d), "random"),
-            ("mlp.up_proj", (m, d), "random"),
-            ("mlp.down_proj", (d, m), "random"),
-        )
-    }
+
+    def layer_weights(prefix: str, d_in: int) -> dict[str, torch.Tensor]:
+        return {
+            n: p.get(prefix + n + ".weight", shape, init)
+            for n, shape, init in (
+                ("input_layernorm", (d,), "ones"),
+                ("post_attention_layernorm", (d,), "ones"),
+                ("self_attn.q_proj", (H * hd, d_in), "random"),
+                ("self_attn.k_proj", (Hkv * hd, d_in), "random"),
+                ("self_attn.v_proj", (Hkv * hd, d_in), "random"),
+                ("self_attn.o_proj", (d, H * hd), "random"),
+                ("mlp.gate_proj", (m, d), "random"),
+                ("mlp.up_proj", (m, d), "random"),
+                ("mlp.down_proj", (d, m), "random"),
+            )
+        }
+
+    w = {**layer_weights(pre, 2 * d), "hidden_norm": p.get(pre + "hidden_norm.weight", (d,), "ones")}
+    upper = [layer_weights(f"layers.{i}.", d) for i in range(1, n_layers)]  # layers 1..: [embedding; g] not re-read
     norm_w = p.get("norm.weight", (d,), "ones")
     head = p.get("lm_head.weight", (K, d))
     d2t = tensors.get("d2t")
@@ -199,13 +213,10 @@ def eagle3_consumer_logits(
     if int(draft_to_target.max()) >= target.config.vocab_size or int(draft_to_target.min()) < 0:
         raise ExportError(f"{WEIGHTS}: d2t maps draft ids outside the target vocabulary (ids instead of offsets?)")
 
-    cache: list[torch.Tensor] = []
+    caches: list[list[torch.Tensor]] = [[] for _ in range(n_layers)]  # per layer: keys, values so far
 
-    def run(g: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        emb = embed[ids.to(embed.device)].to(dev, torch.float32)
-        normed_g = _rms(g, w["hidden_norm"], eps)
-        residual = normed_g if flags["norm_before_residual"] else g
-        x = torch.cat([_rms(emb, w["input_layernorm"], eps), normed_g], dim=-1)
+    def block(w: dict, residual: torch.Tensor, x: torch.Tensor, pos, mask, cache: list) -> torch.Tensor:
+        """One decoder layer: attention over x (B, n, d_in) added to `residual`, then the MLP."""
         n = x.shape[1]
         q = F.linear(x, w["self_attn.q_proj"]).view(B, n, H, hd).transpose(1, 2)
         k = F.linear(x, w["self_attn.k_proj"]).view(B, n, Hkv, hd).transpose(1, 2)
@@ -220,7 +231,16 @@ def eagle3_consumer_logits(
         att = scores.masked_fill(~mask[:, None], float("-inf")).softmax(-1) @ v
         h = residual + F.linear(att.transpose(1, 2).reshape(B, n, H * hd), w["self_attn.o_proj"])
         x = _rms(h, w["post_attention_layernorm"], eps)
-        h = h + F.linear(F.silu(F.linear(x, w["mlp.gate_proj"])) * F.linear(x, w["mlp.up_proj"]), w["mlp.down_proj"])
+        return h + F.linear(F.silu(F.linear(x, w["mlp.gate_proj"])) * F.linear(x, w["mlp.up_proj"]), w["mlp.down_proj"])
+
+    def run(g: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        emb = embed[ids.to(embed.device)].to(dev, torch.float32)
+        normed_g = _rms(g, w["hidden_norm"], eps)
+        residual = normed_g if flags["norm_before_residual"] else g
+        x = torch.cat([_rms(emb, w["input_layernorm"], eps), normed_g], dim=-1)
+        h = block(w, residual, x, pos, mask, caches[0])
+        for i, wi in enumerate(upper, start=1):
+            h = block(wi, h, _rms(h, wi["input_layernorm"], eps), pos, mask, caches[i])
         normed = _rms(h, norm_w, eps)
         return normed, (normed if flags["norm_output"] else h)
 

@@ -24,7 +24,8 @@ from models.io import (
 
 def import_eagle3(config: dict, tensors: dict[str, torch.Tensor], weights: Path, target, speculators: bool):
     """A SafeAILab / SGLang EAGLE-3 checkpoint (`midlayer.*`; aux ids from `eagle_config` in SGLang's numbering, else
-    the consumers' default low/mid/high) or a speculators one (`layers.0.*`, its flags) -> (Eagle3Drafter, reader)."""
+    the consumers' default low/mid/high) or a speculators one (`layers.0.*`, `layers.1.*`, ... when it has more
+    decoder layers; its flags) -> (Eagle3Drafter, reader)."""
     reader = eagle3_gates.SPECULATORS if speculators else eagle3_gates.SGLANG
     where = weights.parent / "config.json"
     layer = config.get("transformer_layer_config") if speculators else config
@@ -34,8 +35,11 @@ def import_eagle3(config: dict, tensors: dict[str, torch.Tensor], weights: Path,
     for key in ("hidden_size", "num_attention_heads", "intermediate_size"):
         if layer.get(key) != getattr(tc, key):
             raise ExportError(f"{where}: {key} is {layer.get(key)!r}, the target's is {getattr(tc, key)!r}")
-    if layer.get("num_hidden_layers", 1) != 1:
-        raise ExportError(f"{where}: num_hidden_layers is {layer.get('num_hidden_layers')}: one decoder layer only")
+    n_layers = layer.get("num_hidden_layers", 1)
+    if isinstance(n_layers, bool) or not isinstance(n_layers, int) or n_layers < 1:
+        raise ExportError(f"{where}: num_hidden_layers: expected an integer >= 1, got {n_layers!r}")
+    if n_layers != 1 and not speculators:
+        raise ExportError(f"{where}: num_hidden_layers is {n_layers}: SGLang's EAGLE-3 layout has one decoder layer")
     check_layer_fields(layer, tc, where)
     K = int_field(config, "draft_vocab_size", None, where)
     L = tc.num_hidden_layers
@@ -59,7 +63,7 @@ def import_eagle3(config: dict, tensors: dict[str, torch.Tensor], weights: Path,
         raise ExportError(f"{where}: {[k for k, v in flags.items() if v]}: SGLang's EAGLE-3 layout has no such flag")
     if config.get("norm_before_fc"):
         raise ExportError(f"{where}: norm_before_fc: not supported by the eagle3 method (use fc_norm)")
-    cfg = Eagle3Config(feature_layers=layers, draft_vocab=K, ttt_steps=1, **flags)
+    cfg = Eagle3Config(feature_layers=layers, num_layers=n_layers, draft_vocab=K, ttt_steps=1, **flags)
 
     def err(key: str, msg: str) -> None:
         raise ExportError(f"{where}: {key} (from the checkpoint's config): {msg}")

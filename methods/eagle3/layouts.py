@@ -11,14 +11,16 @@ Formats (`python -m export RUN_DIR --format speculators|sglang|vllm`):
   embedding's, bf16 for a bf16 target) and `speculators_config` (greedy proposal, `speculative_tokens`, the
   verifier's name).
   Tensors `embed_tokens.weight` (an exact copy of the target's: the speculators package has no other source for
-  it), `fc.weight`, `fc_norm.{i}.weight`, `layers.0.*` (with `hidden_norm`), `norm.weight`, `lm_head.weight`,
-  `d2t` (offsets: target id = draft id + d2t[draft id]) and `t2d`.
+  it), `fc.weight`, `fc_norm.{i}.weight`, `layers.0.*` (with `hidden_norm`; with `drafter.num_layers` > 1 the plain
+  Llama layers after it, `layers.1.*`, ..., and `transformer_layer_config.num_hidden_layers`), `norm.weight`,
+  `lm_head.weight`, `d2t` (offsets: target id = draft id + d2t[draft id]) and `t2d`.
 - `sglang`: `LlamaForCausalLMEagle3`, a one-layer Llama config with `draft_vocab_size` and `eagle_config`
   (`eagle_aux_hidden_state_layer_ids` in SGLang's numbering: id i = the output of decoder layer i = HF index i+1).
   Tensors under `midlayer.*` (SGLang drops `layers.0.*` names without a word), `fc.weight`, `norm.weight`,
   `lm_head.weight`, `d2t`, `t2d`; the target's embedding is shared. SGLang's EAGLE-3 layer has no FC-Norm, no
   post-norm output and always adds the raw feature as the residual, so drafters trained with `fc_norm`,
-  `norm_output` or `norm_before_residual` are refused for it, as are feature layers it cannot capture.
+  `norm_output` or `norm_before_residual` are refused for it, as are feature layers it cannot capture and drafters of
+  more than one decoder layer.
 Both carry the target's `max_position_embeddings` and RoPE settings (`rope_theta`, a legacy `rope_scaling` and
 `rope_parameters`).
 """
@@ -92,8 +94,8 @@ def in_layer_order(tensors: dict[str, torch.Tensor], ids: list[int]) -> list[int
     return sorted(ids)
 
 
-def layer_config(target_config) -> dict:
-    """The drafter's decoder layer as a Llama config dict (target sizes, RoPE, context length)."""
+def layer_config(target_config, num_layers: int = 1) -> dict:
+    """The drafter's decoder layers as a Llama config dict (target sizes, RoPE, context length)."""
     c = target_config
     rope = dict(getattr(c, "rope_parameters", None) or {})
     out = {
@@ -104,7 +106,7 @@ def layer_config(target_config) -> dict:
         "num_attention_heads": c.num_attention_heads,
         "num_key_value_heads": getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
         "head_dim": getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
-        "num_hidden_layers": 1,
+        "num_hidden_layers": num_layers,
         "hidden_act": "silu",
         "rms_norm_eps": c.rms_norm_eps,
         "vocab_size": c.vocab_size,
@@ -147,7 +149,7 @@ def write_speculators_layout(out: Path, recipe, target, drafter: nn.Module, para
     if parallel:  # speculators' PEagleDraftModel parameter shape, (1, 1, n_feat·d): its loader refuses (n_feat·d,)
         tensors["mask_hidden"] = tensors["mask_hidden"].reshape(1, 1, -1)  # vLLM reads any shape (view(1, -1))
     write_safetensors(tensors, out / WEIGHTS)
-    layer = layer_config(tc)
+    layer = layer_config(tc, cfg.num_layers)
     if parallel:  # vLLM's peagle reading copies no fc_norm from the top level: its layer config carries it
         layer["fc_norm"] = cfg.fc_norm
     config = {
@@ -191,6 +193,11 @@ def write_speculators_layout(out: Path, recipe, target, drafter: nn.Module, para
 
 def write_sglang_eagle3(out: Path, recipe, target, drafter: nn.Module, include_target_weights: bool) -> None:
     cfg, tc = drafter.cfg, target.config
+    if cfg.num_layers > 1:
+        raise ExportError(
+            f"export.format: sglang's EAGLE-3 drafter has one decoder layer (drafter.num_layers is {cfg.num_layers}); "
+            "export --format speculators (read by vLLM)"
+        )
     flags = {"fc_norm": cfg.fc_norm, "norm_output": cfg.norm_output, "norm_before_residual": cfg.norm_before_residual}
     for flag, on in flags.items():
         if on:

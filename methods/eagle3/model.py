@@ -18,7 +18,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from methods.eagle2.model import MLP, Attention, DraftCache, RMSNorm, logit_positions, step_mask, windowed
+from methods.eagle2.model import (
+    MLP,
+    Attention,
+    DecoderLayer,
+    DraftCache,
+    RMSNorm,
+    logit_positions,
+    step_mask,
+    windowed,
+)
 from methods.eagle3.config import Eagle3Config
 from models.common import (
     DraftBatch,
@@ -62,16 +71,43 @@ class Eagle3Layer(nn.Module):
         keys and values. Attention as in `ttt_attention`, in memory linear in T."""
         normed = self.hidden_norm(g)
         residual = normed if self.norm_before_residual else g
-        attn = self.self_attn
-        q, k, v = attn.project(torch.cat([self.input_layernorm(emb), normed], dim=-1), rope)
-        steps = [*past, (k, v)]
-        keys = [attn.repeat_kv(key) for key, _ in steps]  # (B, H, T, hd) each
-        values = [attn.repeat_kv(value) for _, value in steps]
-        h = residual + attn.output(ttt_attention(q, keys, values, seg, real))
-        return h + self.mlp(self.post_attention_layernorm(h)), (k, v)
+        out, kv = unrolled_attention(self.self_attn, torch.cat([self.input_layernorm(emb), normed], dim=-1), rope, past,
+                                     seg, real)  # fmt: skip
+        h = residual + out
+        return h + self.mlp(self.post_attention_layernorm(h)), kv
+
+
+class Eagle3UpperLayer(DecoderLayer):
+    """A decoder layer after the first (`drafter.num_layers` > 1): a plain pre-norm Llama layer over the stream of
+    the layer before, the embedding not read again (vLLM's multi-layer EAGLE-3 drafter)."""
+
+    def __init__(self, config):
+        super().__init__(config, input_norm=True)
+
+    def unrolled(
+        self, h: torch.Tensor, rope, past: list[KeyValue], seg: torch.Tensor, real: torch.Tensor
+    ) -> tuple[torch.Tensor, KeyValue]:
+        """As `Eagle3Layer.unrolled`, over the layer before's output h (B, T, d)."""
+        out, kv = unrolled_attention(self.self_attn, self.input_layernorm(h), rope, past, seg, real)
+        h = h + out
+        return h + self.mlp(self.post_attention_layernorm(h)), kv
 
 
 KeyValue = tuple[torch.Tensor, torch.Tensor]
+
+
+def unrolled_attention(
+    attn: Attention, x: torch.Tensor, rope, past: list[KeyValue], seg: torch.Tensor, real: torch.Tensor
+) -> tuple[torch.Tensor, KeyValue]:
+    """One layer's attention in a training-time-test step: its input x (B, T, d_in) and the keys and values it made
+    in the earlier steps (`past`, step 0 first) -> its output (B, T, d) and this step's keys and values."""
+    q, k, v = attn.project(x, rope)
+    steps = [*past, (k, v)]
+    keys = [attn.repeat_kv(key) for key, _ in steps]  # (B, H, T, hd) each
+    values = [attn.repeat_kv(value) for _, value in steps]
+    return attn.output(ttt_attention(q, keys, values, seg, real)), (k, v)
+
+
 TARGET_HEAD_ROWS = 2048
 """Loss positions whose target distribution is computed at once: (2048, V) float32 is 400 MB for SmolLM2."""
 TTT_QUERY_CHUNK = 256
@@ -135,9 +171,10 @@ class Eagle3Drafter(nn.Module):
     Training-Time Test") with the EAGLE-3.1 switches FC-Norm and post-norm (`norm_output`).
 
     Input at position t: g_t = fc(cat_i FCNorm_i(f_t^(i))) over the target's low / mid / high hidden states, and
-    the embedding of the next token x_{t+1} (the target's frozen embedding). One decoder layer, a final RMSNorm and
-    the drafter's own LM head over K draft tokens give the distribution of x_{t+2}. The next draft step reads the
-    layer's output (before the final norm; after it with `norm_output`) in place of g.
+    the embedding of the next token x_{t+1} (the target's frozen embedding). One decoder layer (or `num_layers`: the
+    later ones plain Llama layers over the first's output), a final RMSNorm and the drafter's own LM head over K draft
+    tokens give the distribution of x_{t+2}. The next draft step reads the last layer's output (before the final norm;
+    after it with `norm_output`) in place of g.
 
     Training-time test: the drafter is unrolled `ttt_steps` times over every position of a batch. Step j at
     position t reads its own step-(j-1) output and the true token x_{t+j+1}, stands at position t+j and attends to
@@ -161,6 +198,8 @@ class Eagle3Drafter(nn.Module):
         self.fc_norm = nn.ModuleList(RMSNorm(d, eps) for _ in range(n_feat)) if cfg.fc_norm else None
         self.fc = nn.Linear(n_feat * d, d, bias=False)
         self.midlayer = Eagle3Layer(config, cfg.norm_before_residual)
+        # layers 1.. by their index (`layers.1.*`, ...: vLLM's names; the first is `midlayer.*` = vLLM's `layers.0.*`)
+        self.layers = nn.ModuleDict({str(i): Eagle3UpperLayer(config) for i in range(1, cfg.num_layers)})
         self.norm = RMSNorm(d, eps)
         self.lm_head = nn.Linear(d, cfg.draft_vocab, bias=False)
         # target id of draft id i = i + d2t[i]; t2d[v]: target token v is in the draft vocabulary
@@ -213,7 +252,10 @@ class Eagle3Drafter(nn.Module):
     def _predict(self, g, next_ids, position_ids, mask, cache) -> tuple[torch.Tensor, torch.Tensor]:
         """g (B, n, d), next tokens (B, n), positions (B, n), mask (B, n, S+n) -> (h, norm(h)), (B, n, d) each."""
         emb = self.embed_tokens(next_ids).to(g.dtype)
-        h = self.midlayer(emb, g, self.rotary_emb(g, position_ids), mask, cache)
+        rope = self.rotary_emb(g, position_ids)
+        h = self.midlayer(emb, g, rope, mask, cache)
+        for i, layer in self.layers.items():
+            h = layer(h, rope, mask, cache, int(i))
         return h, self.norm(h)
 
     def draft_logits(self, normed: torch.Tensor) -> torch.Tensor:
@@ -263,7 +305,7 @@ class Eagle3Drafter(nn.Module):
             features = features + (torch.rand_like(features) * 2 - 1) * self.cfg.input_noise
         ids, positions = batch["input_ids"], batch["position_ids"]
         seg, real = segment_ids(positions), batch["attention_mask"].bool()  # (B, T) each
-        past: list[KeyValue] = []
+        past: list[list[KeyValue]] = [[] for _ in range(self.cfg.num_layers)]  # per layer, per step
         fed = self.fuse_features(features)  # (B, T, d)
         outputs = []
         # Always `ttt_steps` steps, even when a batch is too short for the later ones to have any target: every
@@ -271,8 +313,12 @@ class Eagle3Drafter(nn.Module):
         for j in range(self.cfg.ttt_steps):
             emb, g = self.unrolled_inputs(j, ids, fed)
             # step j stands at t + j and attends to t's prefix (step 0) and to t's own steps 1..j
-            h, kv = self.midlayer.unrolled(emb, g, self.rotary_emb(g, positions + j), past, seg, real)
-            past.append(kv)
+            rope = self.rotary_emb(g, positions + j)
+            h, kv = self.midlayer.unrolled(emb, g, rope, past[0], seg, real)
+            past[0].append(kv)
+            for i, layer in self.layers.items():
+                h, kv = layer.unrolled(h, rope, past[int(i)], seg, real)
+                past[int(i)].append(kv)
             normed = self.norm(h)
             outputs.append(normed)
             fed = normed if self.cfg.norm_output else h
@@ -333,7 +379,7 @@ class Eagle3Drafter(nn.Module):
     # Drafting with a KV cache (evaluation)
 
     def new_cache(self) -> DraftCache:
-        return DraftCache([None], [None])
+        return DraftCache([None] * self.cfg.num_layers, [None] * self.cfg.num_layers)
 
     @torch.no_grad()
     def step(

@@ -23,4 +23,5 @@ METHOD = Method(
     calibration="eval.static_proposers:parallel_calibration",
     own_vocab=True,
     target_statistics=True,
+    later_fields={"num_layers": 1},  # one decoder layer before drafter.num_layers existed
 )

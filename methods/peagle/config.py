@@ -18,6 +18,9 @@ class PeagleConfig(FusedOwnVocab):
     method: Literal["peagle"] = "peagle"
     feature_layers: list[int] = field(default_factory=list)
     """As EAGLE-3's: the fused hidden-state indices (empty = low / mid / high)."""
+    num_layers: int = 1
+    """Decoder layers, as EAGLE-3's: one forward drafts every depth, so a deeper drafter costs once per round
+    (published P-EAGLE drafters have 2 to 4)."""
     draft_vocab: int = 32000
     """K: its own LM head covers the K most frequent loss tokens of the training data (`d2t` / `t2d`)."""
     parallel_tokens: int = 4
