@@ -59,7 +59,7 @@ from models.target import Target, TargetError, load_placed_target
 from rundir.checkpoints import latest_checkpoint, read_state
 from rundir.lock import lock_for_all
 from schema.evaluation import EvalConfig
-from schema.recipe import Recipe, RecipeError, dotted_settings
+from schema.recipe import Recipe, RecipeError, dotted_settings, later_settings
 
 WARMUP_TOKENS = 4
 
@@ -211,6 +211,9 @@ def _settings(recipe: dict[str, Any]) -> dict[str, Any]:
     """The flat (dotted keys) settings a report depends on: target, data, drafter and eval sections, the evaluated
     export's resolved directory instead of eval.drafter, and not eval.output_dir (where the report goes)."""
     flat = dotted_settings(recipe, ("target", "data", "drafter", "eval"))
+    for section, fields in later_settings(recipe["drafter"]["method"]).items():  # a report made before them
+        for key, earlier in fields.items():
+            flat.setdefault(f"{section}.{key}", earlier)
     flat.pop("eval.output_dir", None)
     flat.pop("data.verify_checksums", None)  # a check, not a setting
     flat["eval.drafter"] = str(Path(drafter_directory(recipe)).resolve())

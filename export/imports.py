@@ -12,9 +12,10 @@
   says) of `medusa_num_layers` (default 1) layers. The consumer shares one ResBlock across a head's layers, so
   the last layer's tensors are imported into every layer: the native heads compute what the consumer computes.
 - `eagle3` (SafeAILab EAGLE-3 / SGLang `LlamaForCausalLMEagle3`) and `speculators` (its EAGLE-3 layout, which vLLM
-  reads): `midlayer.*` resp. `layers.0.*`, `fc.weight`, `norm.weight`, `lm_head.weight`, `d2t`, `t2d`, optionally
-  `fc_norm.{i}.weight` and `embed_tokens.weight`, into an `eagle3` drafter (`import_eagle3`:
-  the fused layers from the config's aux layer ids in that engine's numbering, or low/mid/high).
+  reads): `midlayer.*` resp. `layers.0.*` (and `layers.1.*`, ... of a speculators drafter of several layers),
+  `fc.weight`, `norm.weight`, `lm_head.weight`, `d2t`, `t2d`, optionally `fc_norm.{i}.weight` and
+  `embed_tokens.weight`, into an `eagle3` drafter (`import_eagle3`: the fused layers from the config's aux layer ids
+  in that engine's numbering, or low/mid/high; the layer count from `num_hidden_layers`).
 `.pt` / `.bin` files are read with `torch.load(weights_only=True)` only: tensors, never arbitrary pickle.
 `--target` is a recipe (its `target` section) or a target model directory: the model the checkpoint drafts for.
 

@@ -45,6 +45,13 @@ something else, so that checkpoints made before them still resume and export. A 
 entry's `later_fields` (`methods.method.Method`)."""
 
 
+def later_settings(method: str) -> dict[str, dict[str, Any]]:
+    """The settings added after runs existed, by section, with their earlier values: LATER_SETTINGS and `method`'s
+    own fields of that kind (its `Method` entry's `later_fields`). Where a record made before them (a checkpoint's
+    hash, a report's recipe.yaml) lacks one, it held the earlier value."""
+    return {**LATER_SETTINGS, "drafter": dict(METHODS[method].later_fields)}
+
+
 @dataclass
 class Recipe:
     target: TargetConfig
@@ -83,9 +90,7 @@ class Recipe:
             if chosen["data"]["storage_dtype"] != "pca":  # pca's settings mean nothing to other dtypes: unhashed
                 chosen["data"].pop("storage_bits")
                 chosen["data"].pop("storage_fit_tokens")
-        later = dict(LATER_SETTINGS)
-        later["drafter"] = METHODS[self.drafter.method].later_fields  # each method's own (its `Method` entry)
-        for section, fields in later.items():
+        for section, fields in later_settings(self.drafter.method).items():
             for key, earlier in fields.items():
                 if section in chosen and chosen[section][key] == earlier:
                     del chosen[section][key]

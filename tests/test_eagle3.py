@@ -227,6 +227,26 @@ def test_num_layers_came_later_and_is_hashed_only_when_set():
     assert hashed(eagle2)["num_layers"] == 1
 
 
+def test_a_report_of_before_num_layers_is_replaced_by_the_same_evaluation(tmp_path):
+    """An evaluation report whose recipe.yaml predates `drafter.num_layers` (no such key) was made with one layer: the
+    same evaluation replaces it, a 2-layer drafter's is refused naming the setting."""
+    import yaml
+
+    from eval import EvalError
+    from eval.run import check_output_dir
+
+    recipe = load_recipe(RECIPE)
+    out = tmp_path / "eval"
+    out.mkdir()
+    (out / "report.json").write_text("{}\n")
+    saved = yaml.safe_load(yaml.safe_dump(recipe.to_dict()))
+    del saved["drafter"]["num_layers"]
+    (out / "recipe.yaml").write_text(yaml.safe_dump(saved))
+    check_output_dir(recipe, str(out))
+    with pytest.raises(EvalError, match=r"other settings \(drafter.num_layers: 1 there, 2 in "):
+        check_output_dir(load_recipe(RECIPE, ["drafter.num_layers=2"]), str(out))
+
+
 @pytest.mark.parametrize("tree,layers", [("dynamic", 1), ("chain", 1), ("dynamic", 3)])
 def test_drafting_over_the_own_vocabulary_keeps_greedy_output(setup, tree, layers):
     model = setup[0]
@@ -690,9 +710,14 @@ def test_eagle3_imports_name_what_does_not_fit_the_target(fmt, run, tmp_path):
         d2t=-torch.arange(128)))  # every draft id to target id 0  # fmt: skip
     refused(r"t2d does not mark exactly the target ids d2t maps to", tensor_edit=lambda t: t.update(
         t2d=t["t2d"].roll(1)))  # fmt: skip
+    refused(r"num_hidden_layers: expected an integer >= 1, got '2'", lambda c, layer, a: layer.update(
+        num_hidden_layers="2"))  # fmt: skip
     if spec:
         refused(r"no norm_before_residual: vLLM reads a missing one as true, the speculators package as false",
                 lambda c, layer, a: c.pop("norm_before_residual"))  # fmt: skip
+    else:  # a speculators checkpoint of two layers is read (test_a_deeper_drafter_...); SGLang's layout has one
+        refused(r"num_hidden_layers is 2: SGLang's EAGLE-3 layout has one decoder layer", lambda c, layer, a:
+                layer.update(num_hidden_layers=2))  # fmt: skip
 
 
 def test_import_command_round_trips_an_exported_checkpoint(run, tmp_path, at_root, capsys):

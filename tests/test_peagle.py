@@ -265,6 +265,8 @@ def test_recipe_checks():
         recipe_from_dict(recipe(mask_token_id=1000))
     with pytest.raises(Exception, match="eval.tree: dynamic: a peagle drafter drafts"):
         recipe_from_dict({**recipe(), "eval": {"tree": "dynamic"}})
+    hashed = lambda **kw: recipe_from_dict(recipe(**kw)).section_hash("drafter")  # noqa: E731
+    assert hashed() == hashed(num_layers=1) != hashed(num_layers=2)  # one-layer runs of before keep their hash
 
 
 # ------------------------------------------------------------------------------------------------
