@@ -416,6 +416,8 @@ def _run(recipe: Recipe, state) -> dict[str, Any] | None:
         "tree": tree_desc,
         "target": target_desc,
         "drafter": drafter_dir,
+        # what was evaluated: the export's own settings (recipe.yaml beside the report holds the recipe's section)
+        "drafter_settings": config["drafter"],
         "prompts": ev.prompts,
         "max_new_tokens": ev.max_new_tokens,
         "temperature": ev.temperature,

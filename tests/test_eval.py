@@ -114,6 +114,7 @@ def test_eval_cli_end_to_end(tmp_path, target, method, tree, capsys):
     out = tmp_path / "run" / "eval"
     report = json.loads((out / "report.json").read_text())
     assert report["num_prompts"] == 3 and report["lossless"] is True and report["lossless_prompts"] == "3/3"
+    assert report["drafter_settings"]["method"] == method and report["drafter_settings"].get("num_heads", 3) == 3
     assert report["accept_len"] >= 1.0 and report["rounds"] == sum(
         len(r["speculative"]["accepted"]) for r in report["per_prompt"]
     )
