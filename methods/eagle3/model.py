@@ -254,8 +254,8 @@ class Eagle3Drafter(nn.Module):
         emb = self.embed_tokens(next_ids).to(g.dtype)
         rope = self.rotary_emb(g, position_ids)
         h = self.midlayer(emb, g, rope, mask, cache)
-        for i, layer in self.layers.items():
-            h = layer(h, rope, mask, cache, int(i))
+        for i, layer in enumerate(self.layers.values(), start=1):
+            h = layer(h, rope, mask, cache, i)
         return h, self.norm(h)
 
     def draft_logits(self, normed: torch.Tensor) -> torch.Tensor:
@@ -316,9 +316,9 @@ class Eagle3Drafter(nn.Module):
             rope = self.rotary_emb(g, positions + j)
             h, kv = self.midlayer.unrolled(emb, g, rope, past[0], seg, real)
             past[0].append(kv)
-            for i, layer in self.layers.items():
-                h, kv = layer.unrolled(h, rope, past[int(i)], seg, real)
-                past[int(i)].append(kv)
+            for i, layer in enumerate(self.layers.values(), start=1):
+                h, kv = layer.unrolled(h, rope, past[i], seg, real)
+                past[i].append(kv)
             normed = self.norm(h)
             outputs.append(normed)
             fed = normed if self.cfg.norm_output else h
