@@ -5,9 +5,17 @@
         --series "documentation" 0=RUN0/eval 1500=RUN1/eval ... [--predict 100000]
 
 Each point is SIZE=DIR, DIR an evaluation's output directory (its `report.json`: `accept_len`, the mean accepted
-length τ). Per series the trend τ = a + b·ln(1 + size) is fitted by least squares (the sizes are spread over orders
-of magnitude; 1 + keeps a point at 0) and evaluated at `--predict`; with fewer than three sizes there is no fit.
-Prints a markdown table (a column per series, then the fit and its prediction) and writes the plot.
+length τ, and `per_prompt`, from which τ's standard error comes). Per series the trend τ = a + b·ln(1 + size) is
+fitted by least squares (the sizes are spread over orders of magnitude; 1 + keeps a point at 0) and evaluated at
+`--predict` with a 95% confidence interval; with fewer than three sizes there is no fit. Prints a markdown table (a
+column per series, then the fit and its prediction) and writes the plot: the points with their standard errors, the
+fitted line and its interval as a band.
+
+The standard error of τ treats prompts as the independent units (rounds within one answer are not independent: a
+loop accepts round after round): τ = Σ accepted / Σ rounds over prompts, a ratio of sums, with the usual
+linearised variance. The fit's interval is the one of its mean at that size (Student t, n − 2 degrees of freedom,
+from the scatter of the points about the line), so it widens fast with few sizes and far from them; it assumes
+the logarithmic form, which cannot hold for ever (τ is at most the tree's depth + 1).
 """
 
 from __future__ import annotations
@@ -16,17 +24,39 @@ import argparse
 import json
 import math
 import sys
+from functools import cache
 from pathlib import Path
+from typing import NamedTuple
 
 REPORT = "report.json"
+CONFIDENCE = 0.95
 
 
 class CurveError(ValueError):
     """A point that cannot be read: the message names it."""
 
 
-def read_point(spec: str) -> tuple[int, float]:
-    """ "SIZE=DIR" -> (size, τ of DIR/report.json)."""
+class Point(NamedTuple):
+    size: int
+    tau: float
+    se: float | None
+    """τ's standard error over prompts; None when the report has fewer than two prompts' rounds."""
+
+
+def tau_standard_error(per_prompt: list[dict]) -> float | None:
+    """Standard error of τ = Σ a_i / Σ r_i over prompts i (a_i accepted tokens, r_i rounds): prompts as clusters,
+    sqrt(n / (n − 1) · Σ (a_i − τ r_i)²) / Σ r_i. None with fewer than two prompts that ran rounds."""
+    rows = [(p["speculative"]["rounds"], p["speculative"]["rounds"] * p["speculative"]["accept_len"])
+            for p in per_prompt if (p.get("speculative") or {}).get("rounds")]  # fmt: skip
+    n, rounds = len(rows), sum(r for r, _ in rows)
+    if n < 2:
+        return None
+    tau = sum(a for _, a in rows) / rounds
+    return math.sqrt(n / (n - 1) * sum((a - tau * r) ** 2 for r, a in rows)) / rounds
+
+
+def read_point(spec: str) -> Point:
+    """ "SIZE=DIR" -> the point: size, τ of DIR/report.json and its standard error."""
     size, sep, directory = spec.partition("=")
     if not sep or not size.strip().isdigit():
         raise CurveError(f"{spec!r}: want SIZE=DIR (SIZE a whole number)")
@@ -34,39 +64,86 @@ def read_point(spec: str) -> tuple[int, float]:
     try:
         report = json.loads(path.read_text())
         tau = float(report["accept_len"])
+        se = tau_standard_error(report.get("per_prompt") or [])
     except FileNotFoundError:
         raise CurveError(f"{path}: no report (run the evaluation first)") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
         raise CurveError(f"{path}: not an evaluation report ({exc.__class__.__name__}: {exc})") from None
-    return int(size), tau
+    return Point(int(size), tau, se)
 
 
-def fit(points: list[tuple[int, float]]) -> tuple[float, float] | None:
+def fit(points: list[Point] | list[tuple[int, float]]) -> tuple[float, float] | None:
     """(a, b) of τ = a + b·ln(1 + size) by least squares, or None with fewer than three distinct sizes."""
-    xs = [math.log1p(n) for n, _ in points]
+    xs = [math.log1p(p[0]) for p in points]
     if len(set(xs)) < 3:
         return None
-    mx, my = sum(xs) / len(xs), sum(t for _, t in points) / len(points)
-    b = sum((x - mx) * (t - my) for x, (_, t) in zip(xs, points)) / sum((x - mx) ** 2 for x in xs)
+    mx, my = sum(xs) / len(xs), sum(p[1] for p in points) / len(points)
+    b = sum((x - mx) * (p[1] - my) for x, p in zip(xs, points)) / sum((x - mx) ** 2 for x in xs)
     return my - b * mx, b
 
 
-def table(series: dict[str, list[tuple[int, float]]], unit: str, predict: int) -> str:
-    sizes = sorted({n for points in series.values() for n, _ in points})
+@cache
+def t_quantile(p: float, dof: int) -> float:
+    """The p-quantile (p > 0.5) of Student's t with `dof` degrees of freedom: bisection on its CDF, integrated by
+    Simpson's rule (no scipy here)."""
+    const = math.exp(math.lgamma((dof + 1) / 2) - math.lgamma(dof / 2)) / math.sqrt(dof * math.pi)
+
+    def cdf(x: float, steps: int = 2000) -> float:  # 0.5 + the integral of the density over [0, x]
+        h = x / steps
+        density = [const * (1 + (i * h) ** 2 / dof) ** (-(dof + 1) / 2) for i in range(steps + 1)]
+        return 0.5 + h / 3 * (density[0] + density[-1] + 4 * sum(density[1:-1:2]) + 2 * sum(density[2:-1:2]))
+
+    lo, hi = 0.0, 1.0
+    while cdf(hi) < p:
+        hi *= 2
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if cdf(mid) < p else (lo, mid)
+    return (lo + hi) / 2
+
+
+def prediction(points: list[Point] | list[tuple[int, float]], size: float) -> tuple[float, float] | None:
+    """The fit's τ at `size` and the half-width of its CONFIDENCE interval; None without a fit (a fit has three
+    sizes or more, so at least one degree of freedom is left for the scatter)."""
+    f = fit(points)
+    if f is None:
+        return None
+    a, b = f
+    xs = [math.log1p(p[0]) for p in points]
+    n, x0 = len(points), math.log1p(size)
+    value = a + b * x0
+    mx = sum(xs) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    s2 = sum((p[1] - a - b * x) ** 2 for x, p in zip(xs, points)) / (n - 2)
+    return value, t_quantile((1 + CONFIDENCE) / 2, n - 2) * math.sqrt(s2 * (1 / n + (x0 - mx) ** 2 / sxx))
+
+
+def _cell(point: Point) -> str:
+    return f"{point.tau:.2f}" + ("" if point.se is None else f" ± {point.se:.2f}")
+
+
+def table(series: dict[str, list[Point]], unit: str, predict: int) -> str:
+    sizes = sorted({p.size for points in series.values() for p in points})
     lines = [f"| {unit} | " + " | ".join(f"τ, {name}" for name in series) + " |",
              "|---:|" + "---:|" * len(series)]  # fmt: skip
     for n in sizes:
-        cells = [next((f"{t:.2f}" for m, t in points if m == n), "–") for points in series.values()]
+        cells = [next((_cell(p) for p in points if p.size == n), "–") for points in series.values()]
         lines.append(f"| {n:,} | " + " | ".join(cells) + " |")
     fits = [fit(points) for points in series.values()]
-    lines.append("| fit τ = a + b·ln(1 + n) | " + " | ".join(
-        "–" if f is None else f"{f[0]:.2f} + {f[1]:.3f}·ln(1 + n)" for f in fits) + " |")  # fmt: skip
-    lines.append(f"| predicted at {predict:,} | " + " | ".join(
-        "–" if f is None else f"{f[0] + f[1] * math.log1p(predict):.2f}" for f in fits) + " |")  # fmt: skip
+    terms = ["–" if f is None else f"{f[0]:.2f} {'−' if f[1] < 0 else '+'} {abs(f[1]):.3f}·ln(1 + n)" for f in fits]
+    lines.append("| fit τ = a + b·ln(1 + n) | " + " | ".join(terms) + " |")
+    cells = []
+    for points in series.values():
+        guess = prediction(points, predict)
+        if guess is None:
+            cells.append("–")
+        else:
+            cells.append(f"{guess[0]:.2f} ({guess[0] - guess[1]:.2f}–{guess[0] + guess[1]:.2f})")
+    lines.append(f"| predicted at {predict:,} ({CONFIDENCE:.0%} interval) | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-def plot(series: dict[str, list[tuple[int, float]]], unit: str, predict: int, out: Path) -> None:
+def plot(series: dict[str, list[Point]], unit: str, predict: int, out: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -75,15 +152,20 @@ def plot(series: dict[str, list[tuple[int, float]]], unit: str, predict: int, ou
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
     for name, points in series.items():
         points = sorted(points)
-        (line,) = ax.plot([n for n, _ in points], [t for _, t in points], "o-", label=name)
-        f = fit(points)
-        if f is not None:
-            grid = [points[0][0] + (predict - points[0][0]) * i / 200 for i in range(201)]
-            ax.plot(grid, [f[0] + f[1] * math.log1p(n) for n in grid], "--", color=line.get_color(), alpha=0.6,
-                    label=f"{name}: fit, {f[0] + f[1] * math.log1p(predict):.2f} at {predict:,}")  # fmt: skip
-    ax.set_xscale("symlog", linthresh=max(1, min(n for p in series.values() for n, _ in p if n > 0)))
+        line = ax.errorbar([p.size for p in points], [p.tau for p in points], capsize=3, fmt="o-", label=name,
+                           yerr=[p.se or 0.0 for p in points]).lines[0]  # fmt: skip
+        guess = prediction(points, predict)
+        if guess is not None:
+            grid = [points[0].size + (predict - points[0].size) * i / 200 for i in range(201)]
+            fits = [prediction(points, n) for n in grid]
+            ax.plot(grid, [v for v, _ in fits], "--", color=line.get_color(), alpha=0.6,
+                    label=f"{name}: fit, {guess[0]:.2f} at {predict:,}")  # fmt: skip
+            ax.fill_between(grid, [v - h for v, h in fits], [v + h for v, h in fits], color=line.get_color(),
+                            alpha=0.12, linewidth=0)  # fmt: skip
+    ax.set_xscale("symlog", linthresh=max(1, min(p.size for ps in series.values() for p in ps if p.size > 0)))
     ax.set_xlabel(unit)
     ax.set_ylabel("τ (mean accepted length)")
+    ax.set_title(f"points ± standard error over prompts; bands: the fit's {CONFIDENCE:.0%} interval", fontsize=8)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -99,7 +181,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--unit", default="training samples", help="what the sizes count (the x axis)")
     parser.add_argument("--predict", type=int, default=100_000, help="the size to extrapolate the fit to")
     args = parser.parse_args(argv)
-    series: dict[str, list[tuple[int, float]]] = {}
+    series: dict[str, list[Point]] = {}
     for name, *specs in args.series:
         if not specs:
             parser.error(f"--series {name}: no SIZE=DIR points")
