@@ -1,9 +1,22 @@
 """How often each token is a loss token in a feature set or a prepared dataset: what a draft vocabulary
-(`drafter.draft_vocab`, `train.loss_vocab`, `eval.draft_vocab`) is chosen from, the most frequent first."""
+(`drafter.draft_vocab`, `train.loss_vocab`, `eval.draft_vocab`) is chosen from, the most frequent first.
+
+    python -m data.vocab_counts RECIPE [key=value ...] [--sizes 8000 16000] [--reports EVAL_DIR ...]
+
+prints how much of the answers a draft vocabulary of each size covers, chosen as training chooses it (the most
+frequent loss tokens of the training split): the training answers, the held-out answers, and the target's outputs
+in evaluation reports (re-tokenized from their text). A drafter can never propose a token outside its vocabulary,
+so the held-out and evaluation coverages cap the acceptance at every depth. The sizes: the recipe's
+`drafter.draft_vocab`, those covering 95 / 98 / 99 / 99.5% of the training answers, and any `--sizes`.
+"""
 
 from __future__ import annotations
 
+import argparse
+import json
+import math
 from collections.abc import Collection, Sequence
+from pathlib import Path
 
 import torch
 from safetensors import safe_open
@@ -64,3 +77,97 @@ def most_frequent(counts: torch.Tensor, size: int) -> torch.Tensor:
     first), never one that was not seen: (<= size,) int64."""
     seen = int((counts > 0).sum())
     return counts.argsort(descending=True, stable=True)[: min(size, seen)]
+
+
+def coverage_size(counts: torch.Tensor, coverage: float) -> int:
+    """The fewest most-frequent tokens whose counts (`loss_token_counts`) reach `coverage` of all."""
+    ordered = torch.sort(counts, descending=True).values
+    total = int(ordered.sum())
+    if total == 0:
+        return 0
+    covered = torch.cumsum(ordered, 0)
+    return int(torch.searchsorted(covered, torch.tensor(math.ceil(coverage * total)))) + 1
+
+
+def coverage(counts: torch.Tensor, vocab: torch.Tensor) -> float:
+    """The share of the tokens counted in `counts` that are in `vocab` (ids)."""
+    total = int(counts.sum())
+    inside = vocab[vocab < len(counts)]
+    return float(counts[inside].sum()) / total if total else float("nan")
+
+
+def report_output_counts(directory: Path, tokenizer, vocab_size: int) -> torch.Tensor:
+    """Token counts of the outputs of an evaluation report (`DIR/report.json`, its `per_prompt` outputs), re-tokenized
+    from their text with the target's tokenizer."""
+    path = directory / "report.json"
+    try:
+        rows = json.loads(path.read_text())["per_prompt"]
+        texts = [row["output"] for row in rows]
+    except FileNotFoundError:
+        raise ValueError(f"{path}: no report (run the evaluation first)") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise ValueError(f"{path}: not an evaluation report with outputs ({exc.__class__.__name__}: {exc})") from None
+    counts = torch.zeros(vocab_size, dtype=torch.int64)
+    for text in texts:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        counts += torch.bincount(torch.tensor(ids, dtype=torch.int64), minlength=vocab_size)[:vocab_size]
+    return counts
+
+
+COVERAGES = (0.95, 0.98, 0.99, 0.995)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from data.prepare import prepare_dataset
+    from data.shards import split_by_id
+    from models.target import load_tokenizer
+    from schema.recipe import load_recipe
+
+    parser = argparse.ArgumentParser(prog="python -m data.vocab_counts", description=__doc__.split("\n\n")[0])
+    parser.add_argument("recipe")
+    parser.add_argument("overrides", nargs="*", help="section.key=value")
+    parser.add_argument("--sizes", nargs="+", type=int, default=[], help="more draft vocabulary sizes to show")
+    parser.add_argument("--reports", nargs="+", type=Path, default=[], help="evaluation output directories")
+    args = parser.parse_args(argv)
+    recipe = load_recipe(args.recipe, args.overrides, inputs=("target.path", "target.tokenizer"))
+    data, cfg = recipe.data, recipe.train
+    tokenizer = load_tokenizer(recipe.target.path, recipe.target.tokenizer, recipe.target.trust_remote_code)
+    if data.features_dir is not None and (Path(data.features_dir) / "manifest.json").exists():
+        samples: FeatureDataset | Sequence[dict] = FeatureDataset(data.features_dir, verify_checksums=False)
+        ids, source = list(samples.sample_ids), str(data.features_dir)
+    else:
+        samples = prepare_dataset(data, tokenizer).samples
+        ids, source = [s["id"] for s in samples], "the recipe's data files (tokenized)"
+    train_idx, heldout_idx = split_by_id(ids, data.heldout_fraction, cfg.seed)
+    if cfg.first_records is not None:  # as training reads them: sample ids are record numbers
+        train_idx = [i for i in train_idx if int(ids[i]) < cfg.first_records]
+    trained = {ids[i] for i in train_idx}
+    vocab_size = len(tokenizer)
+    counts = loss_token_counts(samples, vocab_size, skip_ids=set(ids) - trained)
+    heldout = loss_token_counts(samples, vocab_size, skip_ids=set(ids) - {ids[i] for i in heldout_idx})
+    reports = {"/".join(d.parts[-2:]): report_output_counts(d, tokenizer, vocab_size) for d in args.reports}
+    sizes = {recipe.drafter.draft_vocab: "the recipe's"} if hasattr(recipe.drafter, "draft_vocab") else {}
+    for share in COVERAGES:
+        sizes.setdefault(coverage_size(counts, share), f"{share:.1%} of the training answers")
+    for size in args.sizes:
+        sizes.setdefault(size, "")
+    print(f"{source}: {len(train_idx):,} training samples ({int(counts.sum()):,} loss tokens, "
+          f"{int((counts > 0).sum()):,} distinct), {len(heldout_idx):,} held out ({int(heldout.sum()):,})")  # fmt: skip
+    head = ["draft tokens", "sized by", "training answers", "held-out answers", *(f"outputs: {r}" for r in reports)]
+    print("| " + " | ".join(head) + " |\n|---:|---|" + "---:|" * (len(head) - 2))
+    for size in sorted(sizes):
+        vocab = most_frequent(counts, size)
+        cells = [f"{size:,}", sizes[size], *(f"{coverage(c, vocab):.2%}" for c in (counts, heldout, *reports.values()))]
+        print("| " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    import sys
+
+    from models.target import TargetError
+    from schema.recipe import RecipeError
+
+    try:
+        main()
+    except (RecipeError, TargetError, ValueError) as exc:
+        sys.exit(f"error: {exc}")

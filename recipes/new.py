@@ -69,18 +69,6 @@ def feature_layers(num_layers: int) -> list[int]:
     return [1, L // 2, L - 1]
 
 
-def coverage_size(counts, coverage: float) -> int:
-    """The fewest most-frequent tokens whose counts (`data.vocab_counts.loss_token_counts`) reach `coverage` of all."""
-    import torch
-
-    ordered = torch.sort(counts, descending=True).values
-    total = int(ordered.sum())
-    if total == 0:
-        return 0
-    covered = torch.cumsum(ordered, 0)
-    return int(torch.searchsorted(covered, torch.tensor(math.ceil(coverage * total)))) + 1
-
-
 def read_prompts(path: Path) -> list[str]:
     """The prompt file's records as JSON lines, each with its id, checked as self-distillation reads them
     (`data.selfdistill.read_prompts`: NewSetError names a bad line)."""
@@ -265,7 +253,7 @@ def size_draft_vocab(recipe_path: Path, coverage: float, overrides: list[str]) -
     (its checkpoints keep the vocabulary they were made with). Returns what it did, or None when nothing changed."""
     from data.prepare import prepare_dataset
     from data.shards import split_by_id
-    from data.vocab_counts import loss_token_counts
+    from data.vocab_counts import coverage_size, loss_token_counts
     from methods import METHODS
     from models.target import load_tokenizer
     from rundir.checkpoints import list_checkpoints

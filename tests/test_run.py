@@ -479,7 +479,8 @@ def test_a_new_set_made_for_another_target_runs_as_written(tmp_path):
 def test_new_sets_choose_layers_for_any_depth_and_size_the_draft_vocabulary():
     import torch
 
-    from recipes.new import coverage_size, feature_layers, sizes
+    from data.vocab_counts import coverage_size
+    from recipes.new import feature_layers, sizes
 
     assert feature_layers(30) == [2, 15, 27] and feature_layers(8) == [2, 4, 5]
     assert [feature_layers(n) for n in (1, 2, 3, 4, 5, 7)] == [[0, 1], [0, 1, 2], [0, 1, 2], [1, 2, 3], [1, 2, 4],
