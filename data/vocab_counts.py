@@ -132,6 +132,8 @@ def main(argv: list[str] | None = None) -> None:
     recipe = load_recipe(args.recipe, args.overrides, inputs=("target.path", "target.tokenizer"))
     data, cfg = recipe.data, recipe.train
     tokenizer = load_tokenizer(recipe.target.path, recipe.target.tokenizer, recipe.target.trust_remote_code)
+    vocab_size = len(tokenizer)
+    reports = {"/".join(d.parts[-2:]): report_output_counts(d, tokenizer, vocab_size) for d in args.reports}
     if data.features_dir is not None and (Path(data.features_dir) / "manifest.json").exists():
         samples: FeatureDataset | Sequence[dict] = FeatureDataset(data.features_dir, verify_checksums=False)
         ids, source = list(samples.sample_ids), str(data.features_dir)
@@ -142,10 +144,8 @@ def main(argv: list[str] | None = None) -> None:
     if cfg.first_records is not None:  # as training reads them: sample ids are record numbers
         train_idx = [i for i in train_idx if int(ids[i]) < cfg.first_records]
     trained = {ids[i] for i in train_idx}
-    vocab_size = len(tokenizer)
     counts = loss_token_counts(samples, vocab_size, skip_ids=set(ids) - trained)
     heldout = loss_token_counts(samples, vocab_size, skip_ids=set(ids) - {ids[i] for i in heldout_idx})
-    reports = {"/".join(d.parts[-2:]): report_output_counts(d, tokenizer, vocab_size) for d in args.reports}
     sizes = {recipe.drafter.draft_vocab: "the recipe's"} if hasattr(recipe.drafter, "draft_vocab") else {}
     for share in COVERAGES:
         sizes.setdefault(coverage_size(counts, share), f"{share:.1%} of the training answers")
@@ -155,10 +155,13 @@ def main(argv: list[str] | None = None) -> None:
           f"{int((counts > 0).sum()):,} distinct), {len(heldout_idx):,} held out ({int(heldout.sum()):,})")  # fmt: skip
     head = ["draft tokens", "sized by", "training answers", "held-out answers", *(f"outputs: {r}" for r in reports)]
     print("| " + " | ".join(head) + " |\n|---:|---|" + "---:|" * (len(head) - 2))
+    distinct = int((counts > 0).sum())
     for size in sorted(sizes):
-        vocab = most_frequent(counts, size)
-        cells = [f"{size:,}", sizes[size], *(f"{coverage(c, vocab):.2%}" for c in (counts, heldout, *reports.values()))]
-        print("| " + " | ".join(cells) + " |")
+        vocab, note = most_frequent(counts, size), sizes[size]
+        if size > distinct:  # training refuses it
+            note = "; ".join(filter(None, [note, f"more than the {distinct:,} distinct tokens"]))
+        shares = [coverage(c, vocab) for c in (counts, heldout, *reports.values())]
+        print("| " + " | ".join([f"{size:,}", note, *("–" if math.isnan(x) else f"{x:.2%}" for x in shares)]) + " |")
 
 
 if __name__ == "__main__":

@@ -62,9 +62,10 @@ def test_coverage_of_each_size_from_tokens_and_from_features_alike(tmp_path, mon
     recipe = load_recipe(RECIPE, overrides)
     tokenizer = load_tokenizer(recipe.target.path, recipe.target.tokenizer, recipe.target.trust_remote_code)
 
-    main([RECIPE, *overrides, "--sizes", "40", "--reports", str(report)])  # no features yet: the tokenized data
+    main([RECIPE, *overrides, "--sizes", "40", "100000", "--reports", str(report)])  # no features: the tokenized data
     from_tokens = capsys.readouterr().out
     table = rows(from_tokens)
+    assert table[100000][0].startswith("more than the ") and table[100000][1] == "100.00%"
     assert "| draft tokens | sized by | training answers | held-out answers | outputs: run/eval-docs |" in from_tokens
     assert table[128][0] == "the recipe's" and table[40][0] == ""
     for size in (40, 128):
@@ -80,7 +81,7 @@ def test_coverage_of_each_size_from_tokens_and_from_features_alike(tmp_path, mon
 
     extract_main([RECIPE, *overrides])
     capsys.readouterr()
-    main([RECIPE, *overrides, "--sizes", "40", "--reports", str(report)])
+    main([RECIPE, *overrides, "--sizes", "40", "100000", "--reports", str(report)])
     from_features = capsys.readouterr().out
     assert from_features.splitlines()[0] == f"{tmp_path}/features: " + from_tokens.splitlines()[0].split(": ", 1)[1]
     assert from_features.splitlines()[1:] == from_tokens.splitlines()[1:]
@@ -94,3 +95,9 @@ def test_a_report_without_outputs_is_named(tmp_path, monkeypatch):
         main([RECIPE, f"data.features_dir={tmp_path}/none", "--reports", str(tmp_path / "bad")])
     with pytest.raises(ValueError, match="missing/report.json: no report"):
         main([RECIPE, f"data.features_dir={tmp_path}/none", "--reports", str(tmp_path / "missing")])
+
+
+def test_no_held_out_split_shows_a_dash(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])
+    main([RECIPE, f"data.features_dir={tmp_path}/none", "data.heldout_fraction=0"])
+    assert all(cells[2] == "–" and cells[1].endswith("%") for cells in rows(capsys.readouterr().out).values())
