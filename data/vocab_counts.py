@@ -98,11 +98,14 @@ def coverage(counts: torch.Tensor, vocab: torch.Tensor) -> float:
 
 def report_output_counts(directory: Path, tokenizer, vocab_size: int) -> torch.Tensor:
     """Token counts of the outputs of an evaluation report (`DIR/report.json`, its `per_prompt` outputs), re-tokenized
-    from their text with the target's tokenizer."""
+    from their text with the target's tokenizer (reports keep the text, not the ids: a tokenizer that does not
+    round-trip its own output exactly makes this an approximation)."""
     path = directory / "report.json"
     try:
         rows = json.loads(path.read_text())["per_prompt"]
         texts = [row["output"] for row in rows]
+        if not all(isinstance(text, str) for text in texts):
+            raise TypeError("an output that is not text")
     except FileNotFoundError:
         raise ValueError(f"{path}: no report (run the evaluation first)") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
@@ -118,7 +121,7 @@ COVERAGES = (0.95, 0.98, 0.99, 0.995)
 
 
 def main(argv: list[str] | None = None) -> None:
-    from data.prepare import prepare_dataset
+    from data.prepare import data_sources, prepare_dataset, template_fingerprint
     from data.shards import split_by_id
     from models.target import load_tokenizer
     from schema.recipe import load_recipe
@@ -133,16 +136,24 @@ def main(argv: list[str] | None = None) -> None:
     data, cfg = recipe.data, recipe.train
     tokenizer = load_tokenizer(recipe.target.path, recipe.target.tokenizer, recipe.target.trust_remote_code)
     vocab_size = len(tokenizer)
-    reports = {"/".join(d.parts[-2:]): report_output_counts(d, tokenizer, vocab_size) for d in args.reports}
-    if data.features_dir is not None and (Path(data.features_dir) / "manifest.json").exists():
-        samples: FeatureDataset | Sequence[dict] = FeatureDataset(data.features_dir, verify_checksums=False)
-        ids, source = list(samples.sample_ids), str(data.features_dir)
+    short = ["/".join(d.parts[-2:]) for d in args.reports]  # names unless two reports share them
+    names = short if len(set(short)) == len(short) else [str(d) for d in args.reports]
+    reports = {name: report_output_counts(d, tokenizer, vocab_size) for name, d in zip(names, args.reports)}
+    features = None if cfg.online or data.features_dir is None else Path(data.features_dir)
+    if features is not None and (features / "manifest.json").exists():  # refused, as training refuses, when stale
+        expect = {"layers": list(data.layers), "template": template_fingerprint(tokenizer), "max_len": data.max_len,
+                  "sources": data_sources(data)}  # fmt: skip
+        samples: FeatureDataset | Sequence[dict] = FeatureDataset(features, verify_checksums=False, expect=expect)
+        ids, source = list(samples.sample_ids), str(features)
     else:
         samples = prepare_dataset(data, tokenizer).samples
         ids, source = [s["id"] for s in samples], "the recipe's data files (tokenized)"
     train_idx, heldout_idx = split_by_id(ids, data.heldout_fraction, cfg.seed)
     if cfg.first_records is not None:  # as training reads them: sample ids are record numbers
         train_idx = [i for i in train_idx if int(ids[i]) < cfg.first_records]
+        if not train_idx:
+            raise ValueError(f"{recipe.source}: train.first_records: no training sample among the first "
+                             f"{cfg.first_records} records")  # fmt: skip
     trained = {ids[i] for i in train_idx}
     counts = loss_token_counts(samples, vocab_size, skip_ids=set(ids) - trained)
     heldout = loss_token_counts(samples, vocab_size, skip_ids=set(ids) - {ids[i] for i in heldout_idx})

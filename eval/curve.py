@@ -67,7 +67,7 @@ def read_point(spec: str) -> Point:
         se = tau_standard_error(report.get("per_prompt") or [])
     except FileNotFoundError:
         raise CurveError(f"{path}: no report (run the evaluation first)") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as exc:
         raise CurveError(f"{path}: not an evaluation report ({exc.__class__.__name__}: {exc})") from None
     return Point(int(size), tau, se)
 
@@ -151,9 +151,10 @@ def plot(series: dict[str, list[Point]], unit: str, predict: int, out: Path) -> 
 
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
     for name, points in series.items():
-        points = sorted(points)
-        line = ax.errorbar([p.size for p in points], [p.tau for p in points], capsize=3, fmt="o-", label=name,
-                           yerr=[p.se or 0.0 for p in points]).lines[0]  # fmt: skip
+        points = sorted(points, key=lambda p: p.size)
+        errors = None if any(p.se is None for p in points) else [p.se for p in points]  # no bar rather than a 0 one
+        line = ax.errorbar([p.size for p in points], [p.tau for p in points], yerr=errors, capsize=3, fmt="o-",
+                           label=name).lines[0]  # fmt: skip
         guess = prediction(points, predict)
         if guess is not None:
             grid = [points[0].size + (predict - points[0].size) * i / 200 for i in range(201)]

@@ -40,6 +40,9 @@ def test_table_and_plot_from_reports(tmp_path, capsys):
     at = f"{2.0 + 0.1 * math.log1p(100_000):.2f}"
     assert f"| predicted at 100,000 (95% interval) | {at} ({at}–{at}) | – |" in printed  # on the line: no width
     assert out.read_bytes().startswith(b"\x89PNG")
+    # a size measured twice, one report without per-prompt rounds: drawn without error bars, no comparison of None
+    again = [f"0={report(tmp_path / 'again', points[0])}", f"0={report(tmp_path / 'again2', points[0], [(2, 2.0)])}"]
+    main(["--out", str(out), "--series", "MT-bench", *mt, *again])
 
 
 @pytest.mark.parametrize("spec, match", [
@@ -61,6 +64,10 @@ def test_tau_standard_error_counts_prompts_not_rounds(tmp_path):
     assert tau_standard_error([{"speculative": {"rounds": 2, "accept_len": 1.0}},
                                {"speculative": {"rounds": 2, "accept_len": 3.0}},
                                {"speculative": {"rounds": 0, "accept_len": None}}]) == pytest.approx(1.0)  # fmt: skip
+    # weighted by rounds: (1 round at τ 1, 3 at τ 3) is τ 2.5, residuals -1.5, +1.5: sqrt(2 · 4.5) / 4 = 0.75
+    # (the plain standard error of the two prompts' τ would be 1.0)
+    assert tau_standard_error([{"speculative": {"rounds": 1, "accept_len": 1.0}},
+                               {"speculative": {"rounds": 3, "accept_len": 3.0}}]) == pytest.approx(0.75)  # fmt: skip
     assert tau_standard_error([{"speculative": {"rounds": 5, "accept_len": 2.0}}] * 3) == 0.0
     assert tau_standard_error([{"speculative": {"rounds": 5, "accept_len": 2.0}}]) is None
     point = read_point(f"1500={report(tmp_path / 'r', 2.0, [(2, 1.0), (2, 3.0)])}")

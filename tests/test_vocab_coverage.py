@@ -11,8 +11,8 @@ import torch
 
 from data.extract import main as extract_main
 from data.prepare import prepare_dataset
-from data.shards import split_by_id
-from data.vocab_counts import coverage_size, main, most_frequent
+from data.shards import FeatureMismatchError, split_by_id
+from data.vocab_counts import coverage_size, frequent_loss_tokens, main, most_frequent
 from models.target import load_tokenizer
 from schema.recipe import load_recipe
 
@@ -85,6 +85,33 @@ def test_coverage_of_each_size_from_tokens_and_from_features_alike(tmp_path, mon
     from_features = capsys.readouterr().out
     assert from_features.splitlines()[0] == f"{tmp_path}/features: " + from_tokens.splitlines()[0].split(": ", 1)[1]
     assert from_features.splitlines()[1:] == from_tokens.splitlines()[1:]
+    with pytest.raises(FeatureMismatchError, match="max_len"):  # features training would refuse: refused here too
+        main([RECIPE, *overrides, "data.max_len=64"])
+
+
+def test_train_first_records_counts_as_training_does(tmp_path, monkeypatch, capsys):
+    """With train.first_records the vocabulary is the one training takes (`frequent_loss_tokens` over its training
+    samples: the split's, less the records past the first N); the held-out split is unchanged."""
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])
+    overrides = [f"data.features_dir={tmp_path}/none", "train.first_records=40"]
+    recipe = load_recipe(RECIPE, overrides)
+    tokenizer = load_tokenizer(recipe.target.path, recipe.target.tokenizer, recipe.target.trust_remote_code)
+    samples = prepare_dataset(recipe.data, tokenizer).samples
+    train, held = split_by_id([s["id"] for s in samples], recipe.data.heldout_fraction, recipe.train.seed)
+    trained = [i for i in train if int(samples[i]["id"]) < 40]
+    skip = {s["id"] for i, s in enumerate(samples) if i not in trained}
+    vocab = set(frequent_loss_tokens(samples, 64, skip).tolist())
+
+    def share(idx):
+        ids = [t for i in idx for t, m in zip(samples[i]["input_ids"], samples[i]["loss_mask"]) if m > 0]
+        return f"{sum(int(t) in vocab for t in ids) / len(ids):.2%}"
+
+    main([RECIPE, *overrides, "--sizes", "64"])
+    printed = capsys.readouterr().out
+    assert printed.split(": ", 1)[1].startswith(f"{len(trained)} training samples")
+    assert rows(printed)[64][1:] == [share(trained), share(held)]
+    with pytest.raises(ValueError, match="train.first_records: no training sample among the first 1 records"):
+        main([RECIPE, f"data.features_dir={tmp_path}/none", "data.heldout_fraction=0.99", "train.first_records=1"])
 
 
 def test_a_report_without_outputs_is_named(tmp_path, monkeypatch):
