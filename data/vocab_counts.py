@@ -123,6 +123,7 @@ COVERAGES = (0.95, 0.98, 0.99, 0.995)
 def main(argv: list[str] | None = None) -> None:
     from data.prepare import data_sources, prepare_dataset, template_fingerprint
     from data.shards import split_by_id
+    from methods import METHODS
     from models.target import load_tokenizer
     from schema.recipe import load_recipe
 
@@ -157,7 +158,8 @@ def main(argv: list[str] | None = None) -> None:
     trained = {ids[i] for i in train_idx}
     counts = loss_token_counts(samples, vocab_size, skip_ids=set(ids) - trained)
     heldout = loss_token_counts(samples, vocab_size, skip_ids=set(ids) - {ids[i] for i in heldout_idx})
-    sizes = {recipe.drafter.draft_vocab: "the recipe's"} if hasattr(recipe.drafter, "draft_vocab") else {}
+    own = METHODS[recipe.drafter.method].own_vocab  # a drafter with its own vocabulary has a drafter.draft_vocab
+    sizes = {recipe.drafter.draft_vocab: "the recipe's"} if own else {}
     for share in COVERAGES:
         sizes.setdefault(coverage_size(counts, share), f"{share:.1%} of the training answers")
     for size in args.sizes:

@@ -25,10 +25,12 @@ COMMANDS: dict[str, str] = {
     "prepare": "data.prepare",
     "extract": "data.extract",
     "target-stats": "data.target_stats",
+    "vocab-counts": "data.vocab_counts",
     "train": "train",
     "export": "export",
     "import": "export.imports",
     "eval": "eval",
+    "curve": "eval.curve",
 }
 """Subcommand -> the module it runs (or, for `run`, the pipeline driver's file in the project)."""
 ROOT = Path(__file__).resolve().parents[1]
