@@ -83,10 +83,14 @@ def feature_identity(target: Target, data: DataConfig) -> dict[str, Any]:
     """The header fields that say which features a directory holds: target identity, stored layers, template
     fingerprint (when the target has a tokenizer), max_len and data sources. Extraction writes them (with the
     storage details) and offline training expects them, so features built with other settings are refused."""
+    return {"target": target.identity(), **data_identity(data, target.tokenizer)}
+
+
+def data_identity(data: DataConfig, tokenizer) -> dict[str, Any]:
+    """`feature_identity` without the target's: what can be checked with only the tokenizer loaded."""
     return {
-        "target": target.identity(),
         "layers": list(data.layers),
-        **({} if target.tokenizer is None else {"template": template_fingerprint(target.tokenizer)}),
+        **({} if tokenizer is None else {"template": template_fingerprint(tokenizer)}),
         "max_len": data.max_len,
         "sources": data_sources(data),
     }

@@ -121,7 +121,8 @@ COVERAGES = (0.95, 0.98, 0.99, 0.995)
 
 
 def main(argv: list[str] | None = None) -> None:
-    from data.prepare import data_sources, prepare_dataset, template_fingerprint
+    from data.extract import data_identity
+    from data.prepare import prepare_dataset
     from data.shards import split_by_id
     from methods import METHODS
     from models.target import load_tokenizer
@@ -142,8 +143,7 @@ def main(argv: list[str] | None = None) -> None:
     reports = {name: report_output_counts(d, tokenizer, vocab_size) for name, d in zip(names, args.reports)}
     features = None if cfg.online or data.features_dir is None else Path(data.features_dir)
     if features is not None and (features / "manifest.json").exists():  # refused, as training refuses, when stale
-        expect = {"layers": list(data.layers), "template": template_fingerprint(tokenizer), "max_len": data.max_len,
-                  "sources": data_sources(data)}  # fmt: skip
+        expect = data_identity(data, tokenizer)
         samples: FeatureDataset | Sequence[dict] = FeatureDataset(features, verify_checksums=False, expect=expect)
         ids, source = list(samples.sample_ids), str(features)
     else:
@@ -164,11 +164,11 @@ def main(argv: list[str] | None = None) -> None:
         sizes.setdefault(coverage_size(counts, share), f"{share:.1%} of the training answers")
     for size in args.sizes:
         sizes.setdefault(size, "")
-    print(f"{source}: {len(train_idx):,} training samples ({int(counts.sum()):,} loss tokens, "
-          f"{int((counts > 0).sum()):,} distinct), {len(heldout_idx):,} held out ({int(heldout.sum()):,})")  # fmt: skip
+    distinct = int((counts > 0).sum())
+    print(f"{source}: {len(train_idx):,} training samples ({int(counts.sum()):,} loss tokens, {distinct:,} distinct), "
+          f"{len(heldout_idx):,} held out ({int(heldout.sum()):,})")  # fmt: skip
     head = ["draft tokens", "sized by", "training answers", "held-out answers", *(f"outputs: {r}" for r in reports)]
     print("| " + " | ".join(head) + " |\n|---:|---|" + "---:|" * (len(head) - 2))
-    distinct = int((counts > 0).sum())
     for size in sorted(sizes):
         vocab, note = most_frequent(counts, size), sizes[size]
         if size > distinct:  # training refuses it
