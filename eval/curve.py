@@ -15,7 +15,8 @@ The standard error of τ treats prompts as the independent units (rounds within 
 loop accepts round after round): τ = Σ accepted / Σ rounds over prompts, a ratio of sums, with the usual
 linearised variance. The fit's interval is the one of its mean at that size (Student t, n − 2 degrees of freedom,
 from the scatter of the points about the line), so it widens fast with few sizes and far from them; it assumes
-the logarithmic form, which cannot hold for ever (τ is at most the tree's depth + 1).
+the logarithmic form, which cannot hold for ever: τ is at most the tree's depth + 1. `--ceiling` (that bound) caps
+the prediction and the bands there, marks a capped prediction in the table and draws the bound.
 """
 
 from __future__ import annotations
@@ -118,11 +119,20 @@ def prediction(points: list[Point] | list[tuple[int, float]], size: float) -> tu
     return value, t_quantile((1 + CONFIDENCE) / 2, n - 2) * math.sqrt(s2 * (1 / n + (x0 - mx) ** 2 / sxx))
 
 
+def capped(guess: tuple[float, float], ceiling: float | None) -> tuple[float, float, float, bool]:
+    """(value, low, high, whether the ceiling cut any of them) of a prediction and its half-width."""
+    value, half = guess
+    bounds = (value, value - half, value + half)
+    if ceiling is None:
+        return *bounds, False
+    return *(min(v, ceiling) for v in bounds), bounds[2] > ceiling
+
+
 def _cell(point: Point) -> str:
     return f"{point.tau:.2f}" + ("" if point.se is None else f" ± {point.se:.2f}")
 
 
-def table(series: dict[str, list[Point]], unit: str, predict: int) -> str:
+def table(series: dict[str, list[Point]], unit: str, predict: int, ceiling: float | None = None) -> str:
     sizes = sorted({p.size for points in series.values() for p in points})
     lines = [f"| {unit} | " + " | ".join(f"τ, {name}" for name in series) + " |",
              "|---:|" + "---:|" * len(series)]  # fmt: skip
@@ -138,12 +148,13 @@ def table(series: dict[str, list[Point]], unit: str, predict: int) -> str:
         if guess is None:
             cells.append("–")
         else:
-            cells.append(f"{guess[0]:.2f} ({guess[0] - guess[1]:.2f}–{guess[0] + guess[1]:.2f})")
+            value, low, high, cut = capped(guess, ceiling)
+            cells.append(f"{value:.2f} ({low:.2f}–{high:.2f}" + (f", capped at τ ≤ {ceiling:g})" if cut else ")"))
     lines.append(f"| predicted at {predict:,} ({CONFIDENCE:.0%} interval) | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-def plot(series: dict[str, list[Point]], unit: str, predict: int, out: Path) -> None:
+def plot(series: dict[str, list[Point]], unit: str, predict: int, out: Path, ceiling: float | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -158,17 +169,21 @@ def plot(series: dict[str, list[Point]], unit: str, predict: int, out: Path) -> 
         guess = prediction(points, predict)
         if guess is not None:
             grid = [points[0].size + (predict - points[0].size) * i / 200 for i in range(201)]
-            fits = [prediction(points, n) for n in grid]
-            ax.plot(grid, [v for v, _ in fits], "--", color=line.get_color(), alpha=0.6,
-                    label=f"{name}: fit, {guess[0]:.2f} at {predict:,}")  # fmt: skip
-            ax.fill_between(grid, [v - h for v, h in fits], [v + h for v, h in fits], color=line.get_color(),
-                            alpha=0.12, linewidth=0)  # fmt: skip
+            fits = [capped(prediction(points, n), ceiling) for n in grid]
+            ax.plot(grid, [f[0] for f in fits], "--", color=line.get_color(), alpha=0.6,
+                    label=f"{name}: fit, {capped(guess, ceiling)[0]:.2f} at {predict:,}")  # fmt: skip
+            ax.fill_between(grid, [f[1] for f in fits], [f[2] for f in fits], color=line.get_color(), alpha=0.12,
+                            linewidth=0)  # fmt: skip
+    if ceiling is not None:
+        sizes = [p.size for points in series.values() for p in points]  # (axhline would widen a symlog x axis to 0)
+        ax.plot([min(sizes), max(*sizes, predict)], [ceiling] * 2, ":", color="0.3", linewidth=1,
+                label=f"τ ≤ {ceiling:g} (the tree's depth + 1)")  # fmt: skip
     ax.set_xscale("symlog", linthresh=max(1, min(p.size for ps in series.values() for p in ps if p.size > 0)))
     ax.set_xlabel(unit)
     ax.set_ylabel("τ (mean accepted length)")
     ax.set_title(f"points ± standard error over prompts; bands: the fit's {CONFIDENCE:.0%} interval", fontsize=8)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7, loc="best")
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=120)
@@ -181,14 +196,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, required=True, help="the plot (.png)")
     parser.add_argument("--unit", default="training samples", help="what the sizes count (the x axis)")
     parser.add_argument("--predict", type=int, default=100_000, help="the size to extrapolate the fit to")
+    parser.add_argument("--ceiling", type=float, help="τ's bound, the tree's depth + 1: caps predictions and bands")
     args = parser.parse_args(argv)
     series: dict[str, list[Point]] = {}
     for name, *specs in args.series:
         if not specs:
             parser.error(f"--series {name}: no SIZE=DIR points")
         series[name] = [read_point(spec) for spec in specs]
-    print(table(series, args.unit, args.predict))
-    plot(series, args.unit, args.predict, args.out)
+        above = next((p for p in series[name] if args.ceiling is not None and p.tau > args.ceiling), None)
+        if above is not None:
+            parser.error(f"--series {name}: τ {above.tau:.2f} at {above.size:,} is above --ceiling {args.ceiling:g}")
+    print(table(series, args.unit, args.predict, args.ceiling))
+    plot(series, args.unit, args.predict, args.out, args.ceiling)
     print(f"plot: {args.out}")
 
 

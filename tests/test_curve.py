@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from eval.curve import CurveError, Point, fit, main, prediction, read_point, t_quantile, tau_standard_error
+from eval.curve import CurveError, Point, capped, fit, main, prediction, read_point, t_quantile, tau_standard_error
 
 
 def report(directory: Path, tau: float, per_prompt: list[tuple[int, float]] = ()) -> str:
@@ -43,6 +43,23 @@ def test_table_and_plot_from_reports(tmp_path, capsys):
     # a size measured twice, one report without per-prompt rounds: drawn without error bars, no comparison of None
     again = [f"0={report(tmp_path / 'again', points[0])}", f"0={report(tmp_path / 'again2', points[0], [(2, 2.0)])}"]
     main(["--out", str(out), "--series", "MT-bench", *mt, *again])
+
+
+def test_the_ceiling_caps_the_prediction_and_refuses_a_point_above_it(tmp_path, capsys):
+    assert capped((4.5, 1.0), None) == (4.5, 3.5, 5.5, False)
+    assert capped((4.5, 1.0), 5.0) == (4.5, 3.5, 5.0, True)
+    assert capped((5.5, 1.0), 5.0) == (5.0, 4.5, 5.0, True)
+    assert capped((3.0, 0.5), 5.0) == (3.0, 2.5, 3.5, False)
+    # τ = 1 + 0.3·ln(1 + n) reaches 4.45 at 100,000; with scatter, its interval crosses 4.5
+    points = {n: 1.0 + 0.3 * math.log1p(n) + d for n, d in ((1000, 0.05), (3000, -0.05), (10000, 0.05), (20000, -0.05))}
+    specs = [f"{n}={report(tmp_path / f'p{n}', t)}" for n, t in points.items()]
+    out = tmp_path / "curve.png"
+    main(["--out", str(out), "--ceiling", "4.5", "--series", "chat", *specs])
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| predicted"))
+    assert row.endswith("–4.50, capped at τ ≤ 4.5) |"), row
+    with pytest.raises(SystemExit):
+        main(["--out", str(out), "--ceiling", "3", "--series", "chat", *specs])
+    assert "τ 3.12 at 1,000 is above --ceiling 3" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("spec, match", [
